@@ -1,0 +1,40 @@
+"""thundersync_verl: zero-staleness streaming RL post-training for verl."""
+
+from setuptools import find_packages, setup
+
+CPU_EXTRAS = [
+    "TransferQueue==0.1.11",  # verl's V1 trainer moves batches through it
+    "cachetools",  # verl-core extra: ray_trainer imports it
+    "uvicorn",  # verl-core extra: rollout utils import it
+    "fastapi",  # verl-core extra: rollout utils import it
+    "tokenizers",  # trains the tiny model's tokenizer
+    "pyarrow",  # parquet datasets
+    "matplotlib",  # reward curves and timelines
+    "tensorboard",  # metrics backend
+    "psutil",
+]
+
+setup(
+    name="thundersync_verl",
+    version="0.1.0",
+    description="Zero-staleness streaming GRPO/OPD for verl: start each backward as soon as its inputs are fixed",
+    packages=find_packages(include=["thundersync_verl", "thundersync_verl.*"]),
+    package_data={"thundersync_verl": ["**/*.yaml", "**/*.md"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "verl==0.9.1",
+        # torch comes with verl; install torch==2.13.0 first on CPU machines (the README does),
+        # an open range here would pull a multi-GB CUDA build.
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "cpu": CPU_EXTRAS,
+        "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout"],
+        "gpu": ["vllm", "megatron-core", "flash-attn", "wandb"],
+    },
+    entry_points={
+        "verl.plugins": ["thundersync_verl = thundersync_verl.plugin"],
+        "console_scripts": ["thundersync = thundersync_verl.cli:main"],
+    },
+)

@@ -1,0 +1,209 @@
+"""A token-in/token-out generation engine on HF transformers, for CPU rollouts.
+
+1. Each request keeps its own KV cache and decodes one token per scheduler turn;
+   requests interleave on one asyncio loop, so a long request never blocks a
+   short one (a serial server would hide exactly the long tail ThunderSync
+   removes) and new requests start at once.
+2. The log-prob returned for each sampled token is log_softmax(logits / T), the
+   quantity verl's actor recomputes, so rollout and learner log-probs can be
+   compared token by token (top-p/top-k change what is sampled, not this value).
+3. Weights are swapped between decode steps; every request reports the weight
+   versions it was generated with (``min/max_global_steps``), which is how
+   staleness is measured rather than assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Iterable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], default_max_tokens: int) -> "SamplingSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in params if k not in known and k not in _IGNORED_PARAMS)
+        if unknown:
+            logger.debug("hf_cpu ignores sampling params %s", unknown)
+        max_tokens = params.get("max_tokens", params.get("max_new_tokens", default_max_tokens))
+        stop = params.get("stop") or ()
+        spec = cls(
+            max_tokens=int(max_tokens if max_tokens is not None else default_max_tokens),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1) if params.get("top_k") is not None else -1),
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+            seed=params.get("seed"),
+        )
+        if spec.max_tokens < 1:
+            raise ValueError(f"sampling_params.max_tokens must be >= 1, got {spec.max_tokens}")
+        if spec.temperature < 0 or not 0 < spec.top_p <= 1:
+            raise ValueError(
+                f"sampling_params need temperature >= 0 and 0 < top_p <= 1, got T={spec.temperature}, top_p={spec.top_p}"
+            )
+        return spec
+
+
+_IGNORED_PARAMS = {"logprobs", "repetition_penalty", "n", "detokenize", "skip_special_tokens", "min_tokens"}
+
+
+@dataclasses.dataclass
+class Generation:
+    token_ids: list[int]
+    log_probs: list[float]
+    stop_reason: str  # "completed" (eos/stop), "length", or "aborted"
+    min_version: int
+    max_version: int
+    seconds: float
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [V]
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)  # [V]
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)  # [V]
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+class HFGenerationEngine:
+    """Holds one HF causal LM and serves concurrent ``generate`` calls."""
+
+    def __init__(self, model, tokenizer=None, *, eos_token_ids: Iterable[int] = (), max_model_len: int = 2048):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.max_model_len = int(max_model_len)
+        self.version = 0
+        self.active = 0
+        self.peak_active = 0
+        self._abort_epoch = 0
+        self._paused = asyncio.Event()
+        self._paused.set()
+
+    # -- weights -----------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Optional[int] = None) -> int:
+        """Copy named tensors into the model in place; returns how many were loaded."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        loaded = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None and name.startswith("model.") is False:
+                    target = params.get("model." + name)
+                if target is None:
+                    if "lm_head" in name and getattr(self.model.config, "tie_word_embeddings", False):
+                        continue  # tied to the embedding, which is loaded under its own name
+                    raise KeyError(f"weight '{name}' does not exist in the rollout model; the learner and rollout must be the same architecture")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)} but the rollout model expects {tuple(target.shape)}")
+                target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+                loaded += 1
+        self.version = self.version + 1 if version is None else int(version)
+        return loaded
+
+    # -- generation ----------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: dict[str, Any]) -> Generation:
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len={self.max_model_len}; "
+                "raise actor_rollout_ref.rollout.max_model_len or shorten the prompt"
+            )
+        spec = SamplingSpec.from_params(params, default_max_tokens=room)
+        spec.max_tokens = min(spec.max_tokens, room)
+        gen = torch.Generator().manual_seed(int(spec.seed)) if spec.seed is not None else None
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            return await self._decode(prompt_ids, spec, gen)
+        finally:
+            self.active -= 1
+
+    async def _decode(self, prompt_ids: list[int], spec: SamplingSpec, gen) -> Generation:
+        t0 = time.perf_counter()
+        stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self.eos_token_ids)
+        out_ids: list[int] = []
+        out_lp: list[float] = []
+        versions = []
+        past = None
+        next_input = torch.tensor([prompt_ids], dtype=torch.long)  # [1, P]
+        reason = "length"
+        await self._paused.wait()  # requests that arrive during a pause are parked, not failed
+        epoch = self._abort_epoch
+        while len(out_ids) < spec.max_tokens:
+            while not self._paused.is_set() and self._abort_epoch == epoch:
+                await asyncio.sleep(0.005)  # paused for a weight swap: keep the KV cache, wait
+            if self._abort_epoch != epoch:
+                reason = "aborted"
+                break
+            versions.append(self.version)
+            with torch.no_grad():
+                out = self.model(input_ids=next_input, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()  # [V]
+            token, logprob = self._sample(logits, spec, gen)
+            out_ids.append(token)
+            out_lp.append(logprob)
+            if token in stops or self._hits_stop_string(out_ids, spec.stop):
+                reason = "completed"
+                break
+            next_input = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
+            await asyncio.sleep(0)  # let other requests take their turn
+        versions = versions or [self.version]
+        return Generation(out_ids, out_lp, reason, min(versions), max(versions), time.perf_counter() - t0)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, spec: SamplingSpec, gen) -> tuple[int, float]:
+        if spec.temperature == 0:
+            token = int(torch.argmax(logits))
+            return token, float(torch.log_softmax(logits, -1)[token])
+        scaled = logits / spec.temperature  # [V]
+        logprobs = torch.log_softmax(scaled, -1)  # [V]
+        filtered = _filter_logits(scaled, spec.top_k, spec.top_p)
+        probs = torch.softmax(filtered, -1)
+        token = int(torch.multinomial(probs, 1, generator=gen))
+        return token, float(logprobs[token])
+
+    def _hits_stop_string(self, out_ids: list[int], stops: tuple[str, ...]) -> bool:
+        if not stops or self.tokenizer is None:
+            return False
+        tail = self.tokenizer.decode(out_ids[-16:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    # -- control -------------------------------------------------------------------
+    def pause(self) -> None:
+        self._paused.clear()
+
+    def resume(self) -> None:
+        self._paused.set()
+
+    def abort_all(self) -> None:
+        """Stop every in-flight request at its next token and park new ones until resume()."""
+        self._abort_epoch += 1
+        self._paused.clear()

@@ -1,0 +1,211 @@
+"""Rollout backend ``hf_cpu``: verl's replica / server / adapter contract on HF transformers.
+
+1. ``HFCpuReplica`` is a verl ``RolloutReplica``: verl's LLMServerManager creates it
+   from ``actor_rollout_ref.rollout.name=hf_cpu`` exactly as it creates vLLM
+   replicas, in hybrid (colocated with the learner) or standalone mode.
+2. ``HFCpuServer`` is the Ray actor the agent loop talks to
+   (``generate(request_id, prompt_ids, sampling_params) -> TokenOutput``); it wraps
+   :class:`HFGenerationEngine` and answers verl's control calls (wake_up, sleep,
+   abort/resume, kv-cache release) with their CPU meaning.
+3. ``HFCpuServerAdapter`` is the learner-side ``BaseRollout``: verl's checkpoint
+   engine hands it the per-tensor weights after each optimizer step
+   (resume -> update_weights -> resume kv), and it ships them to its server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Optional
+
+import ray
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+
+logger = logging.getLogger(__name__)
+ROLLOUT_NAME = "hf_cpu"
+
+
+def server_actor_name(replica_rank: int, suffix: str = "") -> str:
+    return f"hf_cpu_server_{replica_rank}{suffix}"
+
+
+def load_hf_model(model_path: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(
+            f"rollout model folder '{model_path}' does not exist; build the tiny model with "
+            "`thundersync build-model` or point actor_rollout_ref.model.path at an HF checkpoint folder"
+        )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return model, tokenizer
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids}
+
+
+class HFCpuServer:
+    """One rollout server (a Ray actor with high max_concurrency)."""
+
+    def __init__(self, config, model_config, rollout_mode, replica_rank: int, threads: int = 1):
+        torch.set_num_threads(max(1, int(threads)))
+        self.config = config
+        self.replica_rank = replica_rank
+        self.rollout_mode = rollout_mode
+        model_path = model_config.local_path or model_config.path
+        model, tokenizer = load_hf_model(model_path, dtype=str(getattr(config, "dtype", "float32")).replace("torch.", ""))
+        max_len = getattr(config, "max_model_len", None) or (config.prompt_length + config.response_length)
+        self.engine = HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer), max_model_len=max_len)
+        self.global_steps: Optional[int] = None
+        self.requests_served = 0
+
+    async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
+        gen = await self.engine.generate(list(prompt_ids), dict(sampling_params or {}))
+        self.requests_served += 1
+        TokenOutput = va.token_output_cls()
+        return TokenOutput(
+            token_ids=gen.token_ids,
+            log_probs=gen.log_probs,
+            stop_reason="aborted" if gen.stop_reason == "aborted" else "completed",
+            extra_fields={
+                "global_steps": gen.max_version,
+                "min_global_steps": gen.min_version,
+                "max_global_steps": gen.max_version,
+                "finish_reason": gen.stop_reason,
+            },
+        )
+
+    async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:
+        """Swap weights between decode steps; requests keep their KV caches (like vLLM's in-flight update)."""
+        self.engine.pause()
+        try:
+            n = self.engine.load_weights(named_tensors, version=global_steps)
+        finally:
+            self.engine.resume()
+        self.global_steps = global_steps
+        return n
+
+    def stats(self) -> dict:
+        return {"version": self.engine.version, "active": self.engine.active, "peak_active": self.engine.peak_active,
+                "requests_served": self.requests_served}
+
+    # -- verl control calls: their CPU meaning ------------------------------------------
+    async def wake_up(self, tags=None):
+        return None  # weights stay resident in host memory
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None  # KV caches are per request and die with it
+
+    release_kv_cache = resume_kv_cache = clear_kv_cache
+
+    async def wait_for_requests_to_drain(self):
+        while self.engine.active:
+            await asyncio.sleep(0.01)
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
+        n = self.engine.active
+        self.engine.abort_all()
+        return {"aborted_count": n, "request_ids": []}
+
+    async def resume_generation(self):
+        self.engine.resume()
+
+    resume_engine_generation = open_submission_gate = resume_generation
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True):
+        return {"aborted": False, "request_id": request_id, "error": "hf_cpu aborts all requests, not single ones"}
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+
+def make_replica_class():
+    """Build the RolloutReplica subclass (deferred: it needs verl)."""
+
+    class HFCpuReplica(va.rollout_replica_base()):
+        async def launch_servers(self):
+            name = server_actor_name(self.replica_rank, self.name_suffix)
+            threads = int(os.environ.get("THUNDERSYNC_ROLLOUT_THREADS", "1"))
+            server = (
+                ray.remote(HFCpuServer)
+                .options(name=name, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0)
+                .remote(self.config, self.model_config, self.rollout_mode, self.replica_rank, threads)
+            )
+            await server.stats.remote()  # surface load errors here, not at the first generate
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = name
+
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+    HFCpuReplica.__name__ = HFCpuReplica.__qualname__ = "HFCpuReplica"
+    return HFCpuReplica
+
+
+def make_server_adapter_class():
+    """Build the learner-side BaseRollout subclass (deferred: it needs verl)."""
+
+    class HFCpuServerAdapter(va.base_rollout_cls()):
+        def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
+            super().__init__(config, model_config, device_mesh)
+            rank = int(os.environ.get("RANK", "0"))
+            world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
+            self.replica_rank = rank // world if replica_rank == -1 else replica_rank
+            self.is_leader_rank = rank % world == 0
+            self._server = None
+
+        def _server_handle(self):
+            if self._server is None:
+                self._server = ray.get_actor(server_actor_name(self.replica_rank))
+            return self._server
+
+        async def resume(self, tags: list[str]):
+            return None
+
+        async def release(self):
+            return None
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
+            if wire_format != "named_tensors":
+                raise NotImplementedError(f"hf_cpu receives full named tensors only, got wire_format={wire_format!r}")
+            # every rank iterates: FSDP2 full_tensor() is a collective
+            named = [(name, t.detach().to("cpu").clone()) for name, t in weights]
+            if self.is_leader_rank:
+                await self._server_handle().update_weights.remote(named, global_steps)
+
+    HFCpuServerAdapter.__name__ = HFCpuServerAdapter.__qualname__ = "HFCpuServerAdapter"
+    return HFCpuServerAdapter
+
+
+_LAZY = {"HFCpuReplica": make_replica_class, "HFCpuServerAdapter": make_server_adapter_class}
+
+
+def __getattr__(name: str):
+    # verl resolves rollout adapters by dotted path; build the classes on first use, once.
+    if name in _LAZY:
+        cls = _LAZY.pop(name)()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,54 @@
+"""verl plugin entry point: ``import verl`` in any process (Ray workers included) imports this.
+
+setup.py declares it under the ``verl.plugins`` entry-point group. It registers:
+1. platform ``cpu`` (and, when it is the active platform, the CPU patches);
+2. rollout backend ``hf_cpu``;
+3. agent loop ``thundersync_tool_agent`` and the ThunderSync trainer mode, lazily
+   (their modules import on first use by verl).
+verl swallows plugin import errors at debug level, so failures are logged loudly here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("thundersync_verl")
+
+
+def _cpu_platform_active() -> bool:
+    forced = os.environ.get("VERL_PLATFORM", "").strip().lower()
+    if forced:
+        return forced == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def register() -> None:
+    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.backends.cpu.platform import register_cpu_platform
+    from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
+
+    register_cpu_platform()
+    if _cpu_platform_active():
+        from thundersync_verl.verl_patches import apply_cpu_patches
+
+        apply_cpu_patches()
+
+    def _load_replica():
+        from thundersync_verl.backends.cpu.rollout import HFCpuReplica
+
+        return HFCpuReplica
+
+    va.register_rollout(ROLLOUT_NAME, _load_replica, "thundersync_verl.backends.cpu.rollout.HFCpuServerAdapter")
+    from thundersync_verl import registrations
+
+    registrations.register_lazy()
+
+
+try:
+    register()
+except Exception:  # pragma: no cover - surfaced loudly because verl hides plugin errors
+    logger.exception("thundersync_verl plugin failed to register with verl")
+    raise

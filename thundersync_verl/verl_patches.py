@@ -1,0 +1,110 @@
+"""Every runtime patch thundersync_verl applies to verl or torch, in one place.
+
+Each patch is listed, with the reason it exists, in ``patches/README.md``. They
+apply only on the CPU platform and never change behaviour on GPUs.
+
+1. ``gloo_backend_string``: verl builds ``cpu:gloo,{device}:{backend}``; with the
+   CPU platform that is ``cpu:gloo,cpu:gloo``, which torch rejects. Collapse a
+   backend string whose entries all name the same backend to that backend.
+2. ``fsdp_engines_on_cpu``: verl registers its FSDP engines for cuda/npu only;
+   register the same classes for ``cpu`` right after verl's engine module is
+   imported (a post-import hook: the module must be imported by verl itself, after
+   the platform is known, because it caches the device name at import).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+APPLIED: list[str] = []
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module finishes executing."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable]] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                loader, callbacks = spec.loader, self.hooks.pop(fullname)
+
+                class _Loader(importlib.abc.Loader):
+                    def create_module(self, spec):
+                        return loader.create_module(spec)
+
+                    def exec_module(self, module):
+                        loader.exec_module(module)
+                        for cb in callbacks:
+                            cb(module)
+
+                spec.loader = _Loader()
+                return spec
+        return None
+
+
+_finder = _PostImportFinder()
+
+
+def when_imported(module_name: str, callback: Callable) -> None:
+    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
+    if module_name in sys.modules:
+        callback(sys.modules[module_name])
+        return
+    _finder.hooks.setdefault(module_name, []).append(callback)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def normalise_backend(backend):
+    """'cpu:gloo,cpu:gloo' -> 'gloo'; anything else unchanged."""
+    if not isinstance(backend, str) or "," not in backend:
+        return backend
+    names = {part.split(":")[-1] for part in backend.split(",")}
+    return names.pop() if len(names) == 1 else backend
+
+
+def patch_gloo_backend_string() -> None:
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_thundersync_patched", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        if args:
+            args = (normalise_backend(args[0]),) + tuple(args[1:])
+        if "backend" in kwargs:
+            kwargs["backend"] = normalise_backend(kwargs["backend"])
+        return original(*args, **kwargs)
+
+    init_process_group._thundersync_patched = True
+    init_process_group.__wrapped__ = original
+    dist.init_process_group = init_process_group
+    APPLIED.append("gloo_backend_string")
+
+
+def patch_fsdp_engines_on_cpu() -> None:
+    from thundersync_verl import verl_adapter as va
+
+    def _register(_module):
+        va.register_fsdp_engines_for("cpu")
+        APPLIED.append("fsdp_engines_on_cpu")
+
+    when_imported(va.ENGINE_MODULE, _register)
+
+
+def apply_cpu_patches() -> None:
+    patch_gloo_backend_string()
+    patch_fsdp_engines_on_cpu()
