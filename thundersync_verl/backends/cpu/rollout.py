@@ -56,6 +56,18 @@ def eos_ids_of(model, tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
+def _model_path(model_config) -> str:
+    # verl hands replicas either an HFModelConfig or the raw (struct) DictConfig
+    for key in ("local_path", "path"):
+        try:
+            value = getattr(model_config, key)
+        except Exception:
+            value = None
+        if value:
+            return os.path.expanduser(str(value))
+    raise ValueError("actor_rollout_ref.model.path is not set: point it at an HF checkpoint folder")
+
+
 class HFCpuServer:
     """One rollout server (a Ray actor with high max_concurrency)."""
 
@@ -64,7 +76,7 @@ class HFCpuServer:
         self.config = config
         self.replica_rank = replica_rank
         self.rollout_mode = rollout_mode
-        model_path = model_config.local_path or model_config.path
+        model_path = _model_path(model_config)
         model, tokenizer = load_hf_model(model_path, dtype=str(getattr(config, "dtype", "float32")).replace("torch.", ""))
         max_len = getattr(config, "max_model_len", None) or (config.prompt_length + config.response_length)
         self.engine = HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer), max_model_len=max_len)

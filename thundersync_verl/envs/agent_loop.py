@@ -1,0 +1,119 @@
+"""Agent loop ``thundersync_tool_agent``: the embedded multi-turn tool-use task inside verl's AgentLoopWorker.
+
+1. Registered with verl's ``@register``, so datasets select it with ``agent_name``
+   and verl's AgentLoopWorker runs it like its own tool agent: generate a turn on
+   the rollout server, run the tool call in a real subprocess sandbox, append the
+   observation (masked out of the loss), repeat until a final answer.
+2. Tool latency is drawn from a heavy-tailed model (``thundersync.env.tool_latency``)
+   so the long tail of agentic traces is present even on a CPU.
+3. Every trajectory carries its own event record (turn timings, weight versions)
+   in ``extra_fields``; trainers use it for timelines and staleness.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.envs import protocol
+from thundersync_verl.envs.latency import LatencyModel
+from thundersync_verl.envs.sandbox import run_python_async
+
+DEFAULTS = {"max_tool_turns": 4, "tool_timeout_s": 5.0, "retry_prob": 0.2, "tool_latency": {"kind": "constant", "median_s": 0.0}}
+
+
+def env_settings(config) -> dict[str, Any]:
+    """The ``thundersync.env`` section of the trainer config, over the defaults."""
+    section = {}
+    try:
+        section = dict(config.get("thundersync", {}).get("env", {}) or {})
+    except AttributeError:
+        pass
+    merged = {**DEFAULTS, **section}
+    if merged.get("tool_latency") is not None and not isinstance(merged["tool_latency"], dict):
+        merged["tool_latency"] = dict(merged["tool_latency"])
+    return merged
+
+
+@va.register_agent_loop(protocol.AGENT_NAME)
+class ThunderSyncToolAgentLoop(va.agent_loop_base()):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = env_settings(self.config)
+        self.latency = LatencyModel.from_config(self.settings["tool_latency"])
+        self.response_length = self.rollout_config.response_length
+        self.tool_rng = random.Random()
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs):
+        t_submit = time.time()
+        messages = list(kwargs["raw_prompt"])
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+        response_ids: list[int] = []
+        response_mask: list[int] = []
+        logprobs: list[float] = []
+        turns: list[dict] = []
+        versions: list[int] = []
+        request_id = uuid.uuid4().hex
+        for _ in range(int(self.settings["max_tool_turns"]) + 1):
+            budget = self.response_length - len(response_ids)
+            if budget <= 0:
+                break
+            t0 = time.time()
+            out = await self.server_manager.generate(
+                request_id=request_id,
+                prompt_ids=prompt_ids + response_ids,
+                sampling_params={**sampling_params, "max_tokens": budget},
+            )
+            turn = {"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids) + len(response_ids), "tool_s": 0.0}
+            turns.append(turn)
+            versions.append(int(out.extra_fields.get("min_global_steps") or 0))
+            versions.append(int(out.extra_fields.get("max_global_steps") or 0))
+            response_ids += out.token_ids
+            response_mask += [1] * len(out.token_ids)
+            logprobs += list(out.log_probs or [0.0] * len(out.token_ids))
+            call = protocol.parse_tool_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
+            if call is None or len(response_ids) >= self.response_length:
+                break
+            t1 = time.time()
+            observation = await self._run_tool(call)
+            turn["tool_s"] = time.time() - t1
+            obs_ids = self.tokenizer.encode(observation, add_special_tokens=False)
+            response_ids += obs_ids
+            response_mask += [0] * len(obs_ids)
+            logprobs += [0.0] * len(obs_ids)
+        n = self.response_length
+        metrics = {"generate_sequences": sum(t["gen_s"] for t in turns), "tool_calls": sum(t["tool_s"] for t in turns), "num_preempted": -1}
+        extra = {
+            "turn_scores": [],
+            "tool_rewards": [],
+            "thundersync_events": {"t_submit": t_submit, "t_done": time.time(), "turns": turns},
+            "min_global_steps": min(versions) if versions else 0,
+            "max_global_steps": max(versions) if versions else 0,
+        }
+        return va.agent_loop_output_cls()(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids[:n],
+            response_mask=response_mask[:n],
+            response_logprobs=logprobs[:n],
+            num_turns=2 * len(turns) + 1,
+            metrics=metrics,
+            extra_fields=extra,
+        )
+
+    async def _run_tool(self, call) -> str:
+        """The tool turn as text (chat markup included): error text for bad calls, never an exception."""
+        if isinstance(call, protocol.ToolCallError):
+            body = protocol.tool_response_text(call)
+        elif self.tool_rng.random() < float(self.settings["retry_prob"]):
+            body = protocol.tool_response_text(protocol.RETRY_ERROR_TEXT)
+        else:
+            result = await run_python_async(
+                call.code,
+                timeout_s=float(self.settings["tool_timeout_s"]),
+                extra_latency_s=self.latency.sample(self.tool_rng),
+            )
+            body = protocol.tool_response_text(result)
+        return f"\n<|im_start|>tool\n{body}<|im_end|>\n<|im_start|>assistant\n"
