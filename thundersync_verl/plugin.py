@@ -31,6 +31,9 @@ def register() -> None:
     from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
 
     register_cpu_platform()
+    from thundersync_verl.verl_patches import patch_logprob_diff_metric
+
+    patch_logprob_diff_metric()
     if _cpu_platform_active():
         from thundersync_verl.verl_patches import apply_cpu_patches
 

@@ -10,6 +10,10 @@ apply only on the CPU platform and never change behaviour on GPUs.
    register the same classes for ``cpu`` right after verl's engine module is
    imported (a post-import hook: the module must be imported by verl itself, after
    the platform is known, because it caches the device name at import).
+3. ``logprob_diff_metric``: verl reports the rollout-vs-learner gap in probability
+   space only; add ``training/rollout_logprob_diff_max`` (max |log p_rollout - log p_learner|
+   over response tokens), the figure that shows rollout and learner hold the same weights.
+   Metric only: it reads the batch and changes nothing. Applied on every platform.
 """
 
 from __future__ import annotations
@@ -103,6 +107,35 @@ def patch_fsdp_engines_on_cpu() -> None:
         APPLIED.append("fsdp_engines_on_cpu")
 
     when_imported(va.ENGINE_MODULE, _register)
+
+
+def _logprob_diff_max(data) -> float:
+    import torch
+
+    batch = data.batch
+    rollout, learner = batch["rollout_log_probs"], batch["old_log_probs"]  # [B, T]
+    mask = batch["response_mask"][:, -rollout.shape[1]:].bool() if "response_mask" in batch else torch.ones_like(rollout, dtype=torch.bool)
+    if not mask.any():
+        return float("nan")
+    return float((rollout - learner).abs()[mask].max())
+
+
+def patch_logprob_diff_metric() -> None:
+    def _wrap(module):
+        original = module.calculate_debug_metrics
+        if getattr(original, "_thundersync_patched", False):
+            return
+
+        def calculate_debug_metrics(data):
+            metrics = original(data)
+            metrics["training/rollout_logprob_diff_max"] = _logprob_diff_max(data)
+            return metrics
+
+        calculate_debug_metrics._thundersync_patched = True
+        module.calculate_debug_metrics = calculate_debug_metrics
+        APPLIED.append("logprob_diff_metric")
+
+    when_imported("verl.utils.debug.metrics", _wrap)
 
 
 def apply_cpu_patches() -> None:

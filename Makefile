@@ -1,0 +1,23 @@
+# The two commands of the README: `make demo` and `make test`. Both create the venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODE ?= sync
+STEPS ?= 20
+ALGO ?= grpo
+
+$(VENV)/.installed: setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0          # the CPU build; an unpinned torch pulls CUDA
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/thundersync demo --algo $(ALGO) --mode $(MODE) --steps $(STEPS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+.PHONY: install demo test

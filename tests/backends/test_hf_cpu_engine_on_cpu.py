@@ -1,0 +1,128 @@
+"""The hf_cpu generation engine: concurrency, stop conditions, log-probs, weight updates, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from thundersync_verl.backends.cpu.engine import HFGenerationEngine, SamplingSpec
+from thundersync_verl.backends.cpu.rollout import eos_ids_of, load_hf_model
+
+
+@pytest.fixture()
+def engine(tiny_random_lm):
+    model, tokenizer = load_hf_model(str(tiny_random_lm))
+    return HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer), max_model_len=256)
+
+
+def _prompt(engine):
+    return engine.tokenizer.encode("<|im_start|>user\nCompute `3+4`.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_max_tokens_and_logprobs_match_a_full_forward(engine):
+    out = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 12, "temperature": 1.0, "ignore_eos": True, "seed": 3}))
+    assert len(out.token_ids) == 12 and out.stop_reason == "length"
+    ids = torch.tensor([_prompt(engine) + out.token_ids])
+    with torch.no_grad():
+        logits = engine.model(ids).logits[0, len(_prompt(engine)) - 1 : -1]  # [T, V]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.log_probs), ref, atol=1e-5)
+
+
+def test_temperature_scales_the_reported_logprob(engine):
+    out = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 4, "temperature": 0.5, "ignore_eos": True, "seed": 1}))
+    ids = torch.tensor([_prompt(engine) + out.token_ids])
+    with torch.no_grad():
+        logits = engine.model(ids).logits[0, len(_prompt(engine)) - 1 : -1] / 0.5
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.log_probs), ref, atol=1e-5)
+
+
+def test_greedy_is_deterministic_and_stop_token_ends_generation(engine):
+    a = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 8, "temperature": 0, "ignore_eos": True}))
+    b = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 8, "temperature": 0, "ignore_eos": True}))
+    assert a.token_ids == b.token_ids
+    stop_at = a.token_ids[2]
+    c = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop_at]}))
+    assert c.stop_reason == "completed" and c.token_ids[-1] == stop_at and len(c.token_ids) == a.token_ids.index(stop_at) + 1
+
+
+def test_stop_string_ends_generation(engine):
+    a = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 10, "temperature": 0, "ignore_eos": True}))
+    text = engine.tokenizer.decode(a.token_ids[:3], skip_special_tokens=False)
+    stop = text[-2:] if len(text) >= 2 else text
+    b = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "stop": [stop]}))
+    assert b.stop_reason == "completed" and len(b.token_ids) <= 3
+
+
+def test_top_p_tiny_keeps_only_the_argmax(engine):
+    greedy = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 6, "temperature": 0, "ignore_eos": True}))
+    nucleus = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 6, "temperature": 1.0, "top_p": 1e-6, "ignore_eos": True, "seed": 9}))
+    assert nucleus.token_ids == greedy.token_ids
+
+
+def test_requests_interleave_so_short_ones_finish_first(engine):
+    async def run():
+        finished = []
+
+        async def one(name, n):
+            await engine.generate(_prompt(engine), {"max_tokens": n, "ignore_eos": True, "seed": 0})
+            finished.append(name)
+
+        await asyncio.gather(one("long", 120), one("short", 5), one("short2", 5))
+        return finished
+
+    finished = asyncio.run(run())
+    assert finished.index("long") == 2, finished
+    assert engine.peak_active == 3
+
+
+def test_weight_update_changes_outputs_and_versions(engine):
+    before = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 6, "temperature": 0, "ignore_eos": True}))
+    new = [(n, torch.randn_like(p)) for n, p in engine.model.named_parameters()]
+    assert engine.load_weights(new, version=7) == len(new)
+    after = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 6, "temperature": 0, "ignore_eos": True}))
+    assert after.min_version == after.max_version == 7
+    assert after.token_ids != before.token_ids or after.log_probs != before.log_probs
+
+
+def test_weight_update_rejects_wrong_names_and_shapes(engine):
+    with pytest.raises(KeyError, match="does not exist"):
+        engine.load_weights([("no.such.weight", torch.zeros(1))])
+    name, p = next(iter(engine.model.named_parameters()))
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([(name, torch.zeros(p.numel() + 1))])
+
+
+def test_abort_returns_in_flight_requests_and_parks_new_ones(engine):
+    async def run():
+        task = asyncio.create_task(engine.generate(_prompt(engine), {"max_tokens": 200, "ignore_eos": True}))
+        await asyncio.sleep(0.05)
+        engine.abort_all()
+        aborted = await asyncio.wait_for(task, 2.0)
+        parked = asyncio.create_task(engine.generate(_prompt(engine), {"max_tokens": 3, "ignore_eos": True}))
+        await asyncio.sleep(0.05)
+        assert not parked.done()
+        engine.resume()
+        return aborted, await asyncio.wait_for(parked, 2.0)
+
+    aborted, later = asyncio.run(run())
+    assert aborted.stop_reason == "aborted" and len(aborted.token_ids) < 200
+    assert later.stop_reason == "length" and len(later.token_ids) == 3
+
+
+def test_bad_sampling_params_and_overlong_prompt_fail_clearly(engine):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingSpec.from_params({"max_tokens": 0}, default_max_tokens=5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingSpec.from_params({"top_p": 0.0}, default_max_tokens=5)
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(engine.generate(list(range(300)), {"max_tokens": 2}))
+
+
+def test_missing_model_folder_says_how_to_build(tmp_path):
+    with pytest.raises(FileNotFoundError, match="thundersync build-model"):
+        load_hf_model(str(tmp_path / "nope"))
