@@ -5,11 +5,19 @@ from __future__ import annotations
 from thundersync_verl.verl_patches import when_imported
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
+CHECKPOINT_ENGINE_MODULE = "verl.checkpoint_engine.base"
 
 
 def _register_agent_loops(_module) -> None:
     import thundersync_verl.envs.agent_loop  # noqa: F401  (registers via verl's decorator)
 
 
+def _register_checkpoint_engine(_module) -> None:
+    from thundersync_verl.backends.cpu.checkpoint_engine import register_checkpoint_engine
+
+    register_checkpoint_engine()
+
+
 def register_lazy() -> None:
     when_imported(AGENT_LOOP_MODULE, _register_agent_loops)
+    when_imported(CHECKPOINT_ENGINE_MODULE, _register_checkpoint_engine)

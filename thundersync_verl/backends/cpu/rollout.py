@@ -203,7 +203,10 @@ def make_server_adapter_class():
             if wire_format != "named_tensors":
                 raise NotImplementedError(f"hf_cpu receives full named tensors only, got wire_format={wire_format!r}")
             # every rank iterates: FSDP2 full_tensor() is a collective
-            named = [(name, t.detach().to("cpu").clone()) for name, t in weights]
+            if hasattr(weights, "__aiter__"):  # standalone: the checkpoint engine yields asynchronously
+                named = [(name, t.detach().to("cpu").clone()) async for name, t in weights]
+            else:
+                named = [(name, t.detach().to("cpu").clone()) for name, t in weights]
             if self.is_leader_rank:
                 await self._server_handle().update_weights.remote(named, global_steps)
 
