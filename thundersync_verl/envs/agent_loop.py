@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import random
 import time
 import uuid
@@ -36,6 +39,15 @@ def env_settings(config) -> dict[str, Any]:
     if merged.get("tool_latency") is not None and not isinstance(merged["tool_latency"], dict):
         merged["tool_latency"] = dict(merged["tool_latency"])
     return merged
+
+
+def _append_trace(path, record: dict) -> None:
+    """One JSON line per finished trajectory (timings for timelines and the simulator); no-op without a path."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 @va.register_agent_loop(protocol.AGENT_NAME)
@@ -84,12 +96,16 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             response_ids += obs_ids
             response_mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
+        record = {"t_submit": t_submit, "t_done": time.time(), "turns": turns, "response_tokens": len(response_ids),
+                  "prompt_tokens": len(prompt_ids), "policy_version": min(versions) if versions else 0,
+                  "uid": kwargs.get("uid"), "session_id": kwargs.get("session_id")}
+        _append_trace(self.settings.get("trace_path"), record)
         n = self.response_length
         metrics = {"generate_sequences": sum(t["gen_s"] for t in turns), "tool_calls": sum(t["tool_s"] for t in turns), "num_preempted": -1}
         extra = {
             "turn_scores": [],
             "tool_rewards": [],
-            "thundersync_events": {"t_submit": t_submit, "t_done": time.time(), "turns": turns},
+            "thundersync_events": record,
             "min_global_steps": min(versions) if versions else 0,
             "max_global_steps": max(versions) if versions else 0,
         }
@@ -108,6 +124,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         if isinstance(call, protocol.ToolCallError):
             body = protocol.tool_response_text(call)
         elif self.tool_rng.random() < float(self.settings["retry_prob"]):
+            await asyncio.sleep(self.latency.sample(self.tool_rng))  # a busy sandbox still costs a round trip
             body = protocol.tool_response_text(protocol.RETRY_ERROR_TEXT)
         else:
             result = await run_python_async(
