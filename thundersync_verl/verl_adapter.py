@@ -96,3 +96,131 @@ def register_agent_loop(name: str):
     from verl.experimental.agent_loop.agent_loop import register
 
     return register(name)
+
+
+# -- streaming learner ---------------------------------------------------------------
+# The streaming worker (``thundersync_verl.trainer.streaming_worker``) builds on verl's
+# Tinker-style split API; every verl internal it touches is reached through these functions.
+def tinker_actor_worker_base():
+    """verl's actor worker with split forward_backward / optimizer_step primitives."""
+    from verl.workers.engine_workers_tinker import TinkerActorRolloutRefWorker
+
+    return TinkerActorRolloutRefWorker
+
+
+def worker_register_api():
+    """``(register, Dispatch, actor_mesh_dispatch)``: verl's seams for registered worker methods."""
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+
+    return register, Dispatch, make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
+
+
+def to_no_padding(td):
+    """Left/right-padded batch -> verl's no-padding layout (nested input_ids, loss_mask)."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    return left_right_2_no_padding(td)
+
+
+def response_log_probs(model_output, data):
+    """The engine's per-token log-probs of a micro-batch as a padded [B, T_response] tensor."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(model_output["log_probs"], data)
+
+
+def padded_fields(data, *keys):
+    """``keys`` of a (micro-)batch TensorDict as plain padded tensors."""
+    return data.select(*keys).to_padded_tensor()
+
+
+def non_tensor(data, key: str, default=None):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def assign_non_tensor(data, **values) -> None:
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, **values)
+
+
+def actor_engine(worker):
+    """The FSDP engine inside an ActorRolloutRefWorker's actor TrainingWorker."""
+    return worker.actor.engine
+
+
+def actor_loss_fn(worker):
+    return worker.actor.loss_fn
+
+
+def set_actor_loss_fn(worker, loss_fn) -> None:
+    worker.actor.set_loss_fn(loss_fn)
+
+
+def actor_parameters(engine) -> list:
+    """The engine's (possibly FSDP2-sharded DTensor) parameters, in a fixed order."""
+    return list(engine.module.parameters())
+
+
+def local_view(tensor):
+    """The local shard of a DTensor (the tensor itself when not distributed)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_tensor(tensor):
+    """The full (all-gathered) value of a DTensor; a collective on every rank."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def reset_actor(worker) -> None:
+    """Rebuild the actor from its checkpoint path: fresh weights, optimizer and LR scheduler."""
+    worker.actor.reset()
+
+
+def dp_group_of(engine):
+    return engine.get_data_parallel_group()
+
+
+def precision_dtype(name: str):
+    """The torch dtype verl's engine maps ``model_dtype`` / mixed-precision names to (raises if none)."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    return PrecisionType.to_dtype(name)
+
+
+def compose_ppo_config(overrides: list[str]):
+    """verl's own ``ppo_trainer.yaml``, composed with hydra overrides (the trainer's config tree)."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def ray_worker_group(worker_cls, *, config, role: str, n_workers: int, name_prefix: str | None = None):
+    """A RayWorkerGroup of ``n_workers`` (one logical device slot each) running ``worker_cls``."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils.device import get_device_name
+
+    pool = RayResourcePool([n_workers], use_gpu=True, max_colocate_count=1, name_prefix=name_prefix)
+    cls = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=config, role=role)
+    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=get_device_name(), name_prefix=name_prefix)
+
+
+def data_proto_cls():
+    from verl import DataProto
+
+    return DataProto
+
+
+def grpo_compute_advantage(data, *, adv_estimator: str, norm_adv_by_std_in_grpo: bool = True):
+    """verl's trainer-side ``compute_advantage`` (needs token_level_rewards, response_mask, uid)."""
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    return compute_advantage(data, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)

@@ -1,0 +1,132 @@
+"""Validate the simulator against real runs: replay recorded traces, compare step times.
+
+Why:
+1. A simulator's scale-out claims rest on it predicting runs it can be checked against.
+   For each recorded trace (one per mode) this fits the learner's per-token and per-chunk
+   costs, optimizer and weight-push times from the trace's own learner records, replays
+   the recorded trajectories (per-turn generation and tool time, reward latency, slot
+   count) through the simulator in the trace's mode, and compares the simulated mean step
+   time with the measured one.
+2. Traces are <mode>.jsonl or <algo>_<mode>.jsonl files written by the trainer
+   (`python benchmarks/modes.py` writes them to benchmarks/results/traces/).
+3. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
+   replay machinery is exact; it writes no result file.
+Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from thundersync_verl.sim.engine import simulate  # noqa: E402
+from thundersync_verl.sim.metrics import format_table  # noqa: E402
+from thundersync_verl.sim.trace import (TraceSource, find_traces, fit_learner_costs, load_trace,  # noqa: E402
+                                        measured_step_time, replay_config)
+
+SCRIPT = Path(__file__).stem
+DEFAULT_DIR = REPO_ROOT / "benchmarks" / "results" / "traces"
+PRODUCER = "python benchmarks/modes.py"
+
+
+def write_result(name: str, obj: dict) -> None:
+    try:
+        from benchmarks._common import write_result as shared
+    except ImportError:
+        shared = None
+    if shared is not None:
+        shared(name, obj)
+        return
+    import json
+
+    out = REPO_ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(obj)
+    (out / f"{name}.json").write_text(line + "\n")
+    print(line, flush=True)
+
+
+def validate_file(path: Path) -> dict:
+    trace = load_trace(path)
+    source = TraceSource(trace)
+    costs = fit_learner_costs(trace)
+    cfg = replay_config(trace, source)
+    res = simulate(cfg, source, costs)
+    measured = measured_step_time(trace)
+    return {"file": path.name, "mode": trace.mode, "algo": trace.algo, "steps": len(source.steps),
+            "batch": source.batch_size, "slots": cfg.rollout_slots, "s_per_token": costs.s_per_token,
+            "chunk_overhead_s": costs.chunk_overhead_s, "optimizer_s": costs.optimizer_s,
+            "weight_sync_s": costs.weight_sync_s, "measured_s": measured, "simulated_s": res.step_time_s,
+            "rel_err": res.step_time_s / measured - 1.0, "dropped_steps": source.dropped_steps}
+
+
+def write_self_test_traces(directory: Path) -> None:
+    """Synthetic traces of a small CPU-like run, one per mode (clearly not measurements)."""
+    from thundersync_verl.sim.dists import const, lognormal
+    from thundersync_verl.sim.engine import SimConfig
+    from thundersync_verl.sim.hardware import LearnerCosts
+    from thundersync_verl.sim.tracegen import write_synthetic_trace
+    from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
+
+    work = WorkloadSpec(groups_per_step=4, group_size=4, turns=lognormal(3, 0.6), prompt_tokens=const(48),
+                        gen_tokens=lognormal(32, 0.5), obs_tokens=lognormal(24, 0.5), tool_s=lognormal(0.05, 0.5),
+                        reward_s=lognormal(0.02, 0.3))
+    roll = RolloutSpec(slots=16, decode_s_per_token=0.004, prefill_s_per_token=1e-4, teacher_fixed_s=0.01,
+                       teacher_s_per_token=1e-4)
+    costs = LearnerCosts(s_per_token=3e-4, chunk_overhead_s=0.02, optimizer_s=0.15, weight_sync_s=0.05)
+    source = SyntheticSource(work, roll, seed=7)
+    for algo, mode in (("grpo", "sync"), ("grpo", "async"), ("grpo", "fully_async"), ("grpo", "thundersync"),
+                       ("opd", "sync"), ("opd", "thundersync")):
+        cfg = SimConfig(mode=mode, algo=algo, steps=12, rollout_slots=16, min_chunk=1)
+        write_synthetic_trace(directory / f"{algo}_{mode}.jsonl", cfg, source, costs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace-dir", default=str(DEFAULT_DIR))
+    ap.add_argument("--quick", action="store_true", help="same replay (it is already fast); kept for uniformity")
+    ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
+    args = ap.parse_args(argv)
+    tmp = None
+    trace_dir = Path(args.trace_dir)
+    if args.self_test:
+        tmp = tempfile.TemporaryDirectory()
+        trace_dir = Path(tmp.name)
+        write_self_test_traces(trace_dir)
+        print("SELF-TEST: synthetic traces, not measurements.")
+    files = find_traces(trace_dir)
+    if not files:
+        print(f"No traces in {trace_dir}: record real runs first with `{PRODUCER}` (it writes <mode>.jsonl or "
+              f"<algo>_<mode>.jsonl there), then re-run this script.", file=sys.stderr)
+        return 2
+    rows = [validate_file(p) for p in files]
+    table = [[r["file"], r["mode"], r["algo"], r["steps"], r["slots"], f"{r['s_per_token']:.3g}",
+              f"{r['chunk_overhead_s']:.3g}", f"{r['optimizer_s']:.3g}", f"{r['weight_sync_s']:.3g}",
+              r["measured_s"], r["simulated_s"], f"{100 * r['rel_err']:+.1f}%"] for r in rows]
+    print(format_table(table, ["trace", "mode", "algo", "steps", "slots", "s/token", "chunk_s", "optim_s", "sync_s",
+                               "measured_s", "simulated_s", "rel_err"]))
+    for r in rows:
+        if r["dropped_steps"]:
+            print(f"note: {r['file']}: steps {r['dropped_steps']} have a different batch size and were not replayed")
+    out = {"max_rel_err_vs_measured": round(max(abs(r["rel_err"]) for r in rows), 4),
+           "per_mode": {Path(r["file"]).stem: {"measured_s": round(r["measured_s"], 4),
+                                               "simulated_s": round(r["simulated_s"], 4),
+                                               "rel_err": round(r["rel_err"], 4)} for r in rows}}
+    if tmp is not None:
+        import json
+
+        print(json.dumps(out))
+        tmp.cleanup()
+        return 0
+    write_result(SCRIPT, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

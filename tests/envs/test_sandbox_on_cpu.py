@@ -1,0 +1,172 @@
+"""The sandbox denies the network, enforces its limits and runs calls concurrently. CPU only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from thundersync_verl.envs.sandbox import netns_prefix, run_python, run_python_async
+
+CONNECT = """
+import socket
+try:
+    s = socket.create_connection(({host!r}, {port}), timeout=2)
+    print("CONNECTED")
+except Exception as exc:
+    print("BLOCKED", type(exc).__name__)
+"""
+
+
+@pytest.fixture()
+def listener():
+    """A loopback TCP server in the test process: a connect from the sandbox would succeed
+    if the sandbox shared our network."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.setblocking(False)
+    yield server
+    server.close()
+
+
+def _accepted_any(server: socket.socket) -> bool:
+    try:
+        conn, _ = server.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+def test_prints_and_exits_cleanly():
+    result = run_python("print(37+45*2)")
+    assert result.ok and result.returncode == 0
+    assert result.stdout == "127\n" and not result.timed_out and not result.truncated
+
+
+def test_control_without_any_barrier_the_loopback_connect_succeeds(listener):
+    # Proves the network tests below can fail: with both barriers off the connect goes through.
+    port = listener.getsockname()[1]
+    result = run_python(CONNECT.format(host="127.0.0.1", port=port), isolate_network=False, guard_network=False)
+    assert "CONNECTED" in result.stdout
+    time.sleep(0.05)
+    assert _accepted_any(listener)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "1.1.1.1"])
+def test_default_sandbox_denies_loopback_and_external(listener, host):
+    port = listener.getsockname()[1] if host == "127.0.0.1" else 80
+    result = run_python(CONNECT.format(host=host, port=port))
+    assert "CONNECTED" not in result.stdout
+    assert result.stdout.startswith("BLOCKED PermissionError")  # the audit guard fired
+    assert not _accepted_any(listener)
+
+
+@pytest.mark.skipif(not netns_prefix(), reason="no network namespace available on this machine")
+@pytest.mark.parametrize("host", ["127.0.0.1", "1.1.1.1"])
+def test_network_namespace_alone_denies_network(listener, host):
+    port = listener.getsockname()[1] if host == "127.0.0.1" else 80
+    result = run_python(CONNECT.format(host=host, port=port), isolate_network=True, guard_network=False)
+    assert result.stdout.startswith("BLOCKED") and "PermissionError" not in result.stdout
+    assert not _accepted_any(listener)
+
+
+def test_guard_alone_denies_network_and_process_spawning(listener):
+    port = listener.getsockname()[1]
+    result = run_python(CONNECT.format(host="127.0.0.1", port=port), isolate_network=False)
+    assert result.stdout.startswith("BLOCKED PermissionError")
+    spawn = run_python("import os\nos.system('echo escaped')", isolate_network=False)
+    assert spawn.error == "denied" and "escaped" not in spawn.stdout
+
+
+def test_hanging_program_is_killed_at_the_wall_timeout():
+    started = time.perf_counter()
+    result = run_python("import time\ntime.sleep(30)", timeout_s=1.0)
+    elapsed = time.perf_counter() - started
+    assert result.timed_out and result.error == "timeout" and not result.ok
+    assert 0.9 <= elapsed < 4.0
+
+
+def test_timeout_kills_the_whole_process_group():
+    # With the spawn guard off, the program starts a grandchild; the timeout must kill it too.
+    code = "import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
+    result = run_python(code, timeout_s=1.0, guard_network=False)
+    assert result.timed_out
+    pid = int(result.stdout.split()[0])
+    time.sleep(0.2)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(line for line in f if line.startswith("State:"))
+        assert "Z" in state, f"grandchild {pid} still running: {state}"  # zombie = dead, not yet reaped
+    except FileNotFoundError:
+        pass  # gone entirely
+
+
+def test_memory_hog_fails_with_memory_limit():
+    result = run_python("x = bytearray(1 << 30)\nprint('allocated')", mem_mb=256)
+    assert result.error == "memory_limit" and "allocated" not in result.stdout
+
+
+def test_cpu_bound_loop_hits_the_cpu_limit():
+    result = run_python("while True:\n    pass", cpu_s=1, timeout_s=10.0)
+    assert result.error in ("cpu_limit", "killed") and not result.timed_out
+    assert result.duration_s < 5.0
+
+
+def test_output_is_truncated_at_the_cap():
+    result = run_python("print('x' * 10000)\nprint('end')", max_output_bytes=512)
+    assert result.ok and result.truncated
+    assert len(result.stdout) == 512 and result.stdout == "x" * 512
+    small = run_python("print('x' * 100)", max_output_bytes=512)
+    assert not small.truncated and small.stdout == "x" * 100 + "\n"
+
+
+def test_stderr_keeps_the_tail_where_the_error_is():
+    result = run_python("import sys\nsys.stderr.write('noise\\n' * 500)\nraise ValueError('the real error')")
+    assert result.error == "nonzero_exit" and result.truncated
+    assert result.stderr.strip().endswith("ValueError: the real error")
+
+
+def test_stdin_cwd_and_environment_are_isolated():
+    code = "import os, sys\nprint(sys.stdin.read().upper())\nprint(os.getcwd())\nprint(sorted(os.environ))\nprint(os.listdir('.'))"
+    result = run_python(code, stdin="hello")
+    lines = result.stdout.splitlines()
+    assert lines[0] == "HELLO"
+    assert os.path.basename(lines[1]).startswith("tsv-sandbox-") and not os.path.exists(lines[1])
+    assert eval(lines[2]) == ["HOME", "LANG", "PATH", "PYTHONHASHSEED", "PYTHONIOENCODING", "TMPDIR"]
+    assert eval(lines[3]) == ["main.py"]
+
+
+def test_async_calls_run_concurrently():
+    n, sleep_s = 6, 0.6
+
+    async def many():
+        return await asyncio.gather(*(run_python_async(f"import time\ntime.sleep({sleep_s})\nprint({i})") for i in range(n)))
+
+    started = time.perf_counter()
+    results = asyncio.run(many())
+    elapsed = time.perf_counter() - started
+    assert [r.stdout.strip() for r in results] == [str(i) for i in range(n)]
+    assert elapsed < 0.5 * n * sleep_s, f"{n} sleeps of {sleep_s}s took {elapsed:.2f}s: not concurrent"
+
+
+def test_extra_latency_is_added_and_overlaps():
+    async def many():
+        return await asyncio.gather(*(run_python_async("print(1)", extra_latency_s=0.5) for _ in range(5)))
+
+    started = time.perf_counter()
+    results = asyncio.run(many())
+    elapsed = time.perf_counter() - started
+    assert all(r.duration_s >= 0.5 for r in results)
+    assert elapsed < 1.5
+
+
+def test_blocking_call_works_inside_a_running_event_loop():
+    async def inside():
+        return run_python("print('ok')")
+
+    assert asyncio.run(inside()).stdout == "ok\n"

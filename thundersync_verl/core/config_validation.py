@@ -1,0 +1,181 @@
+"""Check, from plain values, that a verl configuration can be streamed exactly.
+
+Why:
+1. Streaming is exact only when one batch makes exactly one optimizer step at the weights the
+   batch was sampled with. A few verl settings break that silently (several PPO epochs, several
+   mini-batches, PPO's clip against rollout log-probs); they must be refused before training.
+2. The function takes plain Python values, not a verl or omegaconf object, so the core stays
+   importable without verl; the trainer reads the values from its config and passes them in.
+   Every error names the verl config key to change.
+3. It returns the settings the accumulator needs (estimator, normaliser, sign buckets, IS
+   weights), so the trainer builds the accumulator from one validated source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import StreamingConfigError, rule_message
+from .estimators import GroupEstimator, estimator_from_verl
+from .normalizers import check_loss_agg_mode
+from .objectives import KL_KINDS
+
+LINEAR_POLICY_LOSSES = ("vanilla", "gpg", "bypass_mode")
+_ACTOR = "actor_rollout_ref.actor"
+_RC = "algorithm.rollout_correction"
+
+
+@dataclass(frozen=True)
+class StreamingSettings:
+    """What the accumulator and the learner need, derived from a validated config."""
+
+    estimator: GroupEstimator
+    loss_agg_mode: str
+    loss_scale_factor: float | None
+    sign_buckets: bool
+    rollout_is: str | None
+    rollout_is_upper: float | None
+    rollout_is_lower: float | None
+    ratio_is_one: bool  # old log-probs recomputed by the learner at the batch's weights
+
+
+def _fail(rule: str, reason: str, fix: str) -> None:
+    raise StreamingConfigError(rule_message(rule, reason, fix))
+
+
+def _positive_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(f"{key}={value!r} must be a positive int", "it counts samples or steps", f"set {key} to a positive int")
+    return value  # type: ignore[return-value]
+
+
+def parse_is_threshold(threshold: object) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: a float (TIS upper) or "lower_upper" (IcePop)."""
+    key = f"{_RC}.rollout_is_threshold"
+    try:
+        if isinstance(threshold, str) and "_" in threshold:
+            lo, hi = threshold.split("_", 1)
+            lower, upper = float(lo), float(hi)
+        elif isinstance(threshold, (int, float, str)) and not isinstance(threshold, bool):
+            lower, upper = None, float(threshold)
+        else:
+            raise ValueError
+    except ValueError:
+        _fail(f"{key}={threshold!r} is not a threshold", "it bounds the IS weights", f"set {key} to e.g. 2.0 or '0.5_2.0'")
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        _fail(f"{key}={threshold!r} is out of range", "bounds must satisfy 0 < lower <= upper", f"fix {key}")
+    return upper, lower
+
+
+def _check_steps(ppo_epochs: int, ppo_mini_batch_size: int, train_batch_size: int, rollout_n: int) -> None:
+    _positive_int("data.train_batch_size", train_batch_size)
+    _positive_int("actor_rollout_ref.rollout.n", rollout_n)
+    if _positive_int(f"{_ACTOR}.ppo_epochs", ppo_epochs) != 1:
+        _fail(
+            f"{_ACTOR}.ppo_epochs={ppo_epochs} must be 1 for streaming",
+            "epochs after the first use weights that the earlier epochs changed, so their gradients "
+            "cannot be computed while the batch is still being generated",
+            f"set {_ACTOR}.ppo_epochs=1",
+        )
+    if _positive_int(f"{_ACTOR}.ppo_mini_batch_size", ppo_mini_batch_size) != train_batch_size:
+        _fail(
+            f"{_ACTOR}.ppo_mini_batch_size={ppo_mini_batch_size} must equal data.train_batch_size="
+            f"{train_batch_size} (one mini-batch per batch)",
+            "each extra mini-batch is an extra optimizer step; later mini-batches need the weights "
+            "that earlier ones produced",
+            f"set {_ACTOR}.ppo_mini_batch_size={train_batch_size}",
+        )
+
+
+def _check_clip(low: float, high: float, c: float) -> None:
+    if not (0 < low < 1 and high > 0):
+        _fail(
+            f"clip band (1-{low}, 1+{high}) must contain 1 strictly",
+            "with one step per batch every ratio is 1; strictly inside the band the clipped "
+            "surrogate equals the plain policy gradient",
+            f"set {_ACTOR}.clip_ratio_low in (0, 1) and {_ACTOR}.clip_ratio_high > 0",
+        )
+    if not c > 1:
+        _fail(
+            f"{_ACTOR}.clip_ratio_c={c} must be > 1",
+            "the dual clip must not bind at ratio 1",
+            f"set {_ACTOR}.clip_ratio_c to e.g. 3.0",
+        )
+
+
+def _check_rollout_correction(rollout_is, batch_normalize, bypass_mode, bypass_loss_type, sign_buckets) -> None:
+    if rollout_is is not None and rollout_is not in ("token", "sequence"):
+        _fail(f"{_RC}.rollout_is={rollout_is!r} is unknown", "IS weights are token or sequence level", f"set {_RC}.rollout_is to null, 'token' or 'sequence'")
+    if rollout_is is not None and batch_normalize:
+        _fail(
+            f"{_RC}.rollout_is_batch_normalize=true cannot be streamed",
+            "it divides the policy term by the mean IS weight of the whole batch, a statistic that "
+            "only exists once the batch is complete",
+            f"set {_RC}.rollout_is_batch_normalize=false",
+        )
+    if bypass_mode and bypass_loss_type not in ("ppo_clip", "reinforce"):
+        _fail(f"{_RC}.loss_type={bypass_loss_type!r} is unknown", "bypass mode has two losses", f"set {_RC}.loss_type to 'reinforce' or 'ppo_clip'")
+    if bypass_mode and bypass_loss_type == "ppo_clip" and not sign_buckets:
+        _fail(
+            f"{_RC}.bypass_mode=true with loss_type='ppo_clip' needs sign buckets",
+            "bypass mode uses the rollout engine's log-probs as old log-probs, so ratios differ from "
+            "1 and PPO's clip picks its branch by the sign of the advantage, unknown until the group "
+            "closes",
+            f"set {_RC}.bypass_mode=false (learner recomputes old log-probs), or {_RC}.loss_type="
+            "'reinforce' (detached IS weights), or enable sign buckets",
+        )
+
+
+def validate_streaming_config(
+    *,
+    ppo_epochs: int,
+    ppo_mini_batch_size: int,
+    train_batch_size: int,
+    rollout_n: int,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    policy_loss_mode: str = "vanilla",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    adv_estimator: str = "grpo",
+    norm_adv_by_std_in_grpo: bool = True,
+    use_kl_loss: bool = False,
+    kl_loss_type: str = "low_var_kl",
+    rollout_is: str | None = None,
+    rollout_is_threshold: float | str = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    bypass_mode: bool = False,
+    bypass_loss_type: str = "ppo_clip",
+    sign_buckets: bool = False,
+) -> StreamingSettings:
+    """Raise ``StreamingConfigError`` (naming the verl key) unless streaming is exact."""
+    _check_steps(ppo_epochs, ppo_mini_batch_size, train_batch_size, rollout_n)
+    check_loss_agg_mode(loss_agg_mode, loss_scale_factor)  # its errors name the verl keys
+    if policy_loss_mode not in LINEAR_POLICY_LOSSES:
+        _fail(
+            f"{_ACTOR}.policy_loss.loss_mode={policy_loss_mode!r} is not supported for streaming",
+            "the streamed gradient must be linear in the advantage at ratio 1; other losses use "
+            "batch statistics (clip_cov, kl_cov) or a different surrogate not checked here",
+            f"set {_ACTOR}.policy_loss.loss_mode to one of {list(LINEAR_POLICY_LOSSES[:2])}",
+        )
+    _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo)
+    if use_kl_loss:
+        base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
+        if base not in KL_KINDS:
+            _fail(f"{_ACTOR}.kl_loss_type={kl_loss_type!r} is unknown", "the KL term must match verl's estimator", f"use one of {list(KL_KINDS)}")
+    _check_rollout_correction(rollout_is, rollout_is_batch_normalize, bypass_mode, bypass_loss_type, sign_buckets)
+    upper = lower = None
+    if rollout_is is not None:
+        upper, lower = parse_is_threshold(rollout_is_threshold)
+    return StreamingSettings(
+        estimator=estimator,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
+        sign_buckets=bool(bypass_mode and bypass_loss_type == "ppo_clip"),
+        rollout_is=rollout_is,
+        rollout_is_upper=upper,
+        rollout_is_lower=lower,
+        ratio_is_one=not bypass_mode,
+    )

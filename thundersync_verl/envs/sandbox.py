@@ -1,0 +1,259 @@
+"""Run untrusted model-written Python in a real, isolated, resource-limited subprocess.
+
+Why it is built this way:
+1. Tool latency is what streaming training hides, so the tool must be a real process with
+   real start-up cost and real failure modes (hangs, memory blow-ups, floods of output), not
+   an ``eval`` in the trainer's process.
+2. Two independent network barriers: a fresh Linux network namespace (``unshare --net``,
+   when the kernel lets us) and an audit hook installed by a tiny bootstrap before user code
+   runs, which refuses socket creation, connects, binds, name lookups and process spawning.
+   The hook alone is not a security boundary (native code can bypass it); the namespace alone
+   is not available everywhere. Together they deny the network on every machine we run on.
+3. Limits live in the kernel (``setrlimit`` in the child before exec: address space, CPU
+   seconds, open files, file size); the wall-clock timeout kills the whole process group, so
+   grandchildren cannot outlive the call.
+4. Output is read incrementally and capped, so a program that prints gigabytes costs us a
+   bounded buffer; the rest is drained and dropped so the child never blocks on a full pipe.
+5. One async implementation (:func:`run_python_async`) lets hundreds of tool calls wait
+   concurrently in one event loop; :func:`run_python` is the same code behind a private loop.
+   ``extra_latency_s`` models slow remote sandboxes by sleeping in the parent, asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+# Executed with ``python -I -S -c``: installs the guard, then runs ``main.py`` from the cwd.
+_BOOTSTRAP = r"""
+import sys
+_DENIED = {
+    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+    "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
+    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+    "os.forkpty", "ctypes.dlopen", "ctypes.dlsym",
+}
+def _guard(event, args):
+    if event in _DENIED or (event == "socket.__new__" and args[1] != 1):  # 1 == AF_UNIX
+        raise PermissionError("sandbox: " + event + " is denied (no network, no new processes)")
+if sys.argv[1] == "guard":
+    sys.addaudithook(_guard)
+with open("main.py", encoding="utf-8") as _f:
+    _src = _f.read()
+_globals = {"__name__": "__main__", "__builtins__": __builtins__}  # user code sees none of ours
+exec(compile(_src, "main.py", "exec"), _globals)
+"""
+
+_MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run. ``error`` is None on success, else a short reason code:
+    ``timeout``, ``memory_limit``, ``cpu_limit``, ``denied`` (network or process spawn),
+    ``killed``, ``nonzero_exit`` or ``spawn_failed``."""
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _CappedBuffer:
+    """Keeps ``cap`` bytes of a stream (the head, or the tail where the error line of a
+    traceback lives) and remembers whether more arrived."""
+
+    def __init__(self, cap: int, keep_tail: bool = False) -> None:
+        self.cap = cap
+        self.keep_tail = keep_tail
+        self.data = bytearray()
+        self.truncated = False
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            self.data += chunk
+            if len(self.data) > self.cap:
+                self.truncated = True
+                self.data = self.data[-self.cap :] if self.keep_tail else self.data[: self.cap]
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+@functools.lru_cache(maxsize=1)
+def netns_prefix() -> tuple[str, ...]:
+    """The command prefix that gives a child an empty network namespace, or () if impossible.
+
+    Probed once per process: plain ``unshare --net`` works as root; ``--map-root-user`` adds an
+    unprivileged user namespace where the kernel allows it.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    for prefix in ((unshare, "--net"), (unshare, "--map-root-user", "--net")):
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return prefix
+    return ()
+
+
+def _limits(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: int) -> None:
+    """Runs in the child between fork and exec: kernel-enforced resource limits."""
+    mem = mem_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session made pid the group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _classify(returncode: int | None, timed_out: bool, stderr: str) -> str | None:
+    if timed_out:
+        return "timeout"
+    if returncode == 0:
+        return None
+    if "MemoryError" in stderr:
+        return "memory_limit"
+    if "PermissionError: sandbox:" in stderr:
+        return "denied"
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not stderr:
+        return "cpu_limit" if returncode == -signal.SIGXCPU else "killed"
+    return "nonzero_exit"
+
+
+async def run_python_async(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    mem_mb: int = 256,
+    cpu_s: int = 5,
+    max_output_bytes: int = 512,
+    extra_latency_s: float = 0.0,
+    stdin: str | None = None,
+    isolate_network: bool | None = None,
+    guard_network: bool = True,
+) -> SandboxResult:
+    """Run ``code`` in an isolated interpreter and return what it printed.
+
+    ``isolate_network``: None uses a network namespace when available, True requires one,
+    False skips it. ``guard_network`` installs the in-interpreter audit hook (keep it on;
+    tests switch it off to check the namespace alone).
+    """
+    prefix = _resolve_netns(isolate_network)
+    mode = "guard" if guard_network else "open"
+    cmd = [*prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
+    limits = functools.partial(_limits, mem_mb, cpu_s, 1 << 20, 64)
+    env = {"PATH": _MINIMAL_PATH, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tsv-sandbox-") as workdir:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        env["HOME"] = env["TMPDIR"] = workdir
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                preexec_fn=limits,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            return SandboxResult("", f"{type(exc).__name__}: {exc}", None, False, False, time.perf_counter() - start, "spawn_failed")
+        out, err, timed_out = await _communicate(proc, stdin, max_output_bytes, timeout_s)
+    if extra_latency_s > 0:
+        await asyncio.sleep(extra_latency_s)
+    stderr = err.text()
+    return SandboxResult(
+        stdout=out.text(),
+        stderr=stderr,
+        returncode=proc.returncode,
+        timed_out=timed_out,
+        truncated=out.truncated or err.truncated,
+        duration_s=time.perf_counter() - start,
+        error=_classify(proc.returncode, timed_out, stderr),
+    )
+
+
+async def _communicate(
+    proc: asyncio.subprocess.Process, stdin: str | None, cap: int, timeout_s: float
+) -> tuple[_CappedBuffer, _CappedBuffer, bool]:
+    """Feed stdin, drain both pipes with a cap, wait for exit; kill the group at the deadline."""
+    out, err = _CappedBuffer(cap), _CappedBuffer(cap, keep_tail=True)
+
+    async def feed() -> None:
+        if stdin is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(stdin.encode("utf-8"))
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the program exited without reading its input
+
+    assert proc.stdout is not None and proc.stderr is not None
+    work = asyncio.gather(feed(), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait())
+    timed_out = False
+    try:
+        await asyncio.wait_for(work, timeout_s)
+    except asyncio.TimeoutError:
+        # Kill the whole group: a child the program left behind would keep the pipes open.
+        timed_out = True
+        _kill_group(proc)
+        await proc.wait()
+    return out, err, timed_out
+
+
+def _resolve_netns(isolate_network: bool | None) -> tuple[str, ...]:
+    if isolate_network is False:
+        return ()
+    prefix = netns_prefix()
+    if isolate_network and not prefix:
+        raise RuntimeError(
+            "isolate_network=True needs a Linux network namespace, but `unshare --net` failed here: "
+            "the sandbox must not reach the network. Run as root, enable unprivileged user "
+            "namespaces (kernel.unprivileged_userns_clone=1), or pass isolate_network=None to rely "
+            "on the in-interpreter guard alone."
+        )
+    return prefix
+
+
+def run_python(code: str, **kwargs) -> SandboxResult:
+    """Blocking :func:`run_python_async` (same arguments); safe to call from any thread,
+    including one that already runs an event loop (it then uses a helper thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_python_async(code, **kwargs))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, run_python_async(code, **kwargs)).result()

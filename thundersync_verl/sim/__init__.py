@@ -1,0 +1,24 @@
+"""Trace-driven discrete-event simulator and planner for RL post-training pipelines.
+
+Why this package exists:
+1. Users run 8 to thousands of GPUs; a simulator shows what streaming the backward passes
+   (ThunderSync) buys against sync, one-step-off async and fully-async pipelines at any
+   scale, and checks scheduler decisions (granularity, accumulator memory budget).
+2. It is validated against recorded traces of real runs (trace.py) and calibrated on the
+   published ThunderSyncRL figures with physical, sourced parameters (presets.py).
+3. It depends on numpy, matplotlib and the standard library only, so it runs anywhere.
+"""
+
+from .dists import Dist, const, lognormal, mixture, pareto
+from .engine import ALGOS, GRANULARITIES, MODES, SimConfig, simulate
+from .hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec
+from .metrics import SimResult, comparison_table
+from .trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay_config
+from .workload import Batch, RolloutSpec, SyntheticSource, WorkloadSpec
+
+__all__ = [
+    "ALGOS", "Batch", "ClusterSpec", "Dist", "GRANULARITIES", "GpuSpec", "LearnerCosts", "MODES", "ModelSpec",
+    "RolloutSpec", "SimConfig", "SimResult", "SyntheticSource", "TraceSource", "WorkloadSpec", "comparison_table",
+    "const", "fit_learner_costs", "load_trace", "lognormal", "measured_step_time", "mixture", "pareto",
+    "replay_config", "simulate",
+]

@@ -1,0 +1,139 @@
+"""Sizing advice: which mode, which granularity and how much accumulator memory to give.
+
+Why this module exists:
+1. The right streaming setting depends on the deployment: with a fast learner the tail of
+   the rollout dominates and streaming gains little; with a slow learner the batch barrier
+   wastes half the step. The planner simulates the candidates instead of guessing.
+2. Memory is the constraint that differs most across clusters: each open GRPO group costs
+   two fp32 buffers of 4 * P / shards bytes per learner rank. The budget caps open groups,
+   and the planner picks the smallest cap that keeps the step time within 1% of unbounded.
+3. Off-policy modes may be faster but train on stale data; the planner reports that trade
+   (speed vs staleness) explicitly instead of silently preferring either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import SimConfig, simulate
+from .hardware import accumulator_bytes_per_rank, open_groups_within
+from .metrics import format_table
+from .presets import Setting
+
+BUDGET_LADDER = (1, 2, 4, 8, 16, 32, 64)
+NEAR_BEST = 0.01  # a smaller budget / simpler granularity wins if within 1% of the best step time
+OFF_POLICY_WORTH_IT = 0.10  # mention an off-policy mode when it is >10% faster
+
+
+@dataclass
+class Candidate:
+    mode: str
+    granularity: str
+    budget_groups: int | None
+    step_time_s: float
+    staleness_max: int
+    peak_open_groups: int
+    accum_gb_per_rank: float
+    learner_util: float
+
+
+@dataclass
+class Plan:
+    mode: str
+    granularity: str
+    budget_groups: int | None
+    budget_gb_per_rank: float
+    step_time_s: float
+    speedup_vs_sync: float
+    reasons: list = field(default_factory=list)
+    candidates: list = field(default_factory=list)
+
+    def render(self) -> str:
+        rows = [[c.mode, c.granularity, "-" if c.budget_groups is None else c.budget_groups, c.step_time_s,
+                 c.staleness_max, c.peak_open_groups, c.accum_gb_per_rank, f"{100 * c.learner_util:.0f}%"]
+                for c in self.candidates]
+        table = format_table(rows, ["mode", "granularity", "budget", "step_s", "stale_max", "open_grp",
+                                    "accum_GB/rank", "learner_util"])
+        budget = "unbounded" if self.budget_groups is None else f"{self.budget_groups} open groups"
+        head = (f"Recommendation: mode={self.mode} granularity={self.granularity} budget={budget} "
+                f"({self.budget_gb_per_rank:.1f} GB/rank), {self.step_time_s:,.1f} s/step, "
+                f"{self.speedup_vs_sync:.2f}x over sync")
+        return "\n".join([table, "", head, "Why:"] + [f"  - {r}" for r in self.reasons])
+
+
+def _run(setting: Setting, source, algo: str, steps: int, mode: str, gran=None, budget=None) -> Candidate:
+    cfg = SimConfig(mode=mode, algo=algo, granularity=gran, steps=steps, rollout_slots=setting.rollout.slots,
+                    budget_groups=budget, gpus=setting.cluster.gpus, bytes_per_buffer=setting.bytes_per_buffer)
+    res = simulate(cfg, source, setting.costs)
+    return Candidate(mode, res.granularity, budget, res.step_time_s, res.staleness_summary()["max"],
+                     res.peak_open_groups, res.accum_peak_bytes_per_rank / 1e9, res.learner_util)
+
+
+def plan(setting: Setting, source, algo: str = "grpo", steps: int = 24, host_mem_gb_per_rank: float | None = None,
+         mem_fraction: float = 0.8) -> Plan:
+    """Simulate the candidate settings for this deployment and pick one, with reasons."""
+    host = host_mem_gb_per_rank if host_mem_gb_per_rank is not None else setting.gpu.host_mem_gb
+    budget_bytes = mem_fraction * host * 1e9
+    k_max = open_groups_within(setting.model, setting.cluster, budget_bytes)
+    buf_gb = setting.bytes_per_buffer / 1e9
+    reasons = [f"one fp32 buffer is 4*P/shards = {buf_gb:.1f} GB per learner rank "
+               f"(P={setting.model.params:.3g}, shards={setting.cluster.shards}); "
+               f"{mem_fraction:.0%} of {host:.0f} GB host memory per rank holds {max(k_max, 0)} open groups"]
+    cands = [_run(setting, source, algo, steps, m) for m in ("sync", "async", "fully_async")]
+    sync_s = cands[0].step_time_s
+    if k_max < 0:
+        reasons.append("even the batch accumulator does not fit: raise tp/pp/cp or shard gradients over dp, "
+                       "or give the learner more host memory; falling back to sync")
+        return Plan("sync", "batch", None, 0.0, sync_s, 1.0, reasons, cands)
+    zero = _streaming_candidates(setting, source, algo, steps, k_max)
+    cands += zero
+    best = _pick(zero, reasons)
+    budget_gb = accumulator_bytes_per_rank(setting.model, setting.cluster, best.peak_open_groups) / 1e9
+    if best.step_time_s >= sync_s * (1 - NEAR_BEST):
+        reasons.append("streaming does not beat sync here (the rollout tail dominates); sync is simpler")
+        best = cands[0]
+    off = min(cands[1:3], key=lambda c: c.step_time_s)
+    gain = best.step_time_s / off.step_time_s - 1
+    if gain > OFF_POLICY_WORTH_IT:
+        reasons.append(f"{off.mode} would be {100 * gain:.0f}% faster per step but trains on data up to "
+                       f"{off.staleness_max} policy versions old; {best.mode} keeps staleness 0")
+    else:
+        reasons.append(f"the off-policy modes are at most {100 * max(gain, 0):.0f}% faster, not worth their staleness "
+                       f"(up to {off.staleness_max} versions)")
+    return Plan(best.mode, best.granularity, best.budget_groups, budget_gb, best.step_time_s,
+                sync_s / best.step_time_s, reasons, cands)
+
+
+def _streaming_candidates(setting: Setting, source, algo: str, steps: int, k_max: int) -> list[Candidate]:
+    if algo == "opd":
+        grans = ("turn", "trajectory") if source.batch(0).has_turns else ("trajectory",)
+        return [_run(setting, source, algo, steps, "thundersync", g) for g in grans]
+    out = [_run(setting, source, algo, steps, "thundersync", "group")]
+    free = _run(setting, source, algo, steps, "thundersync", "trajectory", None)
+    if free.peak_open_groups <= k_max:
+        out.append(free)
+    for k in BUDGET_LADDER:
+        if k > k_max or k >= free.peak_open_groups:
+            break
+        out.append(_run(setting, source, algo, steps, "thundersync", "trajectory", k))
+    if k_max < free.peak_open_groups and k_max not in BUDGET_LADDER and k_max > 0:
+        out.append(_run(setting, source, algo, steps, "thundersync", "trajectory", k_max))
+    return out
+
+
+def _pick(cands: list[Candidate], reasons: list) -> Candidate:
+    """Fastest, then the simplest / smallest-memory candidate within NEAR_BEST of it."""
+    fastest = min(cands, key=lambda c: c.step_time_s)
+    near = [c for c in cands if c.step_time_s <= fastest.step_time_s * (1 + NEAR_BEST)]
+    pick = min(near, key=lambda c: (c.peak_open_groups, c.granularity != "group", c.step_time_s))
+    if pick is not fastest:
+        reasons.append(f"{pick.granularity} granularity with {pick.peak_open_groups} open groups is within "
+                       f"{100 * NEAR_BEST:.0f}% of the fastest setting ({fastest.step_time_s:,.1f} s) and needs less "
+                       "memory / fewer chunks")
+    else:
+        reasons.append(f"{pick.granularity} granularity is the fastest zero-staleness setting")
+    if pick.granularity == "group":
+        reasons.append("group granularity needs no per-group buffers (one batch accumulator): completion times "
+                       "within a group correlate, so waiting for the group costs little")
+    return pick
+

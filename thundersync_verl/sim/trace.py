@@ -1,0 +1,267 @@
+"""Recorded traces: load the trainer's JSONL event log, fit learner costs, replay trajectories.
+
+Why this module exists:
+1. The simulator must be checked against real runs. The trainer writes one JSON object per
+   line (times in seconds from any common origin):
+   - {"kind": "trajectory", "mode", "algo", "step", "group_id", "traj_id", "t_submit",
+      "t_done", "t_reward", "turns": [{"gen_s", "gen_tokens", "tool_s", "prompt_tokens"}],
+      "reward_s", "response_tokens", "prompt_tokens", "policy_version", "learner_version"}
+     turns[j].prompt_tokens is the context length passed to the engine for turn j (the
+     prompt plus everything before that turn), so turn j added
+     prompt_tokens[j] - prompt_tokens[j-1] - gen_tokens[j-1] tool-output tokens;
+     the learner trains prompt_tokens + response_tokens tokens; step is the learner step
+     that trained the trajectory; for OPD, reward_s is the teacher's total scoring latency.
+   - {"kind": "learner", "mode", "step", "lane", "op": forward|backward|optimizer|
+      weight_sync|other, "t0", "t1", "tokens"}
+   - {"kind": "step", "mode", "algo", "step", "t_start", "t_end", "n_rollout_slots"}
+2. Replay keeps the recorded durations exactly (per-turn generation and tool time, reward
+   latency, slot count) and lets the simulator decide WHEN things run; the learner's cost
+   per token and per chunk are fitted from its own records (time = overhead + cost * tokens).
+3. The measured step time uses the same definition as the simulator (mean spacing of step
+   ends after the first step), so the comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .engine import MODES, SimConfig
+from .hardware import LearnerCosts
+from .workload import Batch, batch_from_turns
+
+TRAJ_KEYS = {"mode": str, "algo": str, "step": int, "group_id": str, "traj_id": str, "t_submit": float,
+             "t_done": float, "t_reward": float, "turns": list, "reward_s": float, "response_tokens": int,
+             "prompt_tokens": int, "policy_version": int, "learner_version": int}
+TURN_KEYS = {"gen_s": float, "gen_tokens": int, "tool_s": float, "prompt_tokens": int}
+LEARNER_KEYS = {"mode": str, "step": int, "lane": str, "op": str, "t0": float, "t1": float, "tokens": int}
+STEP_KEYS = {"mode": str, "algo": str, "step": int, "t_start": float, "t_end": float, "n_rollout_slots": int}
+LEARNER_OPS = ("forward", "backward", "optimizer", "weight_sync", "other")
+
+
+@dataclass
+class Trace:
+    path: str
+    trajectories: list = field(default_factory=list)
+    learner: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        return _most_common([s["mode"] for s in self.steps] or [t["mode"] for t in self.trajectories])
+
+    @property
+    def algo(self) -> str:
+        return _most_common([s["algo"] for s in self.steps] or [t["algo"] for t in self.trajectories])
+
+
+def _most_common(values: list) -> str:
+    return Counter(values).most_common(1)[0][0] if values else ""
+
+
+def _check(rec: dict, keys: dict, where: str) -> None:
+    for key, typ in keys.items():
+        if key not in rec:
+            raise ValueError(f"{where}: missing key {key!r}. The trace schema (sim/trace.py) needs {sorted(keys)} "
+                             "so replay can rebuild every duration; re-run the trainer with event logging on")
+        val = rec[key]
+        ok = isinstance(val, (int, float)) and not isinstance(val, bool) if typ is float else isinstance(val, typ)
+        if not ok:
+            raise ValueError(f"{where}: key {key!r} should be {typ.__name__}, got {val!r}; fix the writer")
+
+
+def load_trace(path) -> Trace:
+    """Parse and validate one JSONL trace file."""
+    trace = Trace(str(path))
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            where = f"{path}:{n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc}); each line must be one JSON object") from exc
+            kind = rec.get("kind")
+            if kind == "trajectory":
+                _check(rec, TRAJ_KEYS, where)
+                for j, turn in enumerate(rec["turns"]):
+                    _check(turn, TURN_KEYS, f"{where} turn {j}")
+                if not rec["turns"]:
+                    raise ValueError(f"{where}: a trajectory needs at least one turn")
+                trace.trajectories.append(rec)
+            elif kind == "learner":
+                _check(rec, LEARNER_KEYS, where)
+                if rec["op"] not in LEARNER_OPS:
+                    raise ValueError(f"{where}: op {rec['op']!r} is not one of {LEARNER_OPS}")
+                trace.learner.append(rec)
+            elif kind == "step":
+                _check(rec, STEP_KEYS, where)
+                trace.steps.append(rec)
+            else:
+                raise ValueError(f"{where}: kind {kind!r} must be trajectory, learner or step")
+    if not trace.steps or not trace.trajectories:
+        raise ValueError(f"{path}: a trace needs step and trajectory records to be replayed")
+    return trace
+
+
+def write_trace(path, records) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec) + "\n")
+
+
+# ------------------------------------------------------------------ measured figures
+def measured_step_time(trace: Trace, warmup_steps: int = 1) -> float:
+    """Mean spacing of step ends after warm-up (the simulator's definition)."""
+    ends = np.sort(np.asarray([s["t_end"] for s in trace.steps], dtype=np.float64))
+    if len(ends) <= warmup_steps:
+        raise ValueError(f"{trace.path}: {len(ends)} steps recorded; need more than {warmup_steps} (warm-up)")
+    return float((ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps))
+
+
+def _fit_line(tokens: np.ndarray, secs: np.ndarray) -> tuple[float, float]:
+    """Least-squares secs = a + b * tokens with a, b >= 0."""
+    if len(secs) == 0:
+        return 0.0, 0.0
+    if len(np.unique(tokens)) < 2:
+        return 0.0, float(secs.sum() / max(tokens.sum(), 1))
+    b, a = np.polyfit(tokens.astype(np.float64), secs, 1)
+    if a < 0:
+        return 0.0, float(secs.sum() / max(tokens.sum(), 1))
+    if b < 0:
+        return float(secs.mean()), 0.0
+    return float(a), float(b)
+
+
+def fit_learner_costs(trace: Trace) -> LearnerCosts:
+    """Per-token and per-chunk costs from forward/backward records; means for the rest."""
+    by_op: dict[str, list] = {op: [] for op in LEARNER_OPS}
+    for r in trace.learner:
+        by_op[r["op"]].append(r)
+    over = per_tok = 0.0
+    for op in ("forward", "backward"):
+        recs = by_op[op]
+        tok = np.asarray([r["tokens"] for r in recs], dtype=np.float64)
+        sec = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
+        a, b = _fit_line(tok, sec)
+        over, per_tok = over + a, per_tok + b
+    lanes = max(1, len({r["lane"] for r in by_op["backward"] or by_op["forward"]}))
+    n_steps = max(1, len(trace.steps))
+
+    def mean(op: str) -> float:
+        recs = by_op[op]
+        return float(np.mean([r["t1"] - r["t0"] for r in recs])) if recs else 0.0
+
+    other = sum(r["t1"] - r["t0"] for r in by_op["other"]) / n_steps
+    return LearnerCosts(s_per_token=per_tok, chunk_overhead_s=over, optimizer_s=mean("optimizer"),
+                        weight_sync_s=mean("weight_sync"), step_overhead_s=other, dp=lanes)
+
+
+# ------------------------------------------------------------------------- replay
+def parse_mode(mode: str) -> tuple[str, str | None]:
+    """'thundersync', 'thundersync:group' or 'thundersync_group' -> (mode, granularity)."""
+    for sep in (":", "/"):
+        if sep in mode:
+            base, gran = mode.split(sep, 1)
+            return base, gran
+    if mode in MODES:
+        return mode, None
+    for base in sorted(MODES, key=len, reverse=True):
+        if mode.startswith(base + "_") or mode.startswith(base + "-"):
+            return base, mode[len(base) + 1:]
+    raise ValueError(f"mode {mode!r} is not one of {MODES} (optionally with ':granularity'); fix the trace")
+
+
+class TraceSource:
+    """Batches rebuilt from a trace.
+
+    Barrier modes: batch k = the trajectories the k-th recorded learner step trained.
+    fully_async: batch k = the k-th run of batch_size trajectories in submission order, so
+    the replayed stream starts trajectories in the order the trainer did.
+    """
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        by_step: dict[int, list] = {}
+        for t in trace.trajectories:
+            by_step.setdefault(t["step"], []).append(t)
+        sizes = Counter(len(v) for v in by_step.values())
+        self.batch_size = sizes.most_common(1)[0][0]
+        if parse_mode(trace.mode)[0] == "fully_async":
+            recs = sorted(trace.trajectories, key=lambda r: r["t_submit"])
+            n = self.batch_size
+            by_step = {k: recs[k * n:(k + 1) * n] for k in range(len(recs) // n)}
+        self.steps = [k for k in sorted(by_step) if len(by_step[k]) == self.batch_size]
+        self.dropped_steps = sorted(set(by_step) - set(self.steps))
+        self._by_step = by_step
+        groups = Counter(t["group_id"] for t in trace.trajectories)
+        self.group_size = Counter(groups.values()).most_common(1)[0][0]
+        self.algo = trace.algo
+
+    def batch(self, index: int) -> Batch:
+        recs = sorted(self._by_step[self.steps[index % len(self.steps)]], key=lambda r: r["t_submit"])
+        gids = {g: i for i, g in enumerate(dict.fromkeys(r["group_id"] for r in recs))}
+        turns = [r["turns"] for r in recs]
+        n_turns = np.asarray([len(t) for t in turns], dtype=np.int64)
+        flat = [x for t in turns for x in t]
+        gen_s = np.asarray([x["gen_s"] for x in flat], dtype=np.float64)
+        tool_s = np.asarray([x["tool_s"] for x in flat], dtype=np.float64)
+        gen_tok = np.asarray([x["gen_tokens"] for x in flat], dtype=np.int64)
+        ctx = np.asarray([x["prompt_tokens"] for x in flat], dtype=np.int64)
+        seq = np.asarray([r["prompt_tokens"] + r["response_tokens"] for r in recs], dtype=np.int64)
+        new_tok = _new_tokens(ctx, gen_tok, n_turns, seq)
+        reward = np.asarray([r["reward_s"] for r in recs], dtype=np.float64)
+        score = np.repeat(reward / n_turns, n_turns) if self.algo == "opd" else np.zeros(len(flat))
+        group = np.asarray([gids[r["group_id"]] for r in recs], dtype=np.int64)
+        return batch_from_turns(group, len(gids), n_turns, gen_s, tool_s, new_tok, gen_tok, score, reward, seq)
+
+
+def _new_tokens(ctx: np.ndarray, gen: np.ndarray, n_turns: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Tokens each turn adds before decoding; the last turn absorbs any gap to the trained length."""
+    ptr = np.concatenate([[0], np.cumsum(n_turns)])
+    new = np.empty_like(ctx)
+    new[:] = ctx
+    rest = np.ones(len(ctx), dtype=bool)
+    rest[ptr[:-1]] = False
+    idx = np.flatnonzero(rest)
+    new[idx] = np.maximum(ctx[idx] - ctx[idx - 1] - gen[idx - 1], 0)
+    total = np.add.reduceat(new + gen, ptr[:-1])  # [N]
+    last = ptr[1:] - 1
+    new[last] = np.maximum(new[last] + (seq - total), 0)
+    return new
+
+
+def replay_config(trace: Trace, source: TraceSource, warmup_steps: int = 1) -> SimConfig:
+    """The SimConfig that replays a trace: its mode, slots, mini-batching and staleness bound."""
+    mode, gran = parse_mode(trace.mode)
+    slots = max(s["n_rollout_slots"] for s in trace.steps)
+    n_steps = len(source.steps)
+    backward = Counter(r["step"] for r in trace.learner if r["op"] == "backward")
+    per_step = max(1, round(np.median(list(backward.values())))) if backward else 1
+    mini = max(source.group_size, source.batch_size // per_step) if mode == "fully_async" else None
+    threshold = _gate_threshold(trace, source.batch_size) if mode == "fully_async" else 1.0
+    return SimConfig(mode=mode, algo=trace.algo, granularity=gran, steps=n_steps, warmup_steps=warmup_steps,
+                     rollout_slots=slots, mini_batch=mini, staleness_threshold=threshold, min_chunk=1)
+
+
+def _gate_threshold(trace: Trace, batch_size: int) -> float:
+    """Smallest staleness threshold whose start gate admits every recorded start.
+
+    The gate admits start number i (0-based, in t_submit order) on weights v when
+    i < (v + 1 + threshold) * batch_size.
+    """
+    recs = sorted(trace.trajectories, key=lambda r: r["t_submit"])
+    need = [(i + 1) / batch_size - r["policy_version"] - 1 for i, r in enumerate(recs)]
+    return max(0.0, max(need))
+
+
+def find_traces(trace_dir) -> list[Path]:
+    """<mode>.jsonl or <algo>_<mode>.jsonl files in trace_dir, sorted."""
+    d = Path(trace_dir)
+    return sorted(p for p in d.glob("*.jsonl") if p.is_file()) if d.is_dir() else []

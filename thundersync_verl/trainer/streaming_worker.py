@@ -1,0 +1,322 @@
+"""The streaming learner: verl's Tinker-style actor worker plus four registered methods.
+
+Why:
+1. ThunderSync runs a trajectory's backward as soon as its inputs are fixed and takes ONE
+   optimizer step per batch. verl 0.9.1 already splits training into ``forward_backward`` (grads
+   accumulate with ``zero_grad_on_exit=False``) and ``optimizer_step``; this worker adds only
+   what streaming needs on top of that seam:
+       stream_begin_batch(meta)   clear buffers, validate the config, record loss_agg_mode
+       stream_backward(chunk)     backward of one chunk into .grad ("direct") or a bucket
+       stream_fold({key: coef})   .grad += coef * bucket[key] when a group closes; free buckets
+       finalize_step(scale)       the barrier: normalise, clip, optimizer step, LR step, zero
+2. The chunk's loss is ours (``stream_loss.py``), installed through the worker's loss-function
+   seam for the duration of the call, so verl's own ``update_actor`` keeps its ppo loss.
+3. A bucket backward must not mix with the direct gradient already in ``.grad``: the direct
+   gradient is set aside (the ``.grad`` references, no copy), the chunk's gradient lands in a
+   fresh ``.grad``, is added to the bucket, and the direct gradient is put back.
+4. Every method is collective-safe at any data-parallel size: checks that could differ between
+   ranks (non-finite coefficients in a rank's rows) are agreed with one all-reduce first, and
+   checks on replicated state (bucket keys, scale) fail identically everywhere, before any
+   collective. Errors state the rule, why it exists and how to fix it.
+5. Buckets are accounted by the core's ``BufferPool`` (bytes in use, peak, open buckets): the
+   figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated.
+Driver-side helpers (padded chunks, config validation, op execution) are in ``stream_driver.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, StreamingStateError
+from thundersync_verl.core.buffers import axpy_, copy_into_
+from thundersync_verl.core.errors import rule_message
+from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY, make_stream_loss
+
+DIRECT = "direct"
+_Base = va.tinker_actor_worker_base()
+register, Dispatch, ACTOR_MESH = va.worker_register_api()
+
+
+class _BatchState:
+    """Per-batch streaming state of one rank: bucket buffers and counters."""
+
+    def __init__(self, local_params: list[torch.Tensor], loss_agg_mode: str, meta: dict):
+        self.pool = BufferPool(GradLayout.from_tensors(local_params))
+        self.buckets: dict[str, list[torch.Tensor]] = {}
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_fn = make_stream_loss(loss_agg_mode)
+        self.meta = dict(meta)
+        self.failed: str | None = None
+        self.chunks = self.rows = self.folds = 0
+
+
+class StreamingActorWorker(_Base):
+    """``TinkerActorRolloutRefWorker`` with the streaming methods of the module docstring."""
+
+    def __init__(self, config, role: str, **kwargs):
+        super().__init__(config, role, **kwargs)
+        self._ts: _BatchState | None = None
+        self._ts_peak_bytes = 0
+
+    # ----- helpers ------------------------------------------------------------------------
+    def _engine(self):
+        return va.actor_engine(self)
+
+    def _params(self) -> list[torch.Tensor]:
+        return va.actor_parameters(self._engine())
+
+    def _state(self, call: str) -> _BatchState:
+        if self._ts is None:
+            raise StreamingStateError(
+                rule_message(
+                    f"{call} called with no streaming batch open",
+                    "streamed gradients belong to one batch sampled at one set of weights",
+                    "call stream_begin_batch(meta) first (and again after every finalize_step)",
+                )
+            )
+        if self._ts.failed is not None:
+            raise StreamingStateError(
+                rule_message(
+                    f"{call} refused: an earlier call of this batch failed ({self._ts.failed})",
+                    "a failed backward leaves .grad zeroed by the engine, so the batch gradient is incomplete",
+                    "drop this batch: call stream_begin_batch(meta) and stream it again",
+                )
+            )
+        return self._ts
+
+    def _agree(self, ok: bool) -> bool:
+        """True on every rank iff ``ok`` holds on every data-parallel rank (one all-reduce)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        group = va.dp_group_of(self._engine())
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    # ----- registered methods -------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stream_begin_batch(self, meta: dict) -> None:
+        """Start a batch: validate the actor config for streaming, clear buckets and grads.
+
+        ``meta``: ``loss_agg_mode`` (default: the actor's), optional ``train_batch_size``,
+        ``adv_estimator``, ``norm_adv_by_std_in_grpo`` and ``batch_id``. An open batch is dropped.
+        """
+        from thundersync_verl.trainer.stream_driver import settings_from_actor_config
+
+        meta = dict(meta or {})
+        settings = settings_from_actor_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
+        self._engine().optimizer_zero_grad()
+        local = [va.local_view(p) for p in self._params()]
+        self._ts = _BatchState(local, settings.loss_agg_mode, meta)
+
+    @register(dispatch_mode=ACTOR_MESH, blocking=False)
+    def stream_backward(self, chunk):
+        """Backward of one chunk into ``.grad`` (``ts_dest == "direct"``) or a bucket.
+
+        Returns a one-row TensorDict per data-parallel rank: ``ts_loss``, ``ts_rows``.
+        """
+        state = self._state("stream_backward")
+        dest = _check_chunk(chunk, state)
+        coefs = chunk[COEF_KEY]
+        if not self._agree(bool(torch.isfinite(coefs).all())):
+            raise StreamingInputError(
+                rule_message(
+                    "every ts_coef of a chunk must be finite",
+                    "one NaN or inf coefficient poisons the whole batch gradient",
+                    "check the rewards and the estimator before planning the chunk",
+                )
+            )
+        params = self._params()
+        stash = None
+        if dest != DIRECT:
+            stash = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        previous = va.actor_loss_fn(self)
+        va.set_actor_loss_fn(self, state.loss_fn)
+        try:
+            output = self.actor.forward_backward(data=chunk)
+        except Exception as exc:
+            state.failed = f"stream_backward: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            va.set_actor_loss_fn(self, previous)
+        if stash is not None:
+            self._harvest(state, dest, params, stash)
+        state.chunks += 1
+        state.rows += int(coefs.shape[0])
+        return _chunk_result(output, int(coefs.shape[0]))
+
+    def _harvest(self, state: _BatchState, key: str, params, stash) -> None:
+        """bucket[key] += the chunk's gradient now in .grad; then put the direct gradient back."""
+        grads = [None if p.grad is None else va.local_view(p.grad) for p in params]
+        if key in state.buckets:
+            axpy_(state.buckets[key], grads, 1.0)
+        else:
+            state.pool.reserve(key, 1, is_group=True)
+            state.buckets[key] = state.pool.allocate(key)
+            copy_into_(state.buckets[key], grads)
+        for p, g in zip(params, stash):
+            p.grad = g
+        self._ts_peak_bytes = max(self._ts_peak_bytes, state.pool.peak_bytes)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stream_fold(self, folds: dict) -> None:
+        """``.grad += coef * bucket[key]`` for every ``{key: coef}``; the buckets are freed."""
+        state = self._state("stream_fold")
+        folds = _check_folds(folds, state)
+        params = self._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [va.local_view(p.grad) for p in params]
+        for key in sorted(folds):  # a fixed order: the update does not depend on dict order
+            axpy_(grads, state.buckets.pop(key), folds[key])
+            state.pool.release(key)
+            state.folds += 1
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finalize_step(self, scale: float) -> dict:
+        """The barrier: grad *= scale, clip as verl's engine does, optimizer step, LR step, zero."""
+        state = self._state("finalize_step")
+        if state.buckets:
+            raise StreamingStateError(
+                rule_message(
+                    f"finalize_step refused: buckets {sorted(state.buckets)} are not folded",
+                    "an open group's trajectories are missing from the batch gradient until its "
+                    "bucket is folded with the group's advantage",
+                    "send stream_fold({key: coefficient}) for every bucket (the planner emits a "
+                    "FoldOp when each group closes), then call finalize_step again",
+                )
+            )
+        scale = _check_scale(scale)
+        engine = self._engine()
+        for p in self._params():
+            if p.grad is not None:
+                va.local_view(p.grad).mul_(scale)
+        with engine.train_mode(zero_grad_on_exit=True):
+            grad_norm = engine.optimizer_step()
+        lr = engine.lr_scheduler_step()
+        metrics = {"grad_norm": float(grad_norm), "lr": float(lr), **self._memory(state)}
+        metrics.update({"stream/chunks": state.chunks, "stream/rows": state.rows, "stream/folds": state.folds})
+        self._ts = None
+        return metrics
+
+    def _memory(self, state: _BatchState | None) -> dict:
+        pool = state.pool if state is not None else None
+        return {
+            "stream/buffer_bytes": pool.buffer_bytes if pool else 0,
+            "stream/bytes_in_use": pool.bytes_in_use if pool else 0,
+            "stream/peak_bytes": pool.peak_bytes if pool else 0,
+            "stream/peak_buckets": pool.peak_open_groups if pool else 0,
+            "stream/peak_bytes_lifetime": self._ts_peak_bytes,
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stream_memory(self) -> dict:
+        """This rank's bucket accounting (one full local gradient shard = ``buffer_bytes``)."""
+        state = self._ts
+        out = self._memory(state)
+        if state is None:
+            out["stream/buffer_bytes"] = GradLayout.from_tensors([va.local_view(p) for p in self._params()]).buffer_bytes
+        out["stream/open_buckets"] = sorted(state.buckets) if state is not None else []
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather_flat_params(self) -> torch.Tensor:
+        """All parameters, all-gathered and flattened to one float64 CPU vector (a collective)."""
+        with torch.no_grad():
+            return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64) for p in self._params()])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reset_actor(self) -> None:
+        """Reload the actor from its model path with a fresh optimizer and LR scheduler."""
+        va.reset_actor(self)
+        self._ts = None
+
+
+_SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
+
+
+def _check_chunk(chunk, state: _BatchState) -> str:
+    """The chunk's destination, after checks that fail identically on every rank."""
+    dest = va.non_tensor(chunk, DEST_KEY)
+    if not isinstance(dest, str) or not dest:
+        raise StreamingInputError(
+            rule_message(
+                f"a chunk needs a non-tensor {DEST_KEY!r}: 'direct' or a bucket key string (got {dest!r})",
+                "the worker must know whether the gradient joins the batch now or waits for its group",
+                "build chunks with stream_driver.build_stream_chunk(..., dest=...)",
+            )
+        )
+    if COEF_KEY not in chunk.keys() or chunk[COEF_KEY].dim() != 1:
+        raise StreamingInputError(
+            rule_message(
+                f"a chunk needs a 1-D tensor {COEF_KEY!r} with one coefficient per row",
+                "each trajectory's gradient is weighted by its own coefficient (A_i, or 1 for a bucket)",
+                "build chunks with stream_driver.build_stream_chunk",
+            )
+        )
+    return dest
+
+
+def _check_folds(folds, state: _BatchState) -> dict[str, float]:
+    if not isinstance(folds, dict):
+        raise StreamingInputError(
+            rule_message(
+                f"stream_fold needs a dict {{bucket_key: coefficient}} (got {type(folds).__name__})",
+                "each bucket is folded with its own group advantage",
+                "pass FoldOp.folds from the planner",
+            )
+        )
+    missing = sorted(k for k in folds if k not in state.buckets)
+    if missing:
+        raise StreamingInputError(
+            rule_message(
+                f"stream_fold names buckets {missing} that hold no gradient (open: {sorted(state.buckets)})",
+                "folding a bucket that was never filled or was already folded would count trajectories "
+                "zero or two times",
+                "fold exactly the buckets the planner's FoldOp lists, once",
+            )
+        )
+    out = {}
+    for key, coef in folds.items():
+        value = float(coef)
+        if not math.isfinite(value):
+            raise StreamingInputError(
+                rule_message(
+                    f"fold coefficient of bucket {key!r} is {coef!r}",
+                    "a non-finite coefficient poisons the batch gradient",
+                    "check the group's rewards and the estimator's epsilon",
+                )
+            )
+        out[key] = value
+    return out
+
+
+def _check_scale(scale) -> float:
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise StreamingInputError(
+            rule_message(
+                f"finalize_step needs a finite positive scale (got {scale!r})",
+                "the scale is the deferred batch normaliser (e.g. 1/N_tokens); zero or NaN would "
+                "erase or poison the update",
+                "pass FinalizeOp.scale from the planner; a batch with no scored tokens cannot step",
+            )
+        )
+    return value
+
+
+def _chunk_result(output, rows: int):
+    from tensordict import TensorDict
+
+    loss = float("nan")
+    if output is not None:
+        metrics = va.non_tensor(output, "metrics", {}) or {}
+        loss = float(metrics.get("loss", float("nan")))
+    return TensorDict(
+        {"ts_loss": torch.tensor([loss], dtype=torch.float64), "ts_rows": torch.tensor([rows])}, batch_size=[1]
+    )
