@@ -6,6 +6,7 @@ from thundersync_verl.verl_patches import when_imported
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 CHECKPOINT_ENGINE_MODULE = "verl.checkpoint_engine.base"
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 
 
 def _register_agent_loops(_module) -> None:
@@ -18,6 +19,11 @@ def _register_checkpoint_engine(_module) -> None:
     register_checkpoint_engine()
 
 
+def _register_trainers(_module) -> None:
+    import thundersync_verl.trainer.thundersync_trainer  # noqa: F401  (registers trainer mode "thundersync")
+
+
 def register_lazy() -> None:
+    when_imported(TRAINER_MODULE, _register_trainers)
     when_imported(AGENT_LOOP_MODULE, _register_agent_loops)
     when_imported(CHECKPOINT_ENGINE_MODULE, _register_checkpoint_engine)

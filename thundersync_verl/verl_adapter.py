@@ -224,3 +224,42 @@ def grpo_compute_advantage(data, *, adv_estimator: str, norm_adv_by_std_in_grpo:
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
     return compute_advantage(data, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+
+
+def td_get(data, key: str, default=None):
+    """A value of a TensorDict returned by a worker group, unwrapped to plain Python/tensors."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get(data, key, default)
+
+
+def unpad_response(tensor, data):
+    """A no-padding per-token output (e.g. log_probs) as a padded [B, T_response] tensor."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(tensor, data)
+
+
+def actor_micro_batch_size(worker):
+    """``(use_dynamic_bsz, micro_batch_size_per_gpu)`` of the actor's training engine config."""
+    cfg = worker.actor.engine_config
+    return bool(cfg.use_dynamic_bsz), cfg.micro_batch_size_per_gpu
+
+
+# -- trainer (the ThunderSync trainer's view of verl's V1 trainer machinery) -----------------
+def trainer_api():
+    """verl's V1 trainer pieces the ThunderSync trainer builds on, in one namespace."""
+    from types import SimpleNamespace
+
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.debug import marked_timer
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    return SimpleNamespace(tq=tq, KVBatchMeta=KVBatchMeta, CheckpointEngineManager=CheckpointEngineManager, Role=Role,
+                           PPOTrainer=PPOTrainer, register_trainer=register_trainer, marked_timer=marked_timer,
+                           omega_conf_to_dataclass=omega_conf_to_dataclass, LLMServerManager=LLMServerManager)

@@ -41,7 +41,8 @@ from . import scheduling as _scheduling
 from .buffers import BufferPool, GradLayout, axpy_, copy_into_
 from .errors import StreamingConfigError, StreamingInputError, StreamingStateError, rule_message
 from .estimators import GroupEstimator
-from .groups import ANY, NEG, POS, GroupState, TrajectoryState, canonical_sorted, check_group_sizes, check_reward, variant_of
+from .groups import ANY, NEG, POS, GroupState, TrajectoryState, canonical_sorted, check_group_sizes
+from .groups import check_reward, check_same_reward, variant_of
 from .normalizers import BatchCounts, check_count, check_loss_agg_mode
 
 PATHS = ("auto", "affine", "buckets")
@@ -87,7 +88,8 @@ class StreamingGradientAccumulator:
         self.sign_buckets = bool(sign_buckets)
         self.independent_terms = bool(independent_terms)
         self.path = self._choose_path(path)
-        if max_distinct_rewards is not None and (not isinstance(max_distinct_rewards, int) or max_distinct_rewards < 1):
+        bad = isinstance(max_distinct_rewards, bool) or not isinstance(max_distinct_rewards, int)
+        if max_distinct_rewards is not None and (bad or max_distinct_rewards < 1):
             raise StreamingConfigError(
                 rule_message(
                     f"max_distinct_rewards must be a positive int or None (got {max_distinct_rewards!r})",
@@ -153,6 +155,11 @@ class StreamingGradientAccumulator:
     @property
     def counts(self) -> BatchCounts:
         return BatchCounts(self._counts.num_tokens, self._counts.num_sequences)
+
+    def reset_peaks(self) -> None:
+        """Restart peak_bytes / peak_open_groups from the current usage (e.g. per batch)."""
+        self.pool.peak_bytes = self.pool.bytes_in_use
+        self.pool.peak_open_groups = self.pool.open_groups
 
     def group_reservation(self, gid: Hashable) -> int:
         """Buffers a group reserves when it first needs memory (its worst case)."""
@@ -236,7 +243,7 @@ class StreamingGradientAccumulator:
         r = check_reward(gid, tid, reward)
         traj = g.trajs.get(tid)
         if traj is not None and traj.reward is not None:
-            self._check_same_reward(gid, tid, traj.reward, r)
+            check_same_reward(gid, tid, traj.reward, r)
             return
         coefs = self._coefs_if_closing(g, tid, r)
         if coefs is None and traj is not None and traj.pending is not None:
@@ -250,17 +257,6 @@ class StreamingGradientAccumulator:
             traj.pending = None
             self.pool.release(("pending", gid, tid))
         _folding.advance_commits(self)
-
-    @staticmethod
-    def _check_same_reward(gid: Hashable, tid: Hashable, old: float, new: float) -> None:
-        if old != new:
-            raise StreamingInputError(
-                rule_message(
-                    f"trajectory ({gid!r}, {tid!r}) already has reward {old}, now given {new}",
-                    "a reward may already be folded into the group statistics",
-                    "report each reward once, or fix the duplicate trajectory id",
-                )
-            )
 
     def _coefs_if_closing(self, g: GroupState, tid: Hashable, r: float) -> dict | None:
         """The group's coefficients if recording reward ``r`` for ``tid`` closes it, else None."""
@@ -340,7 +336,7 @@ class StreamingGradientAccumulator:
         known = traj.reward if traj is not None else None
         r = None if reward is None else check_reward(gid, tid, reward)
         if r is not None and known is not None:
-            self._check_same_reward(gid, tid, known, r)
+            check_same_reward(gid, tid, known, r)
         eff = known if known is not None else r
         coefs = None if (r is None or known is not None) else self._coefs_if_closing(g, tid, r)
         closed_after = g.closed or coefs is not None
@@ -432,16 +428,17 @@ class StreamingGradientAccumulator:
                         "add it once per trajectory",
                     )
                 )
-        if self.path == "canonical":
-            if g is None or not self.independent_terms:
-                raise StreamingConfigError(
-                    rule_message(
-                        "canonical order needs independent gradients keyed by (group_id, traj_id) "
-                        "and independent_terms=True",
-                        "a fixed reduction order must know where each term goes in the sum",
-                        "construct with independent_terms=True and pass key=(gid, tid)",
-                    )
+        if (self.path == "canonical" or self.independent_terms) and (g is None or not self.independent_terms):
+            raise StreamingConfigError(
+                rule_message(
+                    "canonical order and independent_terms=True need independent gradients keyed by "
+                    "(group_id, traj_id), with independent_terms=True",
+                    "a fixed reduction order must know where each term goes in the sum, and the "
+                    "barrier checks that every trajectory's term arrived",
+                    "construct with independent_terms=True and pass key=(gid, tid)",
                 )
+            )
+        if self.path == "canonical":
             _scheduling.reserve(self, g, need_group=True, pending=False, tid=None)
         if g is not None:
             traj = g.trajs.setdefault(key[1], TrajectoryState())  # type: ignore[index]
@@ -460,27 +457,33 @@ class StreamingGradientAccumulator:
         self.add_independent_grad([p.grad for p in params], **kwargs)
         _zero_grads(params)
 
-    # ----- canonical order ----------------------------------------------------------------
-    # ----- chunks, scheduling, barrier (thin wrappers) ------------------------------------
+    # ----- chunks, scheduling, barrier (thin wrappers; see those modules) -------------------
     def plan_chunk(self, items: Sequence[tuple[Hashable, Hashable]]) -> ChunkPlan:
+        """Loss weights letting ``items`` share one backward (scheduling.plan_chunk)."""
         return _scheduling.plan_chunk(self, items)
 
     def add_chunk_grad(self, plan: ChunkPlan, grads, num_tokens: Sequence[int], grads_negative=None) -> None:
+        """Add the gradient of a planned chunk (scheduling.add_chunk_grad)."""
         _scheduling.add_chunk_grad(self, plan, grads, num_tokens, grads_negative)
 
     def rank_ready(self, items: Sequence[tuple[Hashable, Hashable]]) -> "_scheduling.ScheduleHint":
+        """Ready trajectories ordered to bound open groups, plus those that must wait."""
         return _scheduling.rank_ready(self, items)
 
     def split_into_chunks(self, items, max_chunk_size: int, min_open_chunk: int = 1):
+        """Ranked ready trajectories grouped into valid chunks, plus the waiting ones."""
         return _scheduling.split_into_chunks(self, items, max_chunk_size, min_open_chunk)
 
     def pending_work(self) -> list[str]:
+        """What still blocks the barrier (empty when the step may run)."""
         return _barrier.pending_work(self)
 
     def compute_batch_gradient(self, **normaliser) -> list[torch.Tensor]:
+        """A normalised copy of the batch gradient; the batch stays open."""
         return _barrier.compute_batch_gradient(self, **normaliser)
 
     def finish_batch(self, params=None, **kwargs) -> "_barrier.BarrierReport":
+        """The barrier: normalise, write, reduce, clip, step, schedule, zero (barrier.py)."""
         return _barrier.finish_batch(self, params, **kwargs)
 
 

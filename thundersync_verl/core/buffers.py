@@ -223,6 +223,15 @@ class BufferPool:
             self.release(owner)
 
 
+def _async_ok(dst: torch.Tensor) -> bool:
+    """Non-blocking copies are safe only INTO device memory: the consumer runs on the same stream.
+
+    A non-blocking device-to-host copy returns before the data lands, and the CPU would then
+    read it too early; those copies stay blocking.
+    """
+    return dst.device.type != "cpu"
+
+
 def axpy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float) -> None:
     """dst += alpha * src, shard by shard (None entries of ``src`` are zero gradients)."""
     if alpha == 0.0:
@@ -230,7 +239,7 @@ def axpy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha
     for d, s in zip(dst, src):
         if s is None:
             continue
-        s = s.to(device=d.device, dtype=d.dtype, non_blocking=True)
+        s = s.to(device=d.device, dtype=d.dtype, non_blocking=_async_ok(d))
         if alpha == 1.0:
             d.add_(s)
         else:
@@ -243,4 +252,4 @@ def copy_into_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None]) 
         if s is None:
             d.zero_()
         else:
-            d.copy_(s, non_blocking=True)
+            d.copy_(s, non_blocking=_async_ok(d))

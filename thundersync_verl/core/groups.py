@@ -54,6 +54,18 @@ def check_reward(gid: Hashable, tid: Hashable, reward: object) -> float:
     return value
 
 
+def check_same_reward(gid: Hashable, tid: Hashable, old: float, new: float) -> None:
+    """A reward may be reported again only with the same value."""
+    if old != new:
+        raise StreamingInputError(
+            rule_message(
+                f"trajectory ({gid!r}, {tid!r}) already has reward {old}, now given {new}",
+                "a reward may already be folded into the group statistics",
+                "report each reward once, or fix the duplicate trajectory id",
+            )
+        )
+
+
 @dataclass
 class TrajectoryState:
     reward: float | None = None

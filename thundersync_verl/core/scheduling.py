@@ -128,11 +128,12 @@ def rank_ready(acc: "StreamingGradientAccumulator", items: Sequence[Item]) -> Sc
             hint.run.append(item)
         else:
             hint.wait.append(item)
-    extra = _admit_new_groups(acc, classes[3], hint, extra, pos, key)
+    _admit_new_groups(acc, classes[3], hint, extra, pos, key)
     return hint
 
 
-def _admit_new_groups(acc, items: list[Item], hint: ScheduleHint, extra: int, pos: dict, key) -> int:
+def _admit_new_groups(acc, items: list[Item], hint: ScheduleHint, extra: int, pos: dict, key) -> None:
+    """Admit whole new groups in priority order while their reservations fit (point 1.3)."""
     by_group: dict[Hashable, list[Item]] = {}
     for it in items:
         by_group.setdefault(it[0], []).append(it)
@@ -160,7 +161,6 @@ def _admit_new_groups(acc, items: list[Item], hint: ScheduleHint, extra: int, po
             hint.run.extend(members)
         else:
             hint.wait.extend(members)
-    return extra
 
 
 def _item_ranks(items: Sequence[Item], pos: dict) -> dict:

@@ -21,7 +21,7 @@ from .metrics import comparison_table
 from .planner import plan
 from .presets import (PAPER_CHUNK_OVERHEAD_S, PAPER_OPTIMIZER_S, PAPER_ROLLOUT, PAPER_WEIGHT_SYNC_FIXED_S,
                       PAPER_WORKLOAD, Setting, paper_setting, scale_setting)
-from .trace import TraceSource, fit_learner_costs, load_trace, replay_config
+from .trace import TraceSource, load_trace, replay
 from .workload import SyntheticSource
 
 GPUS = {"B200": B200, "H100": H100}
@@ -79,18 +79,18 @@ def cmd_simulate(args) -> int:
         w, r = _workload(args, setting.workload, setting.rollout)
         setting = replace(setting, workload=w, rollout=r)
     source, setting = _source(args, setting)
-    costs = setting.costs
-    if args.trace and args.fit_costs:
-        costs = fit_learner_costs(load_trace(args.trace))
+    costs, base = setting.costs, None
+    if args.trace and args.fit_costs:  # the trace's own learner and chunking, other modes played on it
+        base, _, costs = replay(load_trace(args.trace))
     results = []
     for mode in args.modes.split(","):
         cfg = SimConfig(mode=mode, algo=args.algo, granularity=args.granularity if mode == "thundersync" else None,
                         steps=args.steps, rollout_slots=setting.rollout.slots, budget_groups=args.budget_groups,
                         gpus=setting.cluster.gpus, bytes_per_buffer=setting.bytes_per_buffer,
                         record_timeline=bool(args.timeline))
-        if args.trace and args.fit_costs:
-            base = replay_config(load_trace(args.trace), source)
-            cfg = replace(cfg, mini_batch=base.mini_batch, staleness_threshold=base.staleness_threshold, min_chunk=1)
+        if base is not None:
+            cfg = replace(cfg, mini_batch=base.mini_batch, staleness_threshold=base.staleness_threshold, min_chunk=1,
+                          max_chunk=base.max_chunk if mode == "thundersync" else None)
         results.append(simulate(cfg, source, costs))
     print(comparison_table(results))
     if args.timeline:

@@ -72,6 +72,9 @@ class SimConfig:
         if self.steps <= self.warmup_steps:
             raise ValueError(f"steps={self.steps} must exceed warmup_steps={self.warmup_steps}: the "
                              "steady-state window starts after warm-up; run more steps")
+        if self.mode in ("async", "fully_async") and self.warmup_steps < 1:
+            raise ValueError(f"{self.mode} needs warmup_steps >= 1: its first step fills the pipeline and is "
+                             "not representative of the steady state")
         if self.rollout_slots < 1 or batch_size < 1:
             raise ValueError("rollout_slots and the batch size must be >= 1")
 

@@ -102,7 +102,7 @@ class _State:
         self.ready: deque = deque()  # blocks of trajectory ids (a whole group, or one OPD trajectory)
         self.n_ready = self.consumed = self.tokens = self.trained = 0
         self.meter = _RolloutMeter()
-        self.learner_log: list = []  # (t0, t1, kind)
+        self.learner_log: list = []  # (t0, t1, kind, tokens, chunk overhead inside it)
         self.learner_phase: str | None = None
         self.learner_until, self.learner_idle_since = np.inf, 0.0
         self.chunk_ids: list[int] = []

@@ -84,34 +84,40 @@ def plot_timelines(results: list, path, n_steps: int = 3, first_step: int = 1, m
 
 
 def plot_scale(rows: list[dict], path) -> str:
-    """rows: {gpus, model, tail, mode, speedup, accum_gb_per_rank, budget_gb_per_rank}."""
+    """rows: {gpus, model, tail, mode, speedup, accum_gb_per_rank, unbounded_gb_per_rank, budget_gb_per_rank}.
+
+    One speedup panel per (model, tail), modes as lines; a last panel with ThunderSync's
+    accumulator memory per rank (under the budget, and unbounded) against the budget.
+    """
     combos = sorted({(r["model"], r["tail"]) for r in rows})
-    modes = sorted({r["mode"] for r in rows})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = ["-", "--", ":", "-."]
-    for ci, (model, tail) in enumerate(combos):
+    modes = [m for m in ("sync", "async", "fully_async", "thundersync") if any(r["mode"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(combos) + 1, figsize=(3.6 * (len(combos) + 1), 3.8))
+    for ax, (model, tail) in zip(axes, combos):
         for mi, mode in enumerate(modes):
-            sel = sorted((r for r in rows if r["model"] == model and r["tail"] == tail and r["mode"] == mode),
+            sel = sorted((r for r in rows if (r["model"], r["tail"], r["mode"]) == (model, tail, mode)),
                          key=lambda r: r["gpus"])
-            if sel:
-                ax1.plot([r["gpus"] for r in sel], [r["speedup"] for r in sel], styles[ci % 4], marker="o",
-                         color=f"C{mi}", label=f"{mode} {model}/{tail}")
-        ts = sorted((r for r in rows if r["model"] == model and r["tail"] == tail and r["mode"] == "thundersync"),
+            ax.plot([r["gpus"] for r in sel], [r["speedup"] for r in sel], marker="o", color=f"C{mi}", label=mode)
+        ax.set_title(f"{model}, {tail} turns", fontsize=9)
+        ax.set_ylabel("speedup over Sync")
+    mem = axes[-1]
+    for ci, (model, tail) in enumerate(combos):
+        ts = sorted((r for r in rows if (r["model"], r["tail"], r["mode"]) == (model, tail, "thundersync")),
                     key=lambda r: r["gpus"])
-        if ts:
-            ax2.plot([r["gpus"] for r in ts], [r["accum_gb_per_rank"] for r in ts], styles[ci % 4], marker="o",
-                     color=f"C{ci}", label=f"accumulators {model}/{tail}")
-            ax2.plot([r["gpus"] for r in ts], [r["budget_gb_per_rank"] for r in ts], styles[ci % 4],
-                     color="grey", alpha=0.6)
-    for ax in (ax1, ax2):
+        g = [r["gpus"] for r in ts]
+        mem.plot(g, [r["accum_gb_per_rank"] for r in ts], marker="o", color=f"C{ci}", label=f"{model}/{tail}")
+        mem.plot(g, [r["unbounded_gb_per_rank"] for r in ts], ls=":", color=f"C{ci}")
+    budget = sorted({(r["gpus"], r["budget_gb_per_rank"]) for r in rows})
+    mem.plot([b[0] for b in budget], [b[1] for b in budget], color="black", lw=2, alpha=0.5, label="budget")
+    mem.set_yscale("log")
+    mem.set_title("accumulators per rank (dotted: unbounded)", fontsize=9)
+    mem.set_ylabel("GB per learner rank")
+    gpus = sorted({r["gpus"] for r in rows})
+    for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xlim(gpus[0] / 1.5, gpus[-1] * 1.5)
         ax.set_xlabel("GPUs")
         ax.grid(alpha=0.3)
-    ax1.set_ylabel("speedup over Sync")
-    ax1.legend(fontsize=6, ncol=2)
-    ax2.set_ylabel("accumulator GB per learner rank (grey: budget)")
-    ax2.set_yscale("log")
-    ax2.legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

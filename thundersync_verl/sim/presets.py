@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .dists import const, lognormal
+from .dists import lognormal, pareto
 from .engine import SimConfig
 from .hardware import (B200, ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, learner_costs_from_hardware,
                        TRAIN_STATE_BYTES_PER_PARAM, open_groups_within, training_state_fits, weight_sync_seconds)
@@ -130,7 +130,8 @@ def _paper_table(w: WorkloadSpec, c: LearnerCosts) -> tuple:
         Param("rollout slots", r.slots, "sequences", ASSUMED, "the whole batch in flight, 64 per GPU"),
         Param("decode time per token per sequence", r.decode_s_per_token, "s", ASSUMED,
               "~77 tok/s per sequence, 64 sequences per B200"),
-        Param("prefill time per new token", r.prefill_s_per_token, "s", ASSUMED, "prefix-cached prefill of tool output"),
+        Param("prefill time per new token", r.prefill_s_per_token, "s", ASSUMED,
+              "prefix-cached prefill of tool output"),
         Param("turns per trajectory", w.turns.describe(), "turns", ASSUMED, "heavy tail, capped by max turns/context"),
         Param("prompt tokens", w.prompt_tokens.describe(), "tokens", ASSUMED, "issue text + repo context"),
         Param("generated tokens per turn", w.gen_tokens.describe(), "tokens", ASSUMED, "short tool-calling actions"),
@@ -141,6 +142,9 @@ def _paper_table(w: WorkloadSpec, c: LearnerCosts) -> tuple:
               "teacher server scores each turn's new tokens"),
         Param("OPD per-turn backward", "keeps the prefix graph (no recompute)", "", ASSUMED,
               "linear cost; prefix recompute would be quadratic in turns"),
+        Param("fully-async pipeline", "threshold 1, mini-batch 64, optimizer per mini-batch", "", ASSUMED,
+              "verl fully_async style: one PPO update per mini-batch, weights pushed per 256"),
+        Param("steps simulated", PAPER_STEPS, "steps", ASSUMED, "averages the heavy tail; the paper ran ~80"),
     ]
     return tuple(rows)
 
@@ -151,13 +155,16 @@ def param_table_rows(setting: Setting) -> list[list]:
 
 # ------------------------------------------------------------------ scale-out family
 SCALE_HOST_MEM_FRACTION = 0.8  # share of host memory per learner rank given to accumulators
+SCALE_MAX_BATCH = 16_384  # trajectories per step stop growing here (64 per rollout GPU below it)
+SCALE_SYNC_PARALLELISM = 8  # weight push bandwidth grows with nodes (one stream per node), up to 8x
+SCALE_LARGE_DECODE_FACTOR = 1.6  # assumed slower decode per sequence for a 235B model on TP-8 engines
 SCALE_MODELS = {
     "30B": ModelSpec("30B dense", params=30e9, layers=64, hidden=5120),
     "235B": ModelSpec("235B dense-equivalent", params=235e9, layers=94, hidden=12288),
 }
 
 
-def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = 0.40) -> Setting:
+def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = PAPER_MFU) -> Setting:
     """A cluster of `gpus` B200 split half learner / half rollout, for a model and tail shape.
 
     The batch grows with the rollout fleet (64 sequences per rollout GPU, capped at 16k per
@@ -175,14 +182,14 @@ def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = 0.40) -> Se
     if not training_state_fits(model, B200, cluster):
         raise ValueError(f"{model.name} training state ({TRAIN_STATE_BYTES_PER_PARAM} B/param) does not fit "
                          f"{learner} learner GPUs; use a larger cluster for this model")
-    slots = min(64 * (gpus - learner), 16_384)
-    groups = max(1, slots // 8)
-    turns = lognormal(36, 0.75) if tail == "lognormal" else _pareto_turns()
-    workload = replace(PAPER_WORKLOAD, groups_per_step=groups, turns=turns,
+    slots = min(64 * (gpus - learner), SCALE_MAX_BATCH)
+    groups = max(1, slots // PAPER_WORKLOAD.group_size)
+    workload = replace(PAPER_WORKLOAD, groups_per_step=groups, turns=scale_turns(tail),
                        detail="aggregate" if slots > 512 else "full")  # per-turn draws only where cheap
-    decode = PAPER_ROLLOUT.decode_s_per_token * (1.0 if model.params < 100e9 else 1.6)
+    decode = PAPER_ROLLOUT.decode_s_per_token * (1.0 if model.params < 100e9 else SCALE_LARGE_DECODE_FACTOR)
     rollout = replace(PAPER_ROLLOUT, slots=slots, decode_s_per_token=decode)
-    wsync = weight_sync_seconds(model, PAPER_WEIGHT_SYNC_GBPS * max(1, min(8, gpus // 8)), PAPER_WEIGHT_SYNC_FIXED_S)
+    streams = max(1, min(SCALE_SYNC_PARALLELISM, gpus // 8))
+    wsync = weight_sync_seconds(model, PAPER_WEIGHT_SYNC_GBPS * streams, PAPER_WEIGHT_SYNC_FIXED_S)
     costs = learner_costs_from_hardware(model, B200, cluster, mfu, chunk_overhead_s=PAPER_CHUNK_OVERHEAD_S,
                                         optimizer_s=PAPER_OPTIMIZER_S, weight_sync_s=wsync)
     budget = open_groups_within(model, cluster, SCALE_HOST_MEM_FRACTION * B200.host_mem_gb * 1e9)
@@ -190,15 +197,11 @@ def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = 0.40) -> Se
                    budget_groups=max(budget, 0))
 
 
-def _pareto_turns():
-    from .dists import pareto
-
-    return pareto(14, 1.6)
-
-
-def const_workload(**kw) -> WorkloadSpec:
-    """A deterministic workload for tests: constant turns, tokens and latencies."""
-    base = dict(turns=const(4), icc=0.0, prompt_tokens=const(100), gen_tokens=const(50), obs_tokens=const(50),
-                tool_s=const(1.0), reward_s=const(1.0))
-    base.update(kw)
-    return replace(WorkloadSpec(), **base)
+def scale_turns(tail: str):
+    """The paper's lognormal turn count, or a Pareto (alpha 1.6) with the same median."""
+    base = PAPER_WORKLOAD.turns
+    if tail == "lognormal":
+        return base
+    if tail == "pareto":
+        return pareto(base.median / 2 ** (1 / 1.6), 1.6)
+    raise ValueError(f"tail {tail!r} must be 'lognormal' or 'pareto'")

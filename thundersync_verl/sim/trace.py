@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -238,16 +238,43 @@ def _new_tokens(ctx: np.ndarray, gen: np.ndarray, n_turns: np.ndarray, seq: np.n
 
 
 def replay_config(trace: Trace, source: TraceSource, warmup_steps: int = 1) -> SimConfig:
-    """The SimConfig that replays a trace: its mode, slots, mini-batching and staleness bound."""
+    """The SimConfig that replays a trace: its mode, slots, chunking, mini-batching and staleness bound."""
     mode, gran = parse_mode(trace.mode)
     slots = max(s["n_rollout_slots"] for s in trace.steps)
-    n_steps = len(source.steps)
-    backward = Counter(r["step"] for r in trace.learner if r["op"] == "backward")
-    per_step = max(1, round(np.median(list(backward.values())))) if backward else 1
+    per_step = _backward_records_per_step(trace)
     mini = max(source.group_size, source.batch_size // per_step) if mode == "fully_async" else None
     threshold = _gate_threshold(trace, source.batch_size) if mode == "fully_async" else 1.0
-    return SimConfig(mode=mode, algo=trace.algo, granularity=gran, steps=n_steps, warmup_steps=warmup_steps,
-                     rollout_slots=slots, mini_batch=mini, staleness_threshold=threshold, min_chunk=1)
+    cfg = SimConfig(mode=mode, algo=trace.algo, granularity=gran, steps=len(source.steps),
+                    warmup_steps=warmup_steps, rollout_slots=slots, mini_batch=mini,
+                    staleness_threshold=threshold, min_chunk=1)
+    return replace(cfg, max_chunk=_largest_chunk(trace, source, cfg)) if mode == "thundersync" else cfg
+
+
+def replay(trace: Trace, warmup_steps: int = 1) -> tuple[SimConfig, TraceSource, LearnerCosts]:
+    """Config, batches and fitted costs that replay a trace, with the per-chunk overhead
+    scaled to the trainer's chunking: a batch-granularity step that the trainer ran as R
+    backward records pays R record overheads in its single simulated chunk."""
+    source = TraceSource(trace)
+    cfg = replay_config(trace, source, warmup_steps)
+    costs = fit_learner_costs(trace)
+    if cfg.resolved_granularity() == "batch":
+        costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s * _backward_records_per_step(trace))
+    return cfg, source, costs
+
+
+def _backward_records_per_step(trace: Trace) -> int:
+    counts = Counter(r["step"] for r in trace.learner if r["op"] == "backward")
+    return max(1, round(float(np.median(list(counts.values()))))) if counts else 1
+
+
+def _largest_chunk(trace: Trace, source: TraceSource, cfg: SimConfig) -> int | None:
+    """1 when the trainer streamed one unit per backward record, else None (all ready units).
+
+    These are the two policies a streaming trainer uses; the record count tells them apart.
+    """
+    batch = source.batch(0)
+    units = len(batch.turn_lo) if cfg.resolved_granularity() == "turn" else batch.size
+    return 1 if _backward_records_per_step(trace) >= 0.9 * units else None
 
 
 def _gate_threshold(trace: Trace, batch_size: int) -> float:

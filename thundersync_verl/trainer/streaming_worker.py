@@ -20,12 +20,14 @@ Why:
    collective. Errors state the rule, why it exists and how to fix it.
 5. Buckets are accounted by the core's ``BufferPool`` (bytes in use, peak, open buckets): the
    figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated.
-Driver-side helpers (padded chunks, config validation, op execution) are in ``stream_driver.py``.
+The driver side (``StreamingLearnerClient``) executes the planner's ops against a worker group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 
@@ -33,7 +35,8 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, StreamingStateError
 from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY, make_stream_loss
+from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY, build_stream_chunk, make_stream_loss
+from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp, settings_from_verl_config
 
 DIRECT = "direct"
 _Base = va.tinker_actor_worker_base()
@@ -60,6 +63,24 @@ class StreamingActorWorker(_Base):
         super().__init__(config, role, **kwargs)
         self._ts: _BatchState | None = None
         self._ts_peak_bytes = 0
+        self._ts_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str):
+        """One streaming call at a time: verl's worker is an asyncio actor whose plain methods run
+        on a thread pool, so overlapping calls would interleave backward, fold and step."""
+        if not self._ts_lock.acquire(blocking=False):
+            raise StreamingStateError(
+                rule_message(
+                    f"{call} called while another streaming call is still running on this worker",
+                    "backward, fold and step of one batch must run in the order the planner emitted them",
+                    "wait for each call's result before sending the next (StreamingLearnerClient does)",
+                )
+            )
+        try:
+            yield
+        finally:
+            self._ts_lock.release()
 
     # ----- helpers ------------------------------------------------------------------------
     def _engine(self):
@@ -103,22 +124,25 @@ class StreamingActorWorker(_Base):
         ``meta``: ``loss_agg_mode`` (default: the actor's), optional ``train_batch_size``,
         ``adv_estimator``, ``norm_adv_by_std_in_grpo`` and ``batch_id``. An open batch is dropped.
         """
-        from thundersync_verl.trainer.stream_driver import settings_from_actor_config
-
         meta = dict(meta or {})
-        settings = settings_from_actor_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
-        self._engine().optimizer_zero_grad()
-        local = [va.local_view(p) for p in self._params()]
-        self._ts = _BatchState(local, settings.loss_agg_mode, meta)
+        settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
+        with self._exclusive("stream_begin_batch"):
+            self._engine().optimizer_zero_grad()
+            local = [va.local_view(p) for p in self._params()]
+            self._ts = _BatchState(local, settings.loss_agg_mode, meta)
 
-    @register(dispatch_mode=ACTOR_MESH, blocking=False)
+    @register(dispatch_mode=ACTOR_MESH)
     def stream_backward(self, chunk):
         """Backward of one chunk into ``.grad`` (``ts_dest == "direct"``) or a bucket.
 
         Returns a one-row TensorDict per data-parallel rank: ``ts_loss``, ``ts_rows``.
         """
+        with self._exclusive("stream_backward"):
+            return self._stream_backward(chunk)
+
+    def _stream_backward(self, chunk):
         state = self._state("stream_backward")
-        dest = _check_chunk(chunk, state)
+        dest = _check_chunk(chunk)
         coefs = chunk[COEF_KEY]
         if not self._agree(bool(torch.isfinite(coefs).all())):
             raise StreamingInputError(
@@ -128,6 +152,7 @@ class StreamingActorWorker(_Base):
                     "check the rewards and the estimator before planning the chunk",
                 )
             )
+        self._fit_micro_batches(chunk)
         params = self._params()
         stash = None
         if dest != DIRECT:
@@ -149,6 +174,20 @@ class StreamingActorWorker(_Base):
         state.rows += int(coefs.shape[0])
         return _chunk_result(output, int(coefs.shape[0]))
 
+    def _fit_micro_batches(self, chunk) -> None:
+        """Micro-batches of at most the configured size that divide this rank's rows exactly.
+
+        verl's fixed-size micro-batching needs the local rows to be a multiple of the micro-batch
+        size; a streamed chunk has any size, so the largest divisor not above it is used (every
+        rank holds the same number of rows, so every rank runs the same number of micro-batches).
+        """
+        dynamic, configured = va.actor_micro_batch_size(self)
+        if dynamic or "micro_batch_size_per_gpu" in chunk.keys():
+            return
+        rows = int(chunk.batch_size[0])
+        size = max(d for d in range(1, min(rows, int(configured or rows)) + 1) if rows % d == 0)
+        va.assign_non_tensor(chunk, micro_batch_size_per_gpu=size)
+
     def _harvest(self, state: _BatchState, key: str, params, stash) -> None:
         """bucket[key] += the chunk's gradient now in .grad; then put the direct gradient back."""
         grads = [None if p.grad is None else va.local_view(p.grad) for p in params]
@@ -165,6 +204,10 @@ class StreamingActorWorker(_Base):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def stream_fold(self, folds: dict) -> None:
         """``.grad += coef * bucket[key]`` for every ``{key: coef}``; the buckets are freed."""
+        with self._exclusive("stream_fold"):
+            self._stream_fold(folds)
+
+    def _stream_fold(self, folds: dict) -> None:
         state = self._state("stream_fold")
         folds = _check_folds(folds, state)
         params = self._params()
@@ -180,6 +223,10 @@ class StreamingActorWorker(_Base):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def finalize_step(self, scale: float) -> dict:
         """The barrier: grad *= scale, clip as verl's engine does, optimizer step, LR step, zero."""
+        with self._exclusive("finalize_step"):
+            return self._finalize_step(scale)
+
+    def _finalize_step(self, scale: float) -> dict:
         state = self._state("finalize_step")
         if state.buckets:
             raise StreamingStateError(
@@ -196,9 +243,13 @@ class StreamingActorWorker(_Base):
         for p in self._params():
             if p.grad is not None:
                 va.local_view(p.grad).mul_(scale)
-        with engine.train_mode(zero_grad_on_exit=True):
-            grad_norm = engine.optimizer_step()
-        lr = engine.lr_scheduler_step()
+        try:
+            with engine.train_mode(zero_grad_on_exit=True):
+                grad_norm = engine.optimizer_step()  # clip the full batch gradient, step (skips if non-finite)
+            lr = engine.lr_scheduler_step()
+        except Exception as exc:
+            state.failed = f"finalize_step: {type(exc).__name__}: {exc}"
+            raise
         metrics = {"grad_norm": float(grad_norm), "lr": float(lr), **self._memory(state)}
         metrics.update({"stream/chunks": state.chunks, "stream/rows": state.rows, "stream/folds": state.folds})
         self._ts = None
@@ -240,7 +291,7 @@ class StreamingActorWorker(_Base):
 _SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
 
 
-def _check_chunk(chunk, state: _BatchState) -> str:
+def _check_chunk(chunk) -> str:
     """The chunk's destination, after checks that fail identically on every rank."""
     dest = va.non_tensor(chunk, DEST_KEY)
     if not isinstance(dest, str) or not dest:
@@ -248,7 +299,7 @@ def _check_chunk(chunk, state: _BatchState) -> str:
             rule_message(
                 f"a chunk needs a non-tensor {DEST_KEY!r}: 'direct' or a bucket key string (got {dest!r})",
                 "the worker must know whether the gradient joins the batch now or waits for its group",
-                "build chunks with stream_driver.build_stream_chunk(..., dest=...)",
+                "build chunks with stream_loss.build_stream_chunk(..., dest=...)",
             )
         )
     if COEF_KEY not in chunk.keys() or chunk[COEF_KEY].dim() != 1:
@@ -256,7 +307,7 @@ def _check_chunk(chunk, state: _BatchState) -> str:
             rule_message(
                 f"a chunk needs a 1-D tensor {COEF_KEY!r} with one coefficient per row",
                 "each trajectory's gradient is weighted by its own coefficient (A_i, or 1 for a bucket)",
-                "build chunks with stream_driver.build_stream_chunk",
+                "build chunks with stream_loss.build_stream_chunk",
             )
         )
     return dest
@@ -320,3 +371,47 @@ def _chunk_result(output, rows: int):
     return TensorDict(
         {"ts_loss": torch.tensor([loss], dtype=torch.float64), "ts_rows": torch.tensor([rows])}, batch_size=[1]
     )
+
+
+# ----- driver side ----------------------------------------------------------------------------
+class StreamingLearnerClient:
+    """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
+
+    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids). Every call waits for
+    its result: the worker is an asyncio actor whose plain methods may run concurrently, and a
+    fold must never overtake the backward that fills its bucket.
+    """
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
+        self.wg = worker_group
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
+
+    def begin_batch(self, meta: dict) -> None:
+        self.wg.stream_begin_batch(meta)
+
+    def run(self, ops, trajectories) -> list:
+        """Send ``ops`` (BackwardOp / FoldOp) in order; returns the backward results."""
+        results = []
+        for op in ops:
+            if isinstance(op, BackwardOp):
+                rows = [trajectories[item] for item in op.items]
+                chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
+                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
+                results.append(self.wg.stream_backward(chunk))
+            elif isinstance(op, FoldOp):
+                self.wg.stream_fold(op.folds)
+            else:
+                raise StreamingInputError(
+                    rule_message(
+                        f"unknown op {type(op).__name__}",
+                        "the worker executes backward chunks and folds; the barrier is finalize()",
+                        "pass the list returned by StreamPlanner.next_ops()",
+                    )
+                )
+        return results
+
+    def finalize(self, op: FinalizeOp) -> dict:
+        """The barrier; returns rank 0's metrics (grad_norm, lr, bucket memory)."""
+        return self.wg.finalize_step(op.scale)[0]

@@ -1,0 +1,80 @@
+"""What a ThunderSync step did, measured: learner lanes, trajectory events, ``thundersync/*`` metrics.
+
+1. Every learner operation (backward chunk, fold, optimizer step, weight sync) is timed on the
+   driver's clock; every trajectory carries its agent-loop timings (generation and tool turns)
+   and the moment its reward reached the driver.
+2. From those: learner busy fraction and bubble seconds over the step, reward-to-backward
+   latency per trajectory, a JSONL event trace in the simulator's schema, and a timeline PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from thundersync_verl.trainer.timeline import busy_fraction, draw_timeline
+
+
+class StepRecorder:
+    def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo"):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.mode, self.algo = mode, algo
+        self.step = 0
+        self.t_step_start = time.time()
+        self.ops: list[dict] = []
+        self.trajectories: dict[str, dict] = {}
+        self.backward_start: dict[str, float] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.t_step_start = int(step), time.time()
+        self.ops, self.trajectories, self.backward_start = [], {}, {}
+
+    def learner_op(self, op: str, t0: float, t1: float, items=()) -> None:
+        self.ops.append({"op": op, "t0": t0, "t1": t1, "n": len(items)})
+        for _, traj_id in items:
+            self.backward_start.setdefault(traj_id, t0)
+
+    def trajectory(self, key: str, extra: dict, reward: float, *, t_reward: float) -> None:
+        events = dict((extra or {}).get("thundersync_events") or {})
+        events.update({"traj_id": key, "group_id": key.split("_")[0], "reward": reward, "t_reward": t_reward})
+        events.setdefault("t_submit", self.t_step_start)
+        events.setdefault("t_done", t_reward)
+        events.setdefault("turns", [])
+        self.trajectories[key] = events
+
+    def finish_step(self, worker_metrics, planner_memory: dict) -> dict:
+        t_end = time.time()
+        first = worker_metrics[0] if isinstance(worker_metrics, list) else worker_metrics
+        busy = busy_fraction(self.ops, self.t_step_start, t_end)
+        latency = [self.backward_start[k] - t["t_reward"] for k, t in self.trajectories.items() if k in self.backward_start]
+        metrics = {
+            "thundersync/learner_busy_fraction": busy,
+            "thundersync/bubble_s": (1 - busy) * (t_end - self.t_step_start),
+            "thundersync/open_groups_peak": planner_memory.get("peak_open_groups", 0),
+            "thundersync/accumulator_bytes_peak": first.get("stream/peak_bytes", 0),
+            "thundersync/reward_to_backward_s/mean": sum(latency) / max(len(latency), 1),
+            "thundersync/reward_to_backward_s/max": max(latency, default=0.0),
+            "thundersync/chunks": first.get("stream/chunks", 0),
+            "actor/grad_norm": first.get("grad_norm", 0.0),
+            "actor/lr": first.get("lr", 0.0),
+        }
+        self._write(t_end, metrics)
+        return metrics
+
+    def _write(self, t_end: float, metrics: dict) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / f"{self.algo}_{self.mode}.jsonl", "a") as f:
+            for t in self.trajectories.values():
+                f.write(json.dumps({"kind": "trajectory", "mode": self.mode, "algo": self.algo, "step": self.step,
+                                    "reward_s": 0.0, "learner_version": self.step - 1, **t}) + "\n")
+            for op in self.ops:
+                f.write(json.dumps({"kind": "learner", "mode": self.mode, "step": self.step, "lane": "learner0",
+                                    "op": op["op"], "t0": op["t0"], "t1": op["t1"], "tokens": op["n"]}) + "\n")
+            f.write(json.dumps({"kind": "step", "mode": self.mode, "algo": self.algo, "step": self.step,
+                                "t_start": self.t_step_start, "t_end": t_end, **metrics}) + "\n")
+        png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
+        draw_timeline(list(self.trajectories.values()), self.ops, self.t_step_start, t_end, png,
+                      f"{self.mode} step {self.step}")

@@ -1,0 +1,317 @@
+"""The stream planner: which backward, fold and barrier operations the driver sends, and when.
+
+Why:
+1. The learner worker is a plain executor (backward into ``.grad`` or a bucket, fold buckets,
+   step). Deciding WHAT it runs is pure bookkeeping over rewards and group sizes, so it lives
+   here, framework-free (torch and the core only: no verl, no Ray) and unit-testable.
+2. The bookkeeping is the core's: a shadow ``StreamingGradientAccumulator`` on the ``meta``
+   device (no memory, no arithmetic) with the reward-bucket path tracks open/closed groups,
+   reservations under the memory budget, token counts and every validation rule (unknown group,
+   NaN reward, too many members). Its scheduling (``rank_ready``) and chunking
+   (``split_into_chunks``) decide which ready trajectories run first and which share a backward.
+3. Routes, in the worker's convention (gradient of a row = ts_coef * grad(-sum_t w log pi)):
+       group closed when the trajectory runs   -> BackwardOp(dest="direct", ts_coef = A_i)
+       group still open                        -> BackwardOp(dest=bucket(group, reward), ts_coef = 1)
+       group closes (its last reward arrives)  -> FoldOp({bucket(group, r): A(r)})
+       batch complete                          -> FinalizeOp(scale = c_batch)
+   The last trajectory of a group always closes it, so it always goes direct.
+4. A(r) comes from the core's estimators (verl's GRPO/RLOO definitions) computed in float32
+   by default, the dtype of verl's reward tensors, so the coefficients equal verl's advantages.
+   c_batch is the core's ``batch_scale`` with dp_size=1: the worker's loss already undoes the
+   data-parallel averaging. Seq-mean modes divide by all trajectories of the batch, as verl's
+   ``update_actor`` does (global_batch_size = ppo_mini_batch_size * rollout.n).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping
+
+import torch
+
+from thundersync_verl.core import (
+    ScheduleHint,
+    StreamingConfigError,
+    StreamingGradientAccumulator,
+    StreamingInputError,
+    StreamingSettings,
+    StreamingStateError,
+    batch_scale,
+    estimator_from_verl,
+    validate_streaming_config,
+)
+from thundersync_verl.core.errors import rule_message
+from thundersync_verl.core.groups import canonical_sorted
+from thundersync_verl.core.normalizers import check_count
+
+Item = tuple[Hashable, Hashable]
+
+
+@dataclass(frozen=True)
+class BackwardOp:
+    """Backpropagate ``items`` in one chunk: row i weighted by ``coefs[i]``, into ``dest``."""
+
+    items: tuple[Item, ...]
+    coefs: tuple[float, ...]
+    dest: str  # "direct" or a bucket key
+    num_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FoldOp:
+    """Group ``group_id`` closed: ``.grad += coef * bucket`` for each ``{bucket_key: coef}``."""
+
+    group_id: Hashable
+    folds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class FinalizeOp:
+    """The barrier: multiply the batch gradient by ``scale``, clip, step."""
+
+    scale: float
+    num_tokens: int
+    num_sequences: int
+
+
+def bucket_key(group_id: Hashable, reward: float) -> str:
+    """The worker-side name of the buffer of (group, reward)."""
+    return f"g={group_id!r}|r={float(reward)!r}"
+
+
+class StreamPlanner:
+    """Turns trajectory arrivals into worker operations (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        adv_estimator: str = "grpo",
+        norm_adv_by_std_in_grpo: bool = True,
+        epsilon: float = 1e-6,
+        loss_agg_mode: str = "token-mean",
+        loss_scale_factor: float | None = None,
+        max_chunk_size: int = 8,
+        stats_dtype: torch.dtype = torch.float32,
+        grad_numel: int = 1,
+        budget_bytes: int | None = None,
+        max_distinct_rewards: int | None = None,
+    ):
+        self.estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, epsilon, dtype=stats_dtype)
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
+        self.max_chunk_size = max_chunk_size
+        shadow = torch.empty(int(grad_numel), dtype=torch.float32, device="meta")  # one local gradient shard
+        self._acc = StreamingGradientAccumulator(
+            [shadow],
+            estimator=self.estimator,
+            loss_agg_mode=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
+            path="buckets",
+            budget_bytes=budget_bytes,
+            max_distinct_rewards=max_distinct_rewards,
+        )
+        self._sizes: dict[Hashable, int] = {}
+        self._rewards: dict[Hashable, dict[Hashable, float]] = {}
+        self._tokens: dict[Item, int] = {}
+        self._ready: list[Item] = []
+        self._buckets: dict[Hashable, set[float]] = {}
+        self._queued: list[FoldOp] = []
+
+    @classmethod
+    def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":
+        """A planner for a config validated by ``settings_from_verl_config``."""
+        est = settings.estimator
+        name = "rloo" if est.name == "rloo" else "grpo"
+        norm = getattr(est, "norm_by_std", True)
+        eps = getattr(est, "epsilon", 1e-6)
+        return cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
+                   loss_scale_factor=settings.loss_scale_factor, **kwargs)
+
+    # ----- batch lifecycle ----------------------------------------------------------------
+    def begin_batch(self, group_sizes: Mapping[Hashable, int]) -> None:
+        """Declare the batch's groups {group_id: n}; an unfinished batch is dropped."""
+        if self._acc.batch_open:
+            self._acc.abort_batch()
+        self._acc.begin_batch(group_sizes)
+        self._sizes = dict(group_sizes)
+        self._rewards = {gid: {} for gid in group_sizes}
+        self._tokens, self._ready, self._buckets, self._queued = {}, [], {}, []
+
+    def arrive(self, group_id: Hashable, traj_id: Hashable, reward: float, num_tokens: int) -> None:
+        """A finished trajectory with its reward; if it closes its group, a FoldOp is queued."""
+        item = (group_id, traj_id)
+        if item in self._tokens:
+            raise StreamingInputError(
+                rule_message(
+                    f"trajectory {item!r} arrived twice",
+                    "each trajectory's gradient must enter the batch exactly once",
+                    "give every sampled trajectory its own (group_id, traj_id)",
+                )
+            )
+        check_count("num_tokens", num_tokens)
+        self._acc.report_reward(group_id, traj_id, reward)  # validates; raises before any change
+        self._rewards[group_id][traj_id] = float(reward)
+        self._tokens[item] = int(num_tokens)
+        self._ready.append(item)
+        if len(self._rewards[group_id]) == self._sizes[group_id]:  # this arrival closed the group
+            self._queue_fold(group_id)
+
+    def _queue_fold(self, group_id: Hashable) -> None:
+        rewards = self._rewards[group_id]
+        tids = canonical_sorted(rewards)
+        adv = self.estimator.advantages([rewards[t] for t in tids])
+        by_reward = {rewards[t]: a for t, a in zip(tids, adv)}
+        folds = {bucket_key(group_id, r): by_reward[r] for r in sorted(self._buckets.pop(group_id, ()))}
+        if folds:
+            self._queued.append(FoldOp(group_id, folds))
+
+    # ----- scheduling ---------------------------------------------------------------------
+    @property
+    def ready(self) -> list[Item]:
+        """Arrived trajectories whose backward has not been planned yet."""
+        return list(self._ready)
+
+    def rank_ready(self) -> ScheduleHint:
+        """The core's ranking of the ready trajectories: closed groups first, then open ones,
+        new groups only while the memory budget allows (``wait`` holds the rest)."""
+        return self._acc.rank_ready(self._ready)
+
+    def next_ops(self, max_chunk_size: int | None = None) -> list:
+        """Queued folds, then backward chunks for every ready trajectory that may run now."""
+        ops: list = list(self._queued)
+        self._queued = []
+        chunks, waiting = self._acc.split_into_chunks(self._ready, max_chunk_size or self.max_chunk_size)
+        for chunk in chunks:
+            ops.append(self._plan(chunk))
+        self._ready = list(waiting)
+        return ops
+
+    def _plan(self, chunk: list[Item]) -> BackwardOp:
+        plan = self._acc.plan_chunk(chunk)
+        tokens = tuple(self._tokens[it] for it in plan.items)
+        if plan.destination == "direct":
+            coefs = tuple(-w for w in plan.loss_weights)  # core loss weight is -A_i
+            dest = "direct"
+        else:
+            gid = plan.items[0][0]
+            coefs = (1.0,) * len(plan.items)
+            dest = bucket_key(gid, plan.reward)  # type: ignore[arg-type]
+            self._buckets.setdefault(gid, set()).add(float(plan.reward))  # type: ignore[arg-type]
+        self._acc.add_chunk_grad(plan, [None], list(tokens))
+        return BackwardOp(tuple(plan.items), coefs, dest, tokens)
+
+    # ----- barrier ------------------------------------------------------------------------
+    def finalize(self) -> FinalizeOp:
+        """The deferred normaliser, once every group is folded and every trajectory planned."""
+        work = self._acc.pending_work() + ([f"{len(self._queued)} fold op(s) not taken by next_ops"] if self._queued else [])
+        if work:
+            raise StreamingStateError(
+                rule_message(
+                    "finalize refused: " + "; ".join(work[:6]),
+                    "the optimizer step must see every trajectory with its final coefficient",
+                    "let the missing trajectories arrive and call next_ops() until it returns nothing",
+                )
+            )
+        counts = self._acc.counts
+        num_sequences = sum(self._sizes.values())
+        scale = batch_scale(self.loss_agg_mode, num_tokens=counts.num_tokens, num_sequences=num_sequences,
+                            dp_size=1, loss_scale_factor=self.loss_scale_factor)
+        if scale is None or not math.isfinite(scale):
+            raise StreamingStateError(
+                rule_message(
+                    "finalize refused: the batch has no scored tokens",
+                    f"the {self.loss_agg_mode} normaliser divides by that count (verl would produce NaN)",
+                    "drop the batch (begin_batch again) instead of stepping",
+                )
+            )
+        self._acc.abort_batch()  # the shadow holds no gradient: ending it is all the barrier needs
+        return FinalizeOp(scale, counts.num_tokens, num_sequences)
+
+    # ----- accounting ---------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Shadow accounting in bytes of one local gradient shard x buffers (mirrors the worker)."""
+        acc = self._acc
+        return {"bytes_in_use": acc.bytes_in_use, "peak_bytes": acc.peak_bytes, "reserved_bytes": acc.reserved_bytes,
+                "open_groups": acc.open_groups, "peak_open_groups": acc.peak_open_groups}
+
+    def pending_work(self) -> list[str]:
+        return self._acc.pending_work()
+
+
+# ----- config ----------------------------------------------------------------------------
+def _get(cfg: Any, path: str, default: Any = None) -> Any:
+    node = cfg
+    for part in path.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def settings_from_verl_config(config: Any, *, train_batch_size: int | None = None, adv_estimator: str | None = None,
+                              norm_adv_by_std_in_grpo: bool | None = None, loss_agg_mode: str | None = None) -> StreamingSettings:
+    """Validate a verl config (the trainer's, or its ``actor_rollout_ref``) for streaming.
+
+    Raises ``StreamingConfigError`` naming the key to change. Keyword arguments supply what an
+    ``actor_rollout_ref``-only config lacks (the worker passes them from the batch meta).
+    """
+    full = _get(config, "actor_rollout_ref") is not None
+    arr = _get(config, "actor_rollout_ref") if full else config
+    actor = _get(arr, "actor")
+    mode = _get(actor, "loss_agg_mode", "token-mean")
+    if loss_agg_mode is not None and loss_agg_mode != mode:
+        raise StreamingConfigError(
+            rule_message(
+                f"the batch asks for loss_agg_mode={loss_agg_mode!r} but actor_rollout_ref.actor.loss_agg_mode={mode!r}",
+                "the streamed loss must aggregate tokens exactly like verl's configured loss",
+                "send the actor's loss_agg_mode in the batch meta, or change the config",
+            )
+        )
+    mini = int(_get(actor, "ppo_mini_batch_size"))
+    tbs = train_batch_size if train_batch_size is not None else (_get(config, "data.train_batch_size") if full else None)
+    low = _get(actor, "clip_ratio_low", _get(actor, "clip_ratio", 0.2))
+    rc = "algorithm.rollout_correction"
+    settings = validate_streaming_config(
+        ppo_epochs=int(_get(actor, "ppo_epochs", 1)),
+        ppo_mini_batch_size=mini,
+        train_batch_size=int(tbs) if tbs is not None else mini,
+        rollout_n=int(_get(arr, "rollout.n", 1)),
+        loss_agg_mode=mode,
+        loss_scale_factor=_get(actor, "loss_scale_factor"),
+        policy_loss_mode=_get(actor, "policy_loss.loss_mode", "vanilla"),
+        clip_ratio_low=float(low),
+        clip_ratio_high=float(_get(actor, "clip_ratio_high", low)),
+        clip_ratio_c=float(_get(actor, "clip_ratio_c", 3.0)),
+        adv_estimator=adv_estimator or (_get(config, "algorithm.adv_estimator", "grpo") if full else "grpo"),
+        norm_adv_by_std_in_grpo=bool(norm_adv_by_std_in_grpo if norm_adv_by_std_in_grpo is not None
+                                     else (_get(config, "algorithm.norm_adv_by_std_in_grpo", True) if full else True)),
+        use_kl_loss=bool(_get(actor, "use_kl_loss", False)),
+        kl_loss_type=_get(actor, "kl_loss_type", "low_var_kl"),
+        rollout_is=_get(config, f"{rc}.rollout_is") if full else None,
+        rollout_is_batch_normalize=bool(_get(config, f"{rc}.rollout_is_batch_normalize", False)) if full else False,
+        bypass_mode=bool(_get(config, f"{rc}.bypass_mode", False)) if full else False,
+        bypass_loss_type=_get(config, f"{rc}.loss_type", "ppo_clip") if full else "ppo_clip",
+    )
+    _check_policy_term_only(actor, settings)
+    return settings
+
+
+def _check_policy_term_only(actor: Any, settings: StreamingSettings) -> None:
+    """The streaming worker's loss is the policy term at ratio 1, nothing else."""
+    extra = []
+    if bool(_get(actor, "use_kl_loss", False)):
+        extra.append("actor_rollout_ref.actor.use_kl_loss=false")
+    if float(_get(actor, "entropy_coeff", 0.0)) != 0.0:
+        extra.append("actor_rollout_ref.actor.entropy_coeff=0")
+    if settings.rollout_is is not None or not settings.ratio_is_one:
+        extra.append("algorithm.rollout_correction.rollout_is=null and bypass_mode=false")
+    if extra:
+        raise StreamingConfigError(
+            rule_message(
+                "the streaming learner streams the policy-gradient term only (ratio 1, no IS weights)",
+                "KL, entropy and importance-weight terms are not part of its chunk loss, so the update "
+                "would silently differ from verl's",
+                "set " + ", ".join(extra),
+            )
+        )
