@@ -109,6 +109,7 @@ def run_verl(cmd: list[str], env: dict, log_path: Path, steps: int) -> dict[int,
             log.write(line)
             parsed = parse_step_line(line)
             if parsed:
+                parsed[1]["_t_logged"] = time.time()  # wall clock of the step's end (for traces)
                 per_step[parsed[0]] = parsed[1]
                 print(progress_line(parsed[0], steps, parsed[1], t0), flush=True)
         rc = proc.wait()

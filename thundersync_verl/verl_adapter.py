@@ -263,3 +263,10 @@ def trainer_api():
     return SimpleNamespace(tq=tq, KVBatchMeta=KVBatchMeta, CheckpointEngineManager=CheckpointEngineManager, Role=Role,
                            PPOTrainer=PPOTrainer, register_trainer=register_trainer, marked_timer=marked_timer,
                            omega_conf_to_dataclass=omega_conf_to_dataclass, LLMServerManager=LLMServerManager)
+
+
+def registration_of(method) -> dict | None:
+    """The dispatch/execute/blocking attributes verl's ``@register`` attached to a method, if any."""
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+
+    return getattr(method, MAGIC_ATTR, None)

@@ -17,7 +17,8 @@ from thundersync_verl.trainer.timeline import busy_fraction, draw_timeline
 
 
 class StepRecorder:
-    def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo"):
+    def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo", n_rollout_slots: int = 0):
+        self.n_rollout_slots = int(n_rollout_slots)
         self.run_dir = Path(run_dir) if run_dir else None
         self.mode, self.algo = mode, algo
         self.step = 0
@@ -30,8 +31,8 @@ class StepRecorder:
         self.step, self.t_step_start = int(step), time.time()
         self.ops, self.trajectories, self.backward_start = [], {}, {}
 
-    def learner_op(self, op: str, t0: float, t1: float, items=()) -> None:
-        self.ops.append({"op": op, "t0": t0, "t1": t1, "n": len(items)})
+    def learner_op(self, op: str, t0: float, t1: float, items=(), tokens: int = 0) -> None:
+        self.ops.append({"op": op, "t0": t0, "t1": t1, "n": len(items), "tokens": int(tokens)})
         for _, traj_id in items:
             self.backward_start.setdefault(traj_id, t0)
 
@@ -69,12 +70,15 @@ class StepRecorder:
         with open(self.run_dir / f"{self.algo}_{self.mode}.jsonl", "a") as f:
             for t in self.trajectories.values():
                 f.write(json.dumps({"kind": "trajectory", "mode": self.mode, "algo": self.algo, "step": self.step,
-                                    "reward_s": 0.0, "learner_version": self.step - 1, **t}) + "\n")
+                                    "reward_s": 0.0, "learner_version": self.step - 1, "policy_version": self.step - 1,
+                                    **t}) + "\n")
             for op in self.ops:
                 f.write(json.dumps({"kind": "learner", "mode": self.mode, "step": self.step, "lane": "learner0",
-                                    "op": op["op"], "t0": op["t0"], "t1": op["t1"], "tokens": op["n"]}) + "\n")
+                                    "op": op["op"], "t0": op["t0"], "t1": op["t1"], "tokens": op["tokens"],
+                                    "rows": op["n"]}) + "\n")
             f.write(json.dumps({"kind": "step", "mode": self.mode, "algo": self.algo, "step": self.step,
-                                "t_start": self.t_step_start, "t_end": t_end, **metrics}) + "\n")
+                                "t_start": self.t_step_start, "t_end": t_end, "n_rollout_slots": self.n_rollout_slots,
+                                **metrics}) + "\n")
         png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
         draw_timeline(list(self.trajectories.values()), self.ops, self.t_step_start, t_end, png,
                       f"{self.mode} step {self.step}")

@@ -230,7 +230,12 @@ class StreamPlanner:
 
     # ----- accounting ---------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        """Shadow accounting in bytes of one local gradient shard x buffers (mirrors the worker)."""
+        """Shadow accounting: buffers x ``grad_numel`` float32 values (one local gradient shard).
+
+        As in the core, the figures include the batch gradient itself (one buffer, the worker's
+        ``.grad``); the worker's ``stream/peak_bytes`` counts bucket buffers only. ``budget_bytes``
+        bounds ``reserved_bytes``: a new group waits in ``rank_ready().wait`` until it fits.
+        """
         acc = self._acc
         return {"bytes_in_use": acc.bytes_in_use, "peak_bytes": acc.peak_bytes, "reserved_bytes": acc.reserved_bytes,
                 "open_groups": acc.open_groups, "peak_open_groups": acc.peak_open_groups}

@@ -68,7 +68,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         ts = config.get("thundersync", {}) or {}
         self.planner = StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=int(ts.get("chunk_size", 8)))
         self.trajectory_timeout_s = float(ts.get("trajectory_timeout_s", 600))
-        self.recorder = StepRecorder(ts.get("run_dir"), mode="thundersync")
+        n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+        self.recorder = StepRecorder(ts.get("run_dir"), mode="thundersync", n_rollout_slots=n_slots)
         self._batch_uids: list[str] = []
 
     # -- setup -----------------------------------------------------------------------------
@@ -161,7 +162,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         micro = max(d for d in range(1, min(len(keys), 16) + 1) if len(keys) % d == 0)  # verl needs an exact split
         meta = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags, extra_info={"micro_batch_size_per_gpu": micro})
         self._compute_old_log_prob(meta, part)
-        self.recorder.learner_op("forward", t0, time.time())
+        tokens = sum(len(self._rows[k]["prompt"]) + len(self._rows[k]["response"]) for k in keys)
+        self.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
         for name, value in part.items():
             if name.endswith("_max"):
                 self._forward_metrics[name] = max(self._forward_metrics.get(name, float("-inf")), value)
@@ -173,4 +175,6 @@ class ThunderSyncTrainer(api.PPOTrainer):
         execute_op(self.actor_rollout_wg, op, self._rows, pad_token_id=self.tokenizer.pad_token_id,
                    temperature=self.config.actor_rollout_ref.rollout.temperature)
         kind = "backward" if isinstance(op, BackwardOp) else "fold"
-        self.recorder.learner_op(kind, t0, time.time(), items=getattr(op, "items", ()))
+        items = getattr(op, "items", ())
+        tokens = sum(len(self._rows[k]["prompt"]) + len(self._rows[k]["response"]) for _, k in items)
+        self.recorder.learner_op(kind, t0, time.time(), items=items, tokens=tokens)

@@ -1,0 +1,158 @@
+"""Sync vs Async vs Fully Async vs ThunderSync on the embedded agentic task, side by side in one run.
+
+Each mode is stock ``python -m verl.trainer.main_ppo`` with the ``recipes/cpu_tiny`` overlay and
+``mode=<name>``: the same data, model, seed, rollout engine and tool-latency distribution. Printed
+per mode: mean step time (step 1, the warm-up, excluded), learner busy fraction, staleness (policy
+versions, verl's own ``training/off_policy/*`` metrics), final reward. Also: the share of a Sync
+step the learner waits for the last reward, and ThunderSync against its lower bound (rollout
+makespan + one trajectory's learner work + optimizer step + weight push).
+
+Traces in the simulator's schema go to ``benchmarks/results/traces/grpo_<mode>.jsonl``.
+
+    python benchmarks/modes.py [--steps 8] [--quick] [--modes sync,thundersync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from thundersync_verl.demo import prepare_inputs, run_env, run_verl, verl_command  # noqa: E402
+from thundersync_verl.results import RESULTS_DIR, write_result  # noqa: E402
+
+MODES = ("sync", "async", "fully_async", "thundersync")
+LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
+# The default workload: tool latency shaped like agentic SWE traces (most calls short, a long tail).
+WORKLOAD = ["thundersync.env.tool_latency.kind=lognormal", "thundersync.env.tool_latency.median_s=0.3",
+            "thundersync.env.tool_latency.sigma=1.0", "thundersync.env.tool_latency.max_s=6.0"]
+
+
+def run_mode(mode: str, steps: int, inputs: dict, work: Path) -> dict:
+    run_dir = work / mode
+    run_dir.mkdir(parents=True, exist_ok=True)
+    traj_path = run_dir / "trajectories.jsonl"
+    traj_path.unlink(missing_ok=True)
+    extra = WORKLOAD + [f"thundersync.env.trace_path={traj_path}"]
+    if mode == "thundersync":
+        extra.append(f"thundersync.run_dir={run_dir}")
+    cmd = verl_command(inputs, algo="grpo", mode=mode, steps=steps, extra=extra)
+    cmd = [c for c in cmd if not c.startswith("thundersync.mode=")] + [f"mode={mode}"]
+    print(f"[modes] {mode}: {steps} steps", flush=True)
+    t0 = time.time()
+    per_step = run_verl(cmd, run_env(run_dir, run_dir / "metrics.jsonl"), run_dir / "verl.log", steps)
+    return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path}
+
+
+def summarise(mode: str, run: dict) -> dict:
+    steps = sorted(run["per_step"])
+    timed = [run["per_step"][s] for s in steps[1:]] or [run["per_step"][s] for s in steps]
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    step_time = mean([m["timing_s/step"] for m in timed])
+    if mode == "thundersync":
+        busy = mean([m.get("thundersync/learner_busy_fraction", 0.0) for m in timed])
+    else:
+        busy = mean([sum(m.get(f"timing_s/{k}", 0.0) for k in LEARNER_KEYS) / m["timing_s/step"] for m in timed])
+    last = [run["per_step"][s] for s in steps[-3:]]
+    return {
+        "step_time_s": step_time,
+        "learner_busy": busy,
+        "staleness_mean": mean([m.get("training/off_policy/trajectory_staleness/mean", 0.0) for m in timed]),
+        "staleness_max": max(m.get("training/off_policy/trajectory_staleness/max", 0.0) for m in run["per_step"].values()),
+        "final_reward": mean([m.get("critic/score/mean", 0.0) for m in last]),
+        "wait_share": mean([m.get("timing_s/gen", 0.0) / m["timing_s/step"] for m in timed]),
+    }
+
+
+def thundersync_lower_bound(run: dict) -> float:
+    """Mean over steps of: rollout makespan + one trajectory's backward + optimizer + weight push."""
+    records = [json.loads(line) for line in open(run["run_dir"] / "grpo_thundersync.jsonl")]
+    bounds = []
+    for step in {r["step"] for r in records if r["kind"] == "step"} - {1}:
+        ops = [r for r in records if r["kind"] == "learner" and r["step"] == step]
+        st = next(r for r in records if r["kind"] == "step" and r["step"] == step)
+        makespan = max(r["t_reward"] for r in records if r["kind"] == "trajectory" and r["step"] == step) - st["t_start"]
+        bwd = [(o["t1"] - o["t0"]) / max(o.get("rows", 1), 1) for o in ops if o["op"] == "backward"]
+        opt = sum(o["t1"] - o["t0"] for o in ops if o["op"] == "optimizer")
+        sync = run["per_step"][step].get("timing_s/update_weights", 0.0)
+        bounds.append(makespan + min(bwd, default=0.0) + opt + sync)
+    return sum(bounds) / max(len(bounds), 1)
+
+
+def write_sim_trace(mode: str, run: dict, out: Path) -> None:
+    """Agent-loop trajectories + step timings in the simulator's schema (sim/trace.py)."""
+    lines = []
+    offset = 2 if mode in ("async", "fully_async") else 1  # the learner step that consumed a version's rollouts
+    for raw in (json.loads(x) for x in open(run["traj_path"])):
+        step = int(raw.get("policy_version", 0)) + offset
+        lines.append({"kind": "trajectory", "mode": mode, "algo": "grpo", "step": step, "group_id": str(raw.get("uid")),
+                      "traj_id": f"{raw.get('uid')}_{raw.get('session_id')}", "t_submit": raw["t_submit"],
+                      "t_done": raw["t_done"], "t_reward": raw["t_done"], "turns": raw["turns"], "reward_s": 0.0,
+                      "response_tokens": raw["response_tokens"], "prompt_tokens": raw["prompt_tokens"],
+                      "policy_version": int(raw.get("policy_version", 0)), "learner_version": step - 1})
+    for step, m in sorted(run["per_step"].items()):
+        t_end = m["_t_logged"]
+        lines.append({"kind": "step", "mode": mode, "algo": "grpo", "step": step, "t_start": t_end - m["timing_s/step"],
+                      "t_end": t_end, "n_rollout_slots": 32})
+        cursor = t_end
+        for key, op in (("update_weights", "weight_sync"), ("update_actor", "backward"), ("adv", "other"), ("old_log_prob", "forward")):
+            dur = m.get(f"timing_s/{key}", 0.0)
+            if dur > 0:
+                lines.append({"kind": "learner", "mode": mode, "step": step, "lane": "learner0", "op": op,
+                              "t0": cursor - dur, "t1": cursor, "tokens": int(m.get("perf/total_num_tokens", 0))})
+                cursor -= dur
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="4 steps per mode")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--work-dir", default="runs/modes")
+    args = ap.parse_args(argv)
+    steps = 4 if args.quick else args.steps
+    modes = [m for m in args.modes.split(",") if m]
+    work = Path(args.work_dir).resolve()
+    inputs = prepare_inputs(work)
+    runs, rows = {}, {}
+    for mode in modes:
+        runs[mode] = run_mode(mode, steps, inputs, work)
+        rows[mode] = summarise(mode, runs[mode])
+        if mode != "thundersync":
+            write_sim_trace(mode, runs[mode], RESULTS_DIR / "traces" / f"grpo_{mode}.jsonl")
+        else:
+            (RESULTS_DIR / "traces").mkdir(parents=True, exist_ok=True)
+            (RESULTS_DIR / "traces" / "grpo_thundersync.jsonl").write_text((runs[mode]["run_dir"] / "grpo_thundersync.jsonl").read_text())
+    print(f"\n{'mode':<12} {'step s':>8} {'busy':>6} {'stale mean':>10} {'stale max':>9} {'reward':>7}")
+    for mode, r in rows.items():
+        print(f"{mode:<12} {r['step_time_s']:>8.2f} {r['learner_busy']:>6.2f} {r['staleness_mean']:>10.2f} "
+              f"{r['staleness_max']:>9.0f} {r['final_reward']:>7.3f}")
+    result = {"algo": "grpo", "steps": steps,
+              "step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
+              "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
+              "learner_busy": {m: round(r["learner_busy"], 3) for m, r in rows.items()},
+              "final_reward": {m: round(r["final_reward"], 3) for m, r in rows.items()}}
+    if "sync" in rows:
+        result["sync_learner_wait_share"] = round(rows["sync"]["wait_share"], 3)
+    if "sync" in rows and "thundersync" in rows:
+        result["speedup_vs_sync"] = round(rows["sync"]["step_time_s"] / rows["thundersync"]["step_time_s"], 3)
+        lb = thundersync_lower_bound(runs["thundersync"])
+        result["thundersync_over_lower_bound"] = round(rows["thundersync"]["step_time_s"] / lb, 3)
+        print(f"\nThunderSync / Sync step time: {1 / result['speedup_vs_sync']:.2f}  (lower bound {lb:.2f}s, "
+              f"ratio {result['thundersync_over_lower_bound']:.2f}); Sync learner wait share {result['sync_learner_wait_share']:.2f}")
+        pngs = sorted((runs["thundersync"]["run_dir"] / "timelines").glob("*.png"))
+        if pngs:
+            print(f"ThunderSync timelines: {pngs[0].parent} (e.g. {pngs[-1].name})")
+    write_result("modes", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
