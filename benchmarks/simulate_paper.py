@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     ts = results["grpo"]["thundersync"]
     ranks = setting.cluster.learner_gpus
     print(f"ThunderSync accumulators: peak {ts.peak_open_groups} open groups (budget {setting.budget_groups}), "
-          f"{ts.accum_peak_bytes_per_rank / 1e9:,.0f} GB per rank, {ranks * ts.accum_peak_bytes_per_rank / 1e12:.2f} TB "
+          f"{ts.accum_peak_bytes_per_rank / 1e9:,.0f} GB per rank, "
+          f"{ranks * ts.accum_peak_bytes_per_rank / 1e12:.2f} TB "
           f"over {ranks} ranks (published 1.3-1.5 TB).")
     print(f"GPU-hours per step: sync {sync.gpu_hours_per_step:.2f}, thundersync {ts.gpu_hours_per_step:.2f} "
           f"(published totals 233.5 vs 121.3 GPU-h at equal accuracy: ratio 1.92; "

@@ -27,8 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from thundersync_verl.sim.engine import simulate  # noqa: E402
 from thundersync_verl.sim.metrics import format_table  # noqa: E402
-from thundersync_verl.sim.trace import (TraceSource, find_traces, fit_learner_costs, load_trace,  # noqa: E402
-                                        measured_step_time, replay_config)
+from thundersync_verl.sim.trace import find_traces, load_trace, measured_step_time, replay  # noqa: E402
 
 SCRIPT = Path(__file__).stem
 DEFAULT_DIR = REPO_ROOT / "benchmarks" / "results" / "traces"
@@ -54,9 +53,7 @@ def write_result(name: str, obj: dict) -> None:
 
 def validate_file(path: Path) -> dict:
     trace = load_trace(path)
-    source = TraceSource(trace)
-    costs = fit_learner_costs(trace)
-    cfg = replay_config(trace, source)
+    cfg, source, costs = replay(trace)
     res = simulate(cfg, source, costs)
     measured = measured_step_time(trace)
     return {"file": path.name, "mode": trace.mode, "algo": trace.algo, "steps": len(source.steps),

@@ -116,8 +116,12 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, float
         HEADLINE: lambda: streamed(model, spec, trajs, order, 8, 16, min_open=4),
         "closed groups k=8": lambda: streamed(model, spec, trajs, order, 8, 16, min_open=10**9),
     }
-    for fn in modes.values():  # warm-up (allocator, first-call paths)
+    modes["batched"]()  # warm-up, and the reference gradient every mode must reproduce
+    reference = [p.grad.clone() for p in model.parameters()]
+    for m, fn in modes.items():
         fn()
+        err = C.relative_error([p.grad for p in model.parameters()], reference)
+        assert err <= 1e-5, f"{m}: streamed gradient differs from the batched one ({err:.2e})"
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m, fn in modes.items():

@@ -4,6 +4,8 @@ Random group sizes, reward patterns (binary, ties, continuous, constant), estima
 aggregation modes, streaming modes and arrival orders, on a policy whose log-probs are linear
 in the parameters; the oracle runs verl's own advantage estimator, vanilla policy loss,
 kl_penalty and agg_loss. float64, so any error above rounding is a real mismatch.
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The batch barrier: fixed order, a guard that refuses early steps, verl's skip rules."""
+"""The batch barrier: fixed order, a guard that refuses early steps, verl's skip rules.
+
+GPUs needed: 0 (CPU only).
+"""
 
 from __future__ import annotations
 
@@ -172,3 +175,16 @@ def test_a_new_batch_needs_the_old_one_finished():
     acc.abort_batch()
     assert acc.bytes_in_use == 0 and acc.open_groups == 0
     acc.begin_batch({"x": 1})
+
+
+def test_harvest_from_params_adds_then_zeroes_and_treats_none_as_zero():
+    params = _params()
+    acc = StreamingGradientAccumulator(params, estimator=GRPOEstimator(), loss_agg_mode="token-sum")
+    acc.begin_batch({"g": 1})
+    params[0].grad = torch.full((3,), 2.0, dtype=torch.float64)  # params[1].grad stays None
+    acc.add_policy_grad_from_params(params, "g", 0, num_tokens=1, reward=1.0)
+    assert torch.equal(params[0].grad, torch.zeros(3, dtype=torch.float64)) and params[1].grad is None
+    got = acc.compute_batch_gradient()
+    divisor = float(torch.tensor(1.0) + 1e-6)  # verl's group-of-one rule: A = r / float32(1 + 1e-6)
+    assert torch.equal(got[0], torch.full((3,), -2.0 / divisor, dtype=torch.float64))
+    assert torch.equal(got[1], torch.zeros(2, 2, dtype=torch.float64))

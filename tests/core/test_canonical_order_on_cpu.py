@@ -4,6 +4,8 @@ Real tiny transformer in float32 (where summation order shows in the last bits),
 trajectory backward run in the arrival order itself, KL and entropy terms included, rewards
 arriving late; 20 random permutations must give identical bits. The default (arrival-order)
 summation is shown to differ on the same data, so the check has teeth.
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

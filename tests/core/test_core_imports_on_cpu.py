@@ -3,6 +3,8 @@
 The exactness math must stay importable and testable on any CPU box, without verl, Ray,
 Megatron, omegaconf or transformers: checked at runtime (a fresh interpreter's sys.modules)
 and statically (every import statement in the sources).
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Oracles: verl's compute_rollout_correction_weights and its vanilla policy loss (with old
 log-probs from a perturbed "rollout engine" model, so ratios leave the clip band).
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Group estimators: hand-computed closed forms, and equality with verl's own functions."""
+"""Group estimators: hand-computed closed forms, and equality with verl's own functions.
+
+GPUs needed: 0 (CPU only).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Accumulator memory manager: exact accounting, byte budget, ranking, waiting, canonical headroom."""
+"""Accumulator memory manager: exact accounting, byte budget, ranking, waiting, canonical headroom.
+
+GPUs needed: 0 (CPU only).
+"""
 
 from __future__ import annotations
 
@@ -171,3 +174,29 @@ def test_budgeted_schedules_finish_within_budget_and_stay_exact(sizes, canonical
     else:
         assert tight_acc.peak_open_groups <= 1  # 2 buffers per group: the budget holds one
         assert all(torch.allclose(x, y, rtol=1e-12, atol=1e-14) for x, y in zip(free, tight))
+
+
+def test_new_groups_closest_to_closing_are_admitted_first():
+    acc = StreamingGradientAccumulator(_params(), estimator=GRPOEstimator(), budget_bytes=3 * BUF)
+    acc.begin_batch({"far": 4, "near": 4})
+    for tid in range(3):
+        acc.report_reward("near", tid, float(tid % 2))
+    hint = acc.rank_ready([("far", 0), ("near", 0)])
+    assert hint.run == [("near", 0)] and hint.wait == [("far", 0)]
+
+
+def test_min_open_chunk_defers_small_open_chunks_only():
+    acc = StreamingGradientAccumulator(_params(), estimator=GRPOEstimator())
+    acc.begin_batch({"a": 4, "b": 2})
+    for tid, r in enumerate([1.0, 1.0, 0.0]):
+        acc.report_reward("a", tid, r)
+    acc.report_reward("b", 0, 1.0)
+    acc.report_reward("b", 1, 0.0)  # b is closed
+    ready = [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
+    chunks, wait = acc.split_into_chunks(ready, 8, min_open_chunk=2)
+    assert chunks == [[("b", 0), ("b", 1)], [("a", 0), ("a", 1)]]  # closed first, then a's reward-1 pair
+    assert wait == [("a", 2)]
+    chunks, wait = acc.split_into_chunks(ready, 8)
+    assert len(chunks) == 3 and wait == []
+    with pytest.raises(StreamingConfigError, match="min_open_chunk"):
+        acc.split_into_chunks(ready, 8, min_open_chunk=0)

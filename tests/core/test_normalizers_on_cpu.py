@@ -1,4 +1,7 @@
-"""Deferred normalisers: c_batch * sum w_{i,t} x_{i,t} == verl's agg_loss, for every mode."""
+"""Deferred normalisers: c_batch * sum w_{i,t} x_{i,t} == verl's agg_loss, for every mode.
+
+GPUs needed: 0 (CPU only).
+"""
 
 from __future__ import annotations
 

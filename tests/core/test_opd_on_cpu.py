@@ -5,6 +5,8 @@ observations (not scored). A turn is backpropagated as soon as the teacher has s
 recomputing the prefix with grad; the sum over turns, normalised once at the barrier, must
 equal verl's vanilla policy loss with per-token advantages -(log pi_s - log pi_t) over all
 trajectories in one padded batch (token-mean over scored tokens).
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

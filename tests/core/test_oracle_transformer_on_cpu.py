@@ -4,6 +4,8 @@ Qwen2ForCausalLM (hidden 32, 2 layers, vocab 128); the oracle is ONE padded forw
 verl's GRPO / Dr.GRPO / RLOO estimator, vanilla policy loss, entropy and KL terms and
 agg_loss; the streamed side runs one forward/backward per trajectory (or per chunk) in a
 shuffled arrival order. Acceptance: relative error <= 1e-6 in float32, <= 1e-12 in float64.
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Each trajectory has two gradients, one per sign class of PPO's clip; the exact u
 the class of its final advantage: g = scale * sum_i (-A_i) H_i^{sign(A_i)}. Synthetic
 gradients keep this fast; the token weights themselves are checked against verl in
 test_corrections_on_cpu.py.
+
+GPUs needed: 0 (CPU only).
 """
 
 from __future__ import annotations

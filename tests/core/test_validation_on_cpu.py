@@ -1,4 +1,7 @@
-"""Input and config validation: every rule raises a rule/why/fix error and changes nothing."""
+"""Input and config validation: every rule raises a rule/why/fix error and changes nothing.
+
+GPUs needed: 0 (CPU only).
+"""
 
 from __future__ import annotations
 
