@@ -12,7 +12,7 @@ from thundersync_verl.sim.dists import const, lognormal
 from thundersync_verl.sim.engine import SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import (TraceSource, fit_learner_costs, load_trace, measured_step_time, parse_mode,
-                                        replay_config)
+                                        replay)
 from thundersync_verl.sim.tracegen import trace_records, write_synthetic_trace
 from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
 
@@ -43,9 +43,8 @@ def test_replay_reproduces_the_recorded_step_time(trace_dir, algo, mode):
     d, truth = trace_dir
     trace = load_trace(d / f"{algo}_{mode}.jsonl")
     assert trace.algo == algo and parse_mode(trace.mode)[0] == mode
-    source = TraceSource(trace)
-    costs = fit_learner_costs(trace)
-    res = simulate(replay_config(trace, source), source, costs)
+    cfg, source, costs = replay(trace)
+    res = simulate(cfg, source, costs)
     measured = measured_step_time(trace)
     assert measured == pytest.approx(truth[(algo, mode)], rel=0.2)  # same spacing, warm-up step excluded
     # async replays its last step's look-ahead batch from the first (the trace never trains it)
@@ -110,3 +109,13 @@ def test_mode_names():
 def test_synthetic_traces_refuse_a_quadratic_term():
     with pytest.raises(ValueError, match="s_per_token_sq == 0"):
         trace_records(SimConfig("sync", steps=3), SyntheticSource(WORK, ROLL), replace(COSTS, s_per_token_sq=1e-9))
+
+
+def test_replay_infers_a_trainer_that_streams_one_trajectory_per_chunk(tmp_path):
+    cfg = SimConfig(mode="thundersync", steps=8, rollout_slots=16, min_chunk=1, max_chunk=1)
+    truth = write_synthetic_trace(tmp_path / "ts.jsonl", cfg, SyntheticSource(WORK, ROLL, seed=5), COSTS)
+    trace = load_trace(tmp_path / "ts.jsonl")
+    rcfg, source, costs = replay(trace)
+    assert rcfg.max_chunk is not None and rcfg.max_chunk <= 2
+    assert simulate(rcfg, source, costs).step_time_s == pytest.approx(measured_step_time(trace), rel=0.02)
+    assert measured_step_time(trace) == pytest.approx(truth, rel=0.2)
