@@ -29,10 +29,9 @@ if str(REPO_ROOT) not in sys.path:
 
 def write_result(script_name: str, obj: dict) -> None:
     """Print ``obj`` as the LAST line of output and write it to results/<script_name>.json."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(obj)
-    (RESULTS_DIR / f"{script_name}.json").write_text(line + "\n")
-    print(line, flush=True)
+    from thundersync_verl.results import write_result as _write
+
+    _write(script_name, obj, RESULTS_DIR)
 
 
 # ----- tiny transformer and data -----------------------------------------------------------

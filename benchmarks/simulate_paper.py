@@ -25,26 +25,12 @@ from thundersync_verl.sim.engine import simulate  # noqa: E402
 from thundersync_verl.sim.metrics import comparison_table, format_table  # noqa: E402
 from thundersync_verl.sim.plot import plot_timelines  # noqa: E402
 from thundersync_verl.sim.workload import SyntheticSource  # noqa: E402
+from thundersync_verl.results import write_result  # noqa: E402
 
 SCRIPT = Path(__file__).stem
 MODES = ("sync", "async", "fully_async", "thundersync")
 
 
-def write_result(name: str, obj: dict) -> None:
-    try:
-        from benchmarks._common import write_result as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        shared(name, obj)
-        return
-    import json
-
-    out = REPO_ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(obj)
-    (out / f"{name}.json").write_text(line + "\n")
-    print(line, flush=True)
 
 
 def run_algo(setting, algo: str, steps: int, seed: int) -> dict:

@@ -25,6 +25,7 @@ from thundersync_verl.sim.engine import simulate  # noqa: E402
 from thundersync_verl.sim.metrics import format_table  # noqa: E402
 from thundersync_verl.sim.plot import plot_scale  # noqa: E402
 from thundersync_verl.sim.workload import SyntheticSource  # noqa: E402
+from thundersync_verl.results import write_result  # noqa: E402
 
 SCRIPT = Path(__file__).stem
 GPU_COUNTS = (8, 64, 512, 4096)
@@ -33,21 +34,6 @@ TAILS = ("lognormal", "pareto")
 MODES = ("sync", "async", "fully_async", "thundersync")
 
 
-def write_result(name: str, obj: dict) -> None:
-    try:
-        from benchmarks._common import write_result as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        shared(name, obj)
-        return
-    import json
-
-    out = REPO_ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(obj)
-    (out / f"{name}.json").write_text(line + "\n")
-    print(line, flush=True)
 
 
 def sweep_one(setting, steps: int, seed: int) -> list[dict]:

@@ -28,27 +28,13 @@ if str(REPO_ROOT) not in sys.path:
 from thundersync_verl.sim.engine import simulate  # noqa: E402
 from thundersync_verl.sim.metrics import format_table  # noqa: E402
 from thundersync_verl.sim.trace import find_traces, load_trace, measured_step_time, replay  # noqa: E402
+from thundersync_verl.results import write_result  # noqa: E402
 
 SCRIPT = Path(__file__).stem
 DEFAULT_DIR = REPO_ROOT / "benchmarks" / "results" / "traces"
 PRODUCER = "python benchmarks/modes.py"
 
 
-def write_result(name: str, obj: dict) -> None:
-    try:
-        from benchmarks._common import write_result as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        shared(name, obj)
-        return
-    import json
-
-    out = REPO_ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(obj)
-    (out / f"{name}.json").write_text(line + "\n")
-    print(line, flush=True)
 
 
 def validate_file(path: Path) -> dict:
