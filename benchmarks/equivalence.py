@@ -171,7 +171,7 @@ def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int) ->
 def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, every: int = 2,
                 max_chunk: int = 4, loss_agg_mode: str = "token-mean") -> dict:
     """Trajectories arrive one by one; every ``every`` arrivals the planner's ops are sent."""
-    from thundersync_verl.trainer.stream_plan import StreamPlanner
+    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
     from thundersync_verl.trainer.streaming_worker import StreamingLearnerClient
 
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, max_chunk_size=max_chunk)
@@ -187,7 +187,7 @@ def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *,
         if (k + 1) % every == 0 or k + 1 == len(arrival):
             ops = planner.next_ops()
             for op in ops:
-                key = "fold" if not hasattr(op, "dest") else ("direct" if op.dest == "direct" else "bucket")
+                key = "fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")
                 kinds[key] += 1
             client.run(ops, table)
     metrics = client.finalize(planner.finalize())

@@ -79,7 +79,7 @@ def test_ensure_builds_only_what_is_missing(tmp_path, monkeypatch):
 
     def fake_build(path, variant, seed, progress=True):
         calls.append(variant)
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text("{}")
         (path / factory.MARKER_FILE).write_text("{}")
         return path

@@ -60,11 +60,14 @@ def make_stream_loss(loss_agg_mode: str):
 
 
 # ----- driver side: the chunk layout ----------------------------------------------------------
-def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int) -> dict:
+def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int,
+              response_masks: Sequence[Sequence[int]] | None = None) -> dict:
     """verl's left/right padded layout: prompts left-padded, responses right-padded.
 
     Returns ``input_ids``, ``attention_mask``, ``position_ids`` [B, P + R], ``prompts`` [B, P],
-    ``responses`` and ``response_mask`` [B, R].
+    ``responses`` and ``response_mask`` [B, R]. Every response token is attended to; only the
+    tokens whose ``response_masks`` entry is 1 are scored (default: all of them; multi-turn
+    trajectories pass 0 for tool-observation tokens, as verl's agent loop does).
     """
     n_rows, p_len, r_len = len(prompts), max(len(p) for p in prompts), max(len(r) for r in responses)
     prompt_ids = torch.full((n_rows, p_len), pad_token_id, dtype=torch.long)  # [B, P]
@@ -78,6 +81,10 @@ def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
         response_mask[b, : len(r)] = 1
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B, P + R]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P + R]
+    if response_masks is not None:
+        response_mask = torch.zeros(n_rows, r_len, dtype=torch.long)  # [B, R]
+        for b, m in enumerate(response_masks):
+            response_mask[b, : len(m)] = torch.tensor([1 if x else 0 for x in m], dtype=torch.long)
     return {
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
@@ -88,7 +95,15 @@ def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
     }
 
 
-def _check_rows(prompts, responses, coefs, dest) -> None:
+def _check_rows(prompts, responses, coefs, dest, masks) -> None:
+    if masks is not None and (len(masks) != len(responses) or any(len(m) != len(r) for m, r in zip(masks, responses))):
+        raise StreamingInputError(
+            rule_message(
+                "response_masks must give one 0/1 entry per response token of every row",
+                "the mask decides which tokens are scored; a shifted mask scores the wrong tokens",
+                "pass the trajectory's own response_mask (e.g. from verl's agent loop), unpadded",
+            )
+        )
     if not (len(prompts) == len(responses) == len(coefs)) or not prompts:
         raise StreamingInputError(
             rule_message(
@@ -126,15 +141,21 @@ def build_stream_chunk(
     dp_size: int,
     pad_token_id: int,
     temperature: float = 1.0,
+    response_masks: Sequence[Sequence[int]] | None = None,
 ):
-    """The TensorDict ``stream_backward`` takes, padded to a multiple of ``dp_size`` rows."""
+    """The TensorDict ``stream_backward`` takes, padded to a multiple of ``dp_size`` rows.
+
+    ``response_masks`` (optional, one 0/1 list per response) marks the scored tokens; the
+    planner must have been given the same count (``num_tokens = sum(mask)``).
+    """
     from tensordict import TensorDict
 
-    _check_rows(prompts, responses, coefs, dest)
+    _check_rows(prompts, responses, coefs, dest, response_masks)
     n_pad = (-len(prompts)) % int(dp_size)
     prompts = list(prompts) + [prompts[-1]] * n_pad
     responses = list(responses) + [responses[-1]] * n_pad
-    tensors = pad_batch(prompts, responses, pad_token_id)
+    masks = None if response_masks is None else list(response_masks) + [[0] * len(responses[-1])] * n_pad
+    tensors = pad_batch(prompts, responses, pad_token_id, masks)
     if n_pad:
         tensors["response_mask"][-n_pad:] = 0  # padding rows score no token
     tensors[COEF_KEY] = torch.tensor([float(c) for c in coefs] + [0.0] * n_pad, dtype=torch.float64)  # [B]

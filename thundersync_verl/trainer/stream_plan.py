@@ -139,7 +139,11 @@ class StreamPlanner:
         self._tokens, self._ready, self._buckets, self._queued = {}, [], {}, []
 
     def arrive(self, group_id: Hashable, traj_id: Hashable, reward: float, num_tokens: int) -> None:
-        """A finished trajectory with its reward; if it closes its group, a FoldOp is queued."""
+        """A finished trajectory with its reward; if it closes its group, a FoldOp is queued.
+
+        ``num_tokens`` is the number of SCORED response tokens (the response mask's sum): it
+        feeds the token-mean normaliser exactly as verl's ``batch_num_tokens`` does.
+        """
         item = (group_id, traj_id)
         if item in self._tokens:
             raise StreamingInputError(

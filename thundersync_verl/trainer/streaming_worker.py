@@ -1,4 +1,4 @@
-"""The streaming learner: verl's Tinker-style actor worker plus four registered methods.
+"""The streaming learner: verl's Tinker-style actor worker plus the streaming methods.
 
 Why:
 1. ThunderSync runs a trajectory's backward as soon as its inputs are fixed and takes ONE
@@ -9,6 +9,9 @@ Why:
        stream_backward(chunk)     backward of one chunk into .grad ("direct") or a bucket
        stream_fold({key: coef})   .grad += coef * bucket[key] when a group closes; free buckets
        finalize_step(scale)       the barrier: normalise, clip, optimizer step, LR step, zero
+   plus ``stream_memory`` (bucket accounting), ``gather_flat_params`` and ``reset_actor`` (for
+   equivalence checks). Every call blocks until done: verl's worker is an asyncio actor whose
+   plain methods run on a thread pool, so unordered calls could overlap.
 2. The chunk's loss is ours (``stream_loss.py``), installed through the worker's loss-function
    seam for the duration of the call, so verl's own ``update_actor`` keeps its ppo loss.
 3. A bucket backward must not mix with the direct gradient already in ``.grad``: the direct
@@ -377,7 +380,8 @@ def _chunk_result(output, rows: int):
 class StreamingLearnerClient:
     """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
 
-    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids). Every call waits for
+    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids[, response_mask]).
+    Every call waits for
     its result: the worker is an asyncio actor whose plain methods may run concurrently, and a
     fold must never overtake the backward that fills its bucket.
     """
@@ -397,8 +401,10 @@ class StreamingLearnerClient:
         for op in ops:
             if isinstance(op, BackwardOp):
                 rows = [trajectories[item] for item in op.items]
+                masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
                 chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
-                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
+                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id,
+                                           temperature=self.temperature, response_masks=masks)
                 results.append(self.wg.stream_backward(chunk))
             elif isinstance(op, FoldOp):
                 self.wg.stream_fold(op.folds)

@@ -1,0 +1,63 @@
+"""verl settings that break streaming are refused with the key to change. No GPU, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core import StreamingConfigError
+from thundersync_verl.trainer.stream_plan import StreamPlanner, settings_from_verl_config
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+@pytest.fixture(scope="module")
+def grpo_config():
+    """verl's own ppo_trainer.yaml set up for streamed GRPO: one epoch, one mini-batch."""
+    return va.compose_ppo_config([
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=8", f"{ACTOR}.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=4", f"{ACTOR}.ppo_micro_batch_size_per_gpu=4",
+    ])
+
+
+def _with(config, **changes):
+    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
+    return cfg
+
+
+def test_a_streamable_grpo_config_gives_settings_and_a_planner(grpo_config):
+    settings = settings_from_verl_config(grpo_config)
+    assert settings.loss_agg_mode == "token-mean" and settings.estimator.name == "grpo"
+    planner = StreamPlanner.from_settings(settings)
+    assert planner.loss_agg_mode == "token-mean" and planner.estimator.norm_by_std
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({f"{ACTOR}.ppo_epochs": 2}, "ppo_epochs=2 must be 1"),
+        ({f"{ACTOR}.ppo_mini_batch_size": 4}, "one mini-batch per batch"),
+        ({"algorithm.adv_estimator": "gae"}, "not a group-wise outcome estimator"),
+        ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "not supported for streaming"),
+        ({f"{ACTOR}.use_kl_loss": True}, "policy-gradient term only"),
+        ({f"{ACTOR}.entropy_coeff": 0.01}, "policy-gradient term only"),
+        ({"algorithm.rollout_correction.rollout_is": "token"}, "policy-gradient term only"),
+        ({f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_scale_factor"),
+    ],
+)
+def test_settings_that_break_exactness_are_refused_naming_the_key(grpo_config, changes, match):
+    with pytest.raises(StreamingConfigError, match=match) as info:
+        settings_from_verl_config(_with(grpo_config, **changes))
+    assert "fix:" in str(info.value)
+
+
+def test_worker_side_validation_uses_the_batch_meta(grpo_config):
+    arr = grpo_config.actor_rollout_ref  # what a worker holds: no data/algorithm sections
+    assert settings_from_verl_config(arr, train_batch_size=8).loss_agg_mode == "token-mean"
+    with pytest.raises(StreamingConfigError, match="one mini-batch per batch"):
+        settings_from_verl_config(arr, train_batch_size=16)  # two mini-batches: two optimizer steps
+    with pytest.raises(StreamingConfigError, match="asks for loss_agg_mode"):
+        settings_from_verl_config(arr, loss_agg_mode="seq-mean-token-mean")

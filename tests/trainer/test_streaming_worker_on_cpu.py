@@ -1,0 +1,95 @@
+"""The streaming worker on verl's real FSDP2 engine (a 1-process Ray worker group on the CPU).
+
+Needs no GPU: Ray gets one logical device slot, verl runs on the project's CPU platform (gloo).
+One streamed step must equal verl's own ``update_actor`` step, and every refusal must leave the
+weights untouched. The module starts Ray once (~20-40 s on 2 cores) and shuts it down.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from benchmarks import equivalence as eq
+from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
+from thundersync_verl.trainer.stream_loss import build_stream_chunk
+
+GROUPS = 2
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    saved = dict(os.environ)
+    threads = torch.get_num_threads()
+    work = tmp_path_factory.mktemp("stream_worker")
+    ray_tmp = eq.prepare_environment()
+    model_path, pad_id, vocab = eq.build_tiny_model(work / "model")
+    config = eq.verl_config(model_path, groups=GROUPS, micro=4)
+    import ray
+
+    try:
+        wg = eq.start_workers(config, dp=1)
+        yield {"wg": wg, "pad": pad_id, "vocab": vocab}
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+
+
+def _update(wg, step) -> tuple[torch.Tensor, dict]:
+    wg.reset_actor()
+    before = wg.gather_flat_params()[0]
+    info = step()
+    return wg.gather_flat_params()[0] - before, info
+
+
+def test_one_streamed_step_equals_verls_update_actor(harness):
+    wg, pad = harness["wg"], harness["pad"]
+    trajs, arrival = eq.make_trajectories(5, GROUPS, harness["vocab"])
+    d_sync, info_sync = _update(wg, lambda: eq.sync_step(wg, trajs, list(range(len(trajs))), pad))
+    d_stream, info = _update(wg, lambda: eq.stream_step(wg, trajs, arrival, pad))
+    assert float(d_sync.norm()) > 1e-4  # the step moved the weights
+    assert eq.relative_gap(d_stream, d_sync) < 1e-5  # fp32 summation order only (floor ~1e-6)
+    assert info["grad_norm"] == pytest.approx(info_sync["grad_norm"], rel=1e-5)
+    assert info["ops/bucket"] > 0 and info["ops/fold"] > 0 and info["ops/direct"] > 0  # all routes ran
+    assert info["stream/peak_bytes"] >= info["stream/buffer_bytes"] > 0 and info["stream/bytes_in_use"] == 0
+
+
+def _bucket_chunk(pad, coef=1.0, dest="g=0|r=1.0"):
+    return build_stream_chunk([[11, 12, 13]], [[14, 15, 16, 17]], [coef], dest, dp_size=1, pad_token_id=pad)
+
+
+def test_refusals_state_the_rule_and_leave_the_weights_unchanged(harness):
+    wg, pad = harness["wg"], harness["pad"]
+    wg.reset_actor()
+    theta0 = wg.gather_flat_params()[0]
+    with pytest.raises(StreamingStateError, match="no streaming batch open"):
+        wg.stream_backward(_bucket_chunk(pad))
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
+    wg.stream_backward(_bucket_chunk(pad))
+    assert wg.stream_memory()[0]["stream/open_buckets"] == ["g=0|r=1.0"]
+    with pytest.raises(StreamingStateError, match="not folded"):
+        wg.finalize_step(0.25)
+    with pytest.raises(StreamingInputError, match="hold no gradient"):
+        wg.stream_fold({"g=7|r=0.0": 1.0})
+    wg.stream_fold({"g=0|r=1.0": 0.5})
+    with pytest.raises(StreamingInputError, match="finite positive scale"):
+        wg.finalize_step(float("nan"))
+    assert torch.equal(wg.gather_flat_params()[0], theta0)  # nothing stepped so far
+    metrics = wg.finalize_step(0.25)[0]  # the refused calls changed nothing: the step still works
+    assert metrics["grad_norm"] > 0 and metrics["stream/bytes_in_use"] == 0
+    assert not torch.equal(wg.gather_flat_params()[0], theta0)
+    with pytest.raises(StreamingStateError, match="no streaming batch open"):
+        wg.stream_fold({})
+
+
+def test_worker_refuses_a_batch_that_verl_would_split_into_several_mini_batches(harness):
+    with pytest.raises(StreamingConfigError, match="one mini-batch per batch"):
+        harness["wg"].stream_begin_batch({"train_batch_size": 2 * GROUPS})
+    with pytest.raises(StreamingConfigError, match="asks for loss_agg_mode"):
+        harness["wg"].stream_begin_batch({"loss_agg_mode": "seq-mean-token-mean"})
