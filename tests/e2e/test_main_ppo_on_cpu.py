@@ -48,3 +48,15 @@ def test_sync_grpo_runs_two_steps_and_rollout_matches_learner(tmp_path, tiny_ran
             assert r[key] > 0
     traces = (tmp_path / "trajectories.jsonl").read_text().splitlines()
     assert len(traces) == 2 * 8 * 4  # every trajectory of both steps was recorded
+
+
+@pytest.mark.timeout(480)
+def test_thundersync_mode_streams_with_zero_staleness(tmp_path, tiny_random_lm):
+    rows = _run_verl(tmp_path, tiny_random_lm, "thundersync")
+    steps = [r for r in rows if "timing_s/step" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["training/off_policy/trajectory_staleness/max"] == 0  # measured from rollout weight versions
+        assert r["training/rollout_logprob_diff_max"] < 1e-5
+        assert r["thundersync/chunks"] >= 1
+        assert 0.0 < r["thundersync/learner_busy_fraction"] <= 1.0
