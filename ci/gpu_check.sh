@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Device check for the GPU paths (unverified until it has run on a GPU machine).
+# Runs the streamed-vs-sync equivalence on verl's FSDP2 engine with CUDA + NCCL, DP 1 (and DP 2 when
+# two GPUs are visible), then the exactness core's CUDA buffers. Prints one JSON line per check.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export VERL_PLATFORM=nvidia RAY_AUTH_MODE=disabled
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+$PY benchmarks/equivalence.py --quick --dp 1
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then $PY benchmarks/equivalence.py --quick --dp 2; fi
+$PY -m pytest -q tests/core -k "buffers or memory"
