@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both create the venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-MODE ?= sync
+MODE ?= thundersync
 STEPS ?= 20
 ALGO ?= grpo
 

@@ -38,11 +38,8 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
     traj_path.unlink(missing_ok=True)
-    extra = WORKLOAD + [f"thundersync.env.trace_path={traj_path}"]
-    if mode == "thundersync":
-        extra.append(f"thundersync.run_dir={run_dir}")
+    extra = WORKLOAD + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
     cmd = verl_command(inputs, algo="grpo", mode=mode, steps=steps, extra=extra)
-    cmd = [c for c in cmd if not c.startswith("thundersync.mode=")] + [f"mode={mode}"]
     print(f"[modes] {mode}: {steps} steps", flush=True)
     t0 = time.time()
     per_step = run_verl(cmd, run_env(run_dir, run_dir / "metrics.jsonl"), run_dir / "verl.log", steps)

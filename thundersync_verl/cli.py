@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run stock verl.trainer.main_ppo on the embedded CPU task")
     demo.add_argument("--algo", default="grpo", choices=["grpo"])
-    demo.add_argument("--mode", default="sync", choices=["sync", "async", "fully_async", "thundersync"])
+    demo.add_argument("--mode", default="thundersync", choices=["sync", "async", "fully_async", "thundersync"])
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--work-dir", default="runs/demo")
     demo.add_argument("overrides", nargs="*", help="extra hydra overrides passed to verl, e.g. data.train_batch_size=16")

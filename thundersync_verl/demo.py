@@ -51,12 +51,13 @@ def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64) -> d
 
 
 def verl_command(inputs: dict[str, Path], *, algo: str, mode: str, steps: int, extra: list[str]) -> list[str]:
+    """Stock verl entry point + our overlay; ``mode=`` is the one flag (recipes/cpu_tiny/mode/)."""
     return [
         sys.executable, "-m", "verl.trainer.main_ppo",
         f"--config-path={recipe_dir()}", f"--config-name={algo}",
         f"data.train_files={inputs['train']}", f"data.val_files={inputs['val']}",
         f"actor_rollout_ref.model.path={inputs['student']}",
-        f"trainer.total_training_steps={steps}", f"thundersync.mode={mode}",
+        f"trainer.total_training_steps={steps}", f"mode={mode}",
         f"trainer.experiment_name={algo}_{mode}",
         *extra,
     ]
@@ -157,7 +158,7 @@ def summarise(per_step: dict[int, dict[str, float]], *, algo: str, mode: str, se
     }
 
 
-def run_demo(*, algo: str = "grpo", mode: str = "sync", steps: int = 20, work_dir: str | Path = "runs/demo", extra: list[str] | None = None) -> dict:
+def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, work_dir: str | Path = "runs/demo", extra: list[str] | None = None) -> dict:
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
     work = Path(work_dir).resolve() / f"{algo}_{mode}"
@@ -165,7 +166,8 @@ def run_demo(*, algo: str = "grpo", mode: str = "sync", steps: int = 20, work_di
     print(f"[demo] preparing tiny models and data under {work}", flush=True)
     inputs = prepare_inputs(work.parent)
     metrics_path = work / "metrics.jsonl"
-    cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=list(extra or []))
+    extra = list(extra or []) + ([f"thundersync.run_dir={work}"] if mode == "thundersync" else [])
+    cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)
     print("[demo] " + " ".join(cmd[1:4]) + " ... (full log: " + str(work / "verl.log") + ")", flush=True)
     t0 = time.time()
     per_step = run_verl(cmd, run_env(work, metrics_path), work / "verl.log", steps)
@@ -175,6 +177,9 @@ def run_demo(*, algo: str = "grpo", mode: str = "sync", steps: int = 20, work_di
     png = plot_rewards(per_step, work / "reward_curve.png", f"{algo} / {mode} on the embedded CPU task")
     result = summarise(per_step, algo=algo, mode=mode, seconds=seconds)
     print(f"[demo] metrics: {metrics_path}\n[demo] reward curve: {png}", flush=True)
+    timelines = sorted((work / "timelines").glob("*.png"))
+    if timelines:
+        print(f"[demo] timeline of the last step: {timelines[-1]} ({len(timelines)} in {timelines[-1].parent})", flush=True)
     from thundersync_verl.results import write_result
 
     write_result("demo", result)
