@@ -29,8 +29,7 @@ from thundersync_verl.results import RESULTS_DIR, write_result  # noqa: E402
 MODES = ("sync", "async", "fully_async", "thundersync")
 LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # The default workload: tool latency shaped like agentic SWE traces (most calls short, a long tail).
-WORKLOAD = ["thundersync.env.tool_latency.kind=lognormal", "thundersync.env.tool_latency.median_s=0.3",
-            "thundersync.env.tool_latency.sigma=1.0", "thundersync.env.tool_latency.max_s=6.0"]
+WORKLOAD = ["thundersync.env.tool_latency.scale=1.0"]
 
 
 def run_mode(mode: str, steps: int, inputs: dict, work: Path) -> dict:
@@ -113,11 +112,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="4 steps per mode")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--work-dir", default="runs/modes")
+    ap.add_argument("--model", default=None, help="an HF model folder to use instead of the tiny student")
     args = ap.parse_args(argv)
     steps = 4 if args.quick else args.steps
     modes = [m for m in args.modes.split(",") if m]
     work = Path(args.work_dir).resolve()
-    inputs = prepare_inputs(work)
+    inputs = prepare_inputs(work, model=args.model)
     runs, rows = {}, {}
     for mode in modes:
         runs[mode] = run_mode(mode, steps, inputs, work)

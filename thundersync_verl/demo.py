@@ -35,12 +35,12 @@ def recipe_dir() -> Path:
     return RECIPE_DIR
 
 
-def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64) -> dict[str, Path]:
-    """Tiny models and datasets, built once and cached."""
+def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64, model: str | None = None) -> dict[str, Path]:
+    """Tiny models and datasets, built once and cached (``model``: use this HF folder as the student instead)."""
     from thundersync_verl.envs.dataset import write_dataset
     from thundersync_verl.models import ensure_tiny_models
 
-    models = ensure_tiny_models(progress=True)
+    models = {"student": Path(model), "teacher": Path(model)} if model else ensure_tiny_models(progress=True)
     data_dir = work_dir / "data"
     paths = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
     if not paths["train"].is_file():
