@@ -270,3 +270,27 @@ def registration_of(method) -> dict | None:
     from verl.single_controller.base.decorator import MAGIC_ATTR
 
     return getattr(method, MAGIC_ATTR, None)
+
+
+# -- on-policy distillation (OPD) ------------------------------------------------------------
+def ray_worker_group_with(worker_cls, *, config, role: str, n_workers: int, name_prefix: str | None = None,
+                          **init_kwargs):
+    """``ray_worker_group`` whose workers also receive ``init_kwargs`` (e.g. ``distillation_config``).
+
+    verl's trainer builds its actor with ``distillation_config=config.distillation``; that is what
+    switches the actor's loss to verl's distillation loss.
+    """
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils.device import get_device_name
+
+    pool = RayResourcePool([n_workers], use_gpu=True, max_colocate_count=1, name_prefix=name_prefix)
+    cls = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=config, role=role, **init_kwargs)
+    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=get_device_name(), name_prefix=name_prefix)
+
+
+def distillation_loss_fns():
+    """verl's OPD loss pieces: ``(kl_penalty, compute_policy_loss_vanilla, agg_loss)``."""
+    from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, kl_penalty
+
+    return kl_penalty, compute_policy_loss_vanilla, agg_loss

@@ -18,6 +18,12 @@ Why:
    driver pads it to a multiple of the DP size with copies of a real row whose response mask
    is all zero and whose coefficient is 0: they contribute exactly zero, and every rank runs
    the backward (FSDP's reduce-scatter is a collective).
+5. Per-token chunks (OPD turns, ``build_token_chunk``): ``ts_token_coef`` [B, R] aligned with
+   the response replaces the row weight w, zero off the tokens this row scores, so a row can be
+   a trajectory PREFIX (prompt + earlier turns + turn j) that scores only turn j's tokens. With
+   ``ts_teacher_log_prob`` [B, R] the loss multiplies each coefficient by the OPD advantage
+   A_t = -(log pi(a_t) - log p_teacher(a_t)), computed from the row's own forward and detached,
+   as verl's distillation loss computes it from its forward; the normaliser stays deferred.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from thundersync_verl.core.errors import rule_message
 
 COEF_KEY = "ts_coef"  # [B] per-trajectory coefficient (A_i, or 1 for a bucket)
 DEST_KEY = "ts_dest"  # non-tensor: "direct" or a bucket key
+TOKEN_COEF_KEY = "ts_token_coef"  # [B, R] per-token coefficient, zero off the scored tokens
+TEACHER_KEY = "ts_teacher_log_prob"  # [B, R] teacher log-probs of the scored tokens (OPD)
+ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
 
 
 def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str):
@@ -162,3 +171,115 @@ def build_stream_chunk(
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
     return va.to_no_padding(td)
+
+
+# ----- per-token chunks (OPD turns) ----------------------------------------------------------
+def stream_token_loss(model_output, data, dp_group=None):
+    """-dp_size * sum_{i,t} ts_coef_i * ts_token_coef_{i,t} * a_{i,t} * log pi(a_{i,t}) for one micro-batch.
+
+    a_{i,t} = -(log pi(a_{i,t}) - ts_teacher_log_prob_{i,t}), detached, when the chunk carries
+    teacher log-probs (OPD), else 1. verl loss-function signature; returns (loss, metrics).
+    """
+    log_prob = va.response_log_probs(model_output, data)  # [B, T]
+    has_teacher = TEACHER_KEY in data.keys()
+    fields = va.padded_fields(data, COEF_KEY, TOKEN_COEF_KEY, *([TEACHER_KEY] if has_teacher else []))
+    token_coef = fields[TOKEN_COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
+    if token_coef.shape != log_prob.shape:
+        raise StreamingInputError(
+            rule_message(
+                f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the response log-probs have "
+                f"{tuple(log_prob.shape)}",
+                "each per-token coefficient multiplies the log-prob of the response token at the same position",
+                "build the chunk with stream_loss.build_token_chunk (one coefficient per response token)",
+            )
+        )
+    coef = token_coef * fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype).unsqueeze(-1)  # [B, T]
+    if has_teacher:
+        teacher = fields[TEACHER_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
+        gap = log_prob.detach() - teacher  # [B, T], verl's k1 distillation loss
+        clamp = va.non_tensor(data, ADV_CLAMP_KEY)
+        if clamp is not None:
+            gap = gap.clamp(min=-float(clamp), max=float(clamp))  # [B, T]
+        coef = coef * (-gap)  # [B, T], OPD advantage A_t times the token coefficient
+    dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
+    loss = -(coef * log_prob).sum() * dp_size  # scalar
+    return loss, {"stream/scored_tokens": int((token_coef != 0).sum())}
+
+
+def make_token_stream_loss():
+    """The loss function of per-token chunks (``build_token_chunk``)."""
+    return stream_token_loss
+
+
+def _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp) -> None:
+    lengths_ok = len(token_coefs) == len(responses) and all(len(c) == len(r) for c, r in zip(token_coefs, responses))
+    if teacher_log_probs is not None:
+        lengths_ok = lengths_ok and len(teacher_log_probs) == len(responses) and all(
+            len(t) == len(r) for t, r in zip(teacher_log_probs, responses))
+    if not lengths_ok:
+        raise StreamingInputError(
+            rule_message(
+                "token_coefs (and teacher_log_probs) must give one value per response token of every row",
+                "a per-token coefficient is aligned with the response token it weights; a shifted "
+                "list weights the wrong tokens",
+                "pass, for every row, lists as long as its response (0 off the scored tokens)",
+            )
+        )
+    values = [float(x) for row in token_coefs for x in row]
+    values += [float(x) for row in (teacher_log_probs or []) for x in row]
+    if not all(math.isfinite(v) for v in values) or (opd_clamp is not None and not float(opd_clamp) > 0):
+        raise StreamingInputError(
+            rule_message(
+                "token coefficients and teacher log-probs must be finite, opd_clamp positive or None "
+                f"(got {opd_clamp!r})",
+                "one NaN poisons the batch gradient",
+                "check the teacher's scores (TurnScorer validates them) before building the chunk",
+            )
+        )
+
+
+def build_token_chunk(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    token_coefs: Sequence[Sequence[float]],
+    *,
+    dp_size: int,
+    pad_token_id: int,
+    teacher_log_probs: Sequence[Sequence[float]] | None = None,
+    opd_clamp: float | None = None,
+    dest: str = "direct",
+    temperature: float = 1.0,
+):
+    """A per-token chunk for ``stream_token_backward``, padded to a multiple of ``dp_size`` rows.
+
+    Row i scores the response tokens whose ``token_coefs[i]`` entry is non-zero (its
+    ``response_mask``, from which verl counts tokens, is 1 exactly there). ``teacher_log_probs``
+    (OPD) gives log p_teacher for those tokens (any value elsewhere; 0 by convention).
+    """
+    from tensordict import TensorDict
+
+    _check_rows(prompts, responses, [1.0] * len(responses), dest, None)
+    _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp)
+    n_pad = (-len(prompts)) % int(dp_size)
+    prompts = list(prompts) + [prompts[-1]] * n_pad
+    responses = list(responses) + [responses[-1]] * n_pad
+    coefs = [list(map(float, c)) for c in token_coefs] + [[0.0] * len(responses[-1])] * n_pad
+    masks = [[1 if c != 0 else 0 for c in row] for row in coefs]
+    tensors = pad_batch(prompts, responses, pad_token_id, masks)
+    width = tensors["responses"].shape[1]
+    tensors[TOKEN_COEF_KEY] = _rows_to_tensor(coefs, width)  # [B, R]
+    if teacher_log_probs is not None:
+        teacher = [list(map(float, t)) for t in teacher_log_probs] + [[0.0] * len(responses[-1])] * n_pad
+        tensors[TEACHER_KEY] = _rows_to_tensor(teacher, width, dtype=torch.float32)  # [B, R]
+    tensors[COEF_KEY] = torch.tensor([1.0] * (len(prompts) - n_pad) + [0.0] * n_pad, dtype=torch.float64)  # [B]
+    td = TensorDict(tensors, batch_size=[len(prompts)])
+    extra = {} if opd_clamp is None else {ADV_CLAMP_KEY: float(opd_clamp)}
+    va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest}, **extra)
+    return va.to_no_padding(td)
+
+
+def _rows_to_tensor(rows: Sequence[Sequence[float]], width: int, dtype=torch.float64) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=dtype)  # [B, R], right-padded like the responses
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = torch.tensor(list(row), dtype=dtype)
+    return out

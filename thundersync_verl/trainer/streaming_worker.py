@@ -7,6 +7,7 @@ Why:
    what streaming needs on top of that seam:
        stream_begin_batch(meta)   clear buffers, validate the config, record loss_agg_mode
        stream_backward(chunk)     backward of one chunk into .grad ("direct") or a bucket
+       stream_token_backward(c)   the same for a per-token chunk (OPD turns, stream_loss.py)
        stream_fold({key: coef})   .grad += coef * bucket[key] when a group closes; free buckets
        finalize_step(scale)       the barrier: normalise, clip, optimizer step, LR step, zero
    plus ``stream_memory`` (bucket accounting), ``gather_flat_params`` and ``reset_actor`` (for
@@ -38,7 +39,15 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, StreamingStateError
 from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY, build_stream_chunk, make_stream_loss
+from thundersync_verl.trainer.stream_loss import (
+    COEF_KEY,
+    DEST_KEY,
+    TEACHER_KEY,
+    TOKEN_COEF_KEY,
+    build_stream_chunk,
+    make_stream_loss,
+    make_token_stream_loss,
+)
 from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp, settings_from_verl_config
 
 DIRECT = "direct"
@@ -143,7 +152,29 @@ class StreamingActorWorker(_Base):
         with self._exclusive("stream_backward"):
             return self._stream_backward(chunk)
 
-    def _stream_backward(self, chunk):
+    @register(dispatch_mode=ACTOR_MESH)
+    def stream_token_backward(self, chunk):
+        """Backward of one PER-TOKEN chunk (``stream_loss.build_token_chunk``), e.g. OPD turns.
+
+        Same destinations, checks and result as ``stream_backward``; the loss weights each
+        response token by ``ts_token_coef`` (times the OPD advantage when the chunk carries
+        teacher log-probs) instead of a per-row coefficient and loss_agg_mode weight.
+        """
+        with self._exclusive("stream_token_backward"):
+            _check_token_chunk(chunk)
+            keys = [k for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()]
+            finite = all(bool(torch.isfinite(chunk[k]).all()) for k in keys)
+            if not self._agree(finite):
+                raise StreamingInputError(
+                    rule_message(
+                        f"every {TOKEN_COEF_KEY} and {TEACHER_KEY} value of a chunk must be finite",
+                        "one NaN or inf coefficient poisons the whole batch gradient",
+                        "check the teacher's scores before planning the turn",
+                    )
+                )
+            return self._stream_backward(chunk, loss_fn=make_token_stream_loss())
+
+    def _stream_backward(self, chunk, loss_fn=None):
         state = self._state("stream_backward")
         dest = _check_chunk(chunk)
         coefs = chunk[COEF_KEY]
@@ -163,7 +194,7 @@ class StreamingActorWorker(_Base):
             for p in params:
                 p.grad = None
         previous = va.actor_loss_fn(self)
-        va.set_actor_loss_fn(self, state.loss_fn)
+        va.set_actor_loss_fn(self, loss_fn or state.loss_fn)
         try:
             output = self.actor.forward_backward(data=chunk)
         except Exception as exc:
@@ -314,6 +345,22 @@ def _check_chunk(chunk) -> str:
             )
         )
     return dest
+
+
+def _check_token_chunk(chunk) -> None:
+    """A per-token chunk carries ts_token_coef [B, R] (and optionally teacher log-probs [B, R])."""
+    rows = int(chunk.batch_size[0])
+    shapes = {k: tuple(chunk[k].shape) for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()}
+    bad_shape = any(len(v) != 2 or v[0] != rows for v in shapes.values()) or len(set(shapes.values())) > 1
+    if TOKEN_COEF_KEY not in shapes or bad_shape:
+        raise StreamingInputError(
+            rule_message(
+                f"a per-token chunk needs a [B, R] tensor {TOKEN_COEF_KEY!r} (and {TEACHER_KEY!r} of the same "
+                f"shape, if any) with B = {rows} rows (got {shapes})",
+                "each response token is weighted by its own coefficient",
+                "build per-token chunks with stream_loss.build_token_chunk and send GRPO chunks to stream_backward",
+            )
+        )
 
 
 def _check_folds(folds, state: _BatchState) -> dict[str, float]:
