@@ -294,3 +294,10 @@ def distillation_loss_fns():
     from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, kl_penalty
 
     return kl_penalty, compute_policy_loss_vanilla, agg_loss
+
+
+def replay_buffer_classes():
+    """verl's V1 ``(ReplayBuffer, ReplayBufferAsync)``."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    return ReplayBuffer, ReplayBufferAsync

@@ -7,6 +7,10 @@
 2. The log-prob returned for each sampled token is log_softmax(logits / T), the
    quantity verl's actor recomputes, so rollout and learner log-probs can be
    compared token by token (top-p/top-k change what is sampled, not this value).
+   When the weights did not change during the request, the returned log-probs come
+   from one causal forward over the finished turn (``rescore``): the learner's
+   computation, instead of the incremental KV-cache sums (which differ by ~1e-6 per
+   layer and add up on peaky trained models).
 3. Weights are swapped between decode steps; every request reports the weight
    versions it was generated with (``min/max_global_steps``), which is how
    staleness is measured rather than assumed.
@@ -93,7 +97,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class HFGenerationEngine:
     """Holds one HF causal LM and serves concurrent ``generate`` calls."""
 
-    def __init__(self, model, tokenizer=None, *, eos_token_ids: Iterable[int] = (), max_model_len: int = 2048):
+    def __init__(self, model, tokenizer=None, *, eos_token_ids: Iterable[int] = (), max_model_len: int = 2048,
+                 rescore: bool = True):
+        self.rescore = rescore
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
@@ -176,7 +182,17 @@ class HFGenerationEngine:
             next_input = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
             await asyncio.sleep(0)  # let other requests take their turn
         versions = versions or [self.version]
+        if self.rescore and out_ids and min(versions) == max(versions) == self.version:
+            out_lp = self._full_forward_logprobs(prompt_ids, out_ids, spec.temperature)
         return Generation(out_ids, out_lp, reason, min(versions), max(versions), time.perf_counter() - t0)
+
+    def _full_forward_logprobs(self, prompt_ids: list[int], out_ids: list[int], temperature: float) -> list[float]:
+        ids = torch.tensor([prompt_ids + out_ids], dtype=torch.long)  # [1, P + R]
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [R, V]
+        if temperature > 0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(out_ids)[:, None])[:, 0].tolist()
 
     @staticmethod
     def _sample(logits: torch.Tensor, spec: SamplingSpec, gen) -> tuple[int, float]:
