@@ -7,6 +7,8 @@
    ``timing_s/*`` breakdown), keeps verl's JSONL metrics file, draws the reward curve.
 3. Ends with one JSON line of headline figures (also written to
    ``benchmarks/results/demo.json``).
+4. ``--algo opd`` runs the ``opd`` recipe (on-policy distillation from the tiny teacher) with the
+   same mode flag; its headline adds the student's reverse KL to the teacher.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO_ROOT / "recipes" / "cpu_tiny"
 MODES = ("sync", "async", "fully_async", "thundersync")
+ALGOS = ("grpo", "opd")
 STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 TIMING_KEYS = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step")
 
@@ -35,12 +38,26 @@ def recipe_dir() -> Path:
     return RECIPE_DIR
 
 
-def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64, model: str | None = None) -> dict[str, Path]:
+def _tiny_models(variants: tuple[str, ...]) -> dict[str, Path]:
+    """The cached tiny models, building only the variants this run needs (GRPO needs no teacher)."""
+    from thundersync_verl.models.factory import build_model, default_root, is_built
+    from thundersync_verl.models.variants import version_hash
+
+    folder = default_root() / version_hash()
+    paths = {v: folder / v for v in ("student", "teacher")}
+    for v in variants:
+        if not is_built(paths[v]):
+            print(f"[demo] building the tiny {v} model (once; cached in {folder})", flush=True)
+            build_model(paths[v], v)
+    return paths
+
+
+def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64, model: str | None = None,
+                   variants: tuple[str, ...] = ("student",)) -> dict[str, Path]:
     """Tiny models and datasets, built once and cached (``model``: use this HF folder as the student instead)."""
     from thundersync_verl.envs.dataset import write_dataset
-    from thundersync_verl.models import ensure_tiny_models
 
-    models = {"student": Path(model), "teacher": Path(model)} if model else ensure_tiny_models(progress=True)
+    models = {"student": Path(model), "teacher": Path(model)} if model else _tiny_models(variants)
     data_dir = work_dir / "data"
     paths = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
     if not paths["train"].is_file():
@@ -52,6 +69,7 @@ def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64, mode
 
 def verl_command(inputs: dict[str, Path], *, algo: str, mode: str, steps: int, extra: list[str]) -> list[str]:
     """Stock verl entry point + our overlay; ``mode=`` is the one flag (recipes/cpu_tiny/mode/)."""
+    teacher = [f"distillation.teacher_models.teacher_model.model_path={inputs['teacher']}"] if algo == "opd" else []
     return [
         sys.executable, "-m", "verl.trainer.main_ppo",
         f"--config-path={recipe_dir()}", f"--config-name={algo}",
@@ -59,6 +77,7 @@ def verl_command(inputs: dict[str, Path], *, algo: str, mode: str, steps: int, e
         f"actor_rollout_ref.model.path={inputs['student']}",
         f"trainer.total_training_steps={steps}", f"mode={mode}",
         f"trainer.experiment_name={algo}_{mode}",
+        *teacher,
         *extra,
     ]
 
@@ -141,12 +160,28 @@ def plot_rewards(per_step: dict[int, dict[str, float]], png: Path, title: str) -
     return png
 
 
+def reverse_kl(step_metrics: dict[str, float]) -> float | None:
+    """The student's reverse KL to the teacher at the batch's weights (token mean of log pi - log p_teacher).
+
+    ThunderSync logs it itself; verl's distillation loss with k1 as a policy gradient logs the same
+    quantity as ``actor/distillation/loss`` (ratio 1, no clamp).
+    """
+    for key in ("thundersync/opd/reverse_kl", "actor/distillation/loss"):
+        if key in step_metrics:
+            return float(step_metrics[key])
+    return None
+
+
 def summarise(per_step: dict[int, dict[str, float]], *, algo: str, mode: str, seconds: float) -> dict:
     steps = sorted(per_step)
     rewards = [per_step[s].get("critic/score/mean", float("nan")) for s in steps]
     gaps = [per_step[s].get("training/rollout_logprob_diff_max", float("nan")) for s in steps]
     gaps = [g for g in gaps if g == g]
     k = min(5, len(rewards))
+    kls = [reverse_kl(per_step[s]) for s in steps]
+    kls = [x for x in kls if x is not None]
+    opd = {"reverse_kl_first5": round(sum(kls[:k]) / max(len(kls[:k]), 1), 4),
+           "reverse_kl_last5": round(sum(kls[-k:]) / max(len(kls[-k:]), 1), 4)} if algo == "opd" and kls else {}
     return {
         "algo": algo,
         "mode": mode,
@@ -155,16 +190,17 @@ def summarise(per_step: dict[int, dict[str, float]], *, algo: str, mode: str, se
         "reward_last5": round(sum(rewards[-k:]) / max(k, 1), 4),
         "seconds": round(seconds, 1),
         "max_rollout_logprob_diff": max(gaps) if gaps else None,
+        **opd,
     }
 
 
 def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, work_dir: str | Path = "runs/demo", extra: list[str] | None = None) -> dict:
-    if mode not in MODES:
-        raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
+    if mode not in MODES or algo not in ALGOS:
+        raise ValueError(f"--mode must be one of {MODES} and --algo one of {ALGOS}, got {mode!r}, {algo!r}")
     work = Path(work_dir).resolve() / f"{algo}_{mode}"
     work.mkdir(parents=True, exist_ok=True)
     print(f"[demo] preparing tiny models and data under {work}", flush=True)
-    inputs = prepare_inputs(work.parent)
+    inputs = prepare_inputs(work.parent, variants=("student", "teacher") if algo == "opd" else ("student",))
     metrics_path = work / "metrics.jsonl"
     extra = list(extra or []) + ([f"thundersync.run_dir={work}"] if mode == "thundersync" else [])
     cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)

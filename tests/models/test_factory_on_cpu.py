@@ -74,6 +74,19 @@ def test_build_is_atomic_when_it_fails(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # neither the model nor a staging folder is left
 
 
+def test_staging_left_by_a_dead_build_is_removed(tmp_path, monkeypatch):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = tmp_path / f".student.building-{dead.pid}"
+    live = tmp_path / f".student.building-{__import__('os').getpid()}"
+    stale.mkdir()
+    live.mkdir()
+    factory._remove_stale_staging(tmp_path / "student")
+    assert not stale.exists() and live.exists()
+
+
 def test_ensure_builds_only_what_is_missing(tmp_path, monkeypatch):
     calls = []
 

@@ -8,7 +8,7 @@ import pytest
 
 from thundersync_verl.envs import protocol
 from thundersync_verl.models.factory import build_tokenizer
-from thundersync_verl.models.tokenizer import chat_ids, encode_transcript, render_chat
+from thundersync_verl.models.tokenizer import chat_ids, encode_transcript, render_chat, train_tokenizer
 from thundersync_verl.models.variants import get_spec
 
 SPEC = get_spec("student").scaled(n_transcripts=600)
@@ -25,13 +25,16 @@ def test_training_is_deterministic(tmp_path):
     b.save_pretrained(tmp_path / "b")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    c = build_tokenizer(SPEC, seed=1)
-    c.save_pretrained(tmp_path / "c")
+    other_corpus = [render_chat(m) for m in protocol.transcripts(600, 0, tool_fraction=0.0)]  # no tool turns
+    train_tokenizer(other_corpus).save_pretrained(tmp_path / "c")
     assert (tmp_path / "c" / "tokenizer.json").read_bytes() != (tmp_path / "a" / "tokenizer.json").read_bytes()
 
 
 def test_vocab_and_special_tokens(tokenizer):
-    assert len(tokenizer) == 512
+    assert 300 <= len(tokenizer) <= SPEC.vocab_size  # digits are split, so the corpus saturates below 512
+    assert [tokenizer.convert_ids_to_tokens(i) for i in range(4)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    assert all(len(tokenizer.encode(d, add_special_tokens=False)) == 1 for d in "0123456789")
+    assert len(tokenizer.encode("12345", add_special_tokens=False)) == 5
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|pad|>"
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):

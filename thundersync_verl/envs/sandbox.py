@@ -189,7 +189,8 @@ async def run_python_async(
                 close_fds=True,
             )
         except OSError as exc:
-            return SandboxResult("", f"{type(exc).__name__}: {exc}", None, False, False, time.perf_counter() - start, "spawn_failed")
+            elapsed = time.perf_counter() - start
+            return SandboxResult("", f"{type(exc).__name__}: {exc}", None, False, False, elapsed, "spawn_failed")
         out, err, timed_out = await _communicate(proc, stdin, max_output_bytes, timeout_s)
     if extra_latency_s > 0:
         await asyncio.sleep(extra_latency_s)

@@ -95,7 +95,9 @@ async def _score(tokenizer, trajectories: list[_Trajectory]) -> list[tuple[float
     return list(await asyncio.gather(*(one(t) for t in trajectories)))
 
 
-def _advance(model, tokenizer, batch: list[_Trajectory], tool: PythonTool, temperature: float, max_new_tokens: int, last: bool) -> None:
+def _advance(
+    model, tokenizer, batch: list[_Trajectory], tool: PythonTool, temperature: float, max_new_tokens: int, last: bool
+) -> None:
     """One assistant turn for every trajectory of ``batch``, then their tool calls."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     separator = tokenizer.encode(TURN_SEPARATOR, add_special_tokens=False)
@@ -128,7 +130,11 @@ def evaluate_policy(
     retry_prob: float = 0.2,
     batch_size: int = 100,
 ) -> dict:
-    """Mean reward and behaviour statistics of the policy at ``model_path`` on held-out problems."""
+    """Mean reward and behaviour statistics of the policy at ``model_path`` on held-out problems.
+
+    Blocking (it runs its own event loops for the sandbox calls): call it from synchronous code.
+    Problems come from the ``eval`` stream, disjoint from the warm-start and dataset streams.
+    """
     import torch
 
     from thundersync_verl.models.factory import load_tiny_model
@@ -144,7 +150,8 @@ def evaluate_policy(
     for turn in range(max_turns):
         active = [t for t in trajectories if not t.done]
         for start in range(0, len(active), batch_size):
-            _advance(model, tokenizer, active[start : start + batch_size], tool, temperature, max_new_tokens, turn == max_turns - 1)
+            chunk = active[start : start + batch_size]
+            _advance(model, tokenizer, chunk, tool, temperature, max_new_tokens, last=turn == max_turns - 1)
     scores = asyncio.run(_score(tokenizer, trajectories))
     n = max(1, len(trajectories))
     return {

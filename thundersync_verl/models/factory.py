@@ -16,6 +16,7 @@ Why:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -107,13 +108,14 @@ def _train_into(folder: Path, spec: TinyModelSpec, seed: int, log: Callable[[str
     torch.manual_seed(zlib.crc32(f"init:{spec.name}:{seed}".encode()))
     model = Qwen2ForCausalLM(_model_config(spec, tokenizer))
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"{spec.name}: Qwen2 {spec.num_layers}x{spec.hidden_size}, {n_params / 1e6:.2f} M params; warm start {spec.train_steps} steps")
+    shape = f"Qwen2 {spec.num_layers}x{spec.hidden_size}, {n_params / 1e6:.2f} M params"
+    log(f"{spec.name}: {shape}; warm start {spec.train_steps} steps")
     stats = warm_start(model, tokenizer, spec, seed, log)
     model.generation_config = _generation_config(tokenizer)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     record = {"variant": spec.name, "seed": seed, "params": n_params, "version": version_hash({spec.name: spec}, seed)}
-    record["spec"] = spec.__dict__.copy()
+    record["spec"] = dataclasses.asdict(spec)
     # Timings vary run to run: they go to the log, not into the deterministic files.
     log(f"{spec.name}: warm-start loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} in {stats['seconds']:.0f} s")
     (folder / MARKER_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -139,6 +141,7 @@ def build_model(
     spec = get_spec(variant).scaled(train_steps=train_steps, n_transcripts=n_transcripts)
     log = _logger(progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(out_dir)
     staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -152,6 +155,24 @@ def build_model(
         shutil.rmtree(staging, ignore_errors=True)
     log(f"{variant}: ready at {out_dir}")
     return out_dir
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_staging(out_dir: Path) -> None:
+    """Delete staging folders left by builds whose process died (a SIGKILL skips cleanup)."""
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if stale.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _publish(staging: Path, out_dir: Path) -> None:

@@ -1,12 +1,13 @@
 """What each tiny model is: architecture, warm-start data and training budget, in one record.
 
 Why:
-1. The student must leave room for RL: it is warm-started on a 50/50 mix of correct
-   tool-using transcripts and transcripts that skip the tool and guess (wrong). Sampled at
-   temperature 1 it then uses the tool about half the time, so its reward starts near 0.4 and
-   RL can raise it visibly by learning to always call the tool.
-2. The teacher (for on-policy distillation) is bigger, trained longer and only on correct
-   tool-using transcripts, so its reward is ~0.9+ and its log-probs are informative.
+1. The student must leave room for RL. Its warm start first learns to use the tool on
+   tool-only transcripts, then trains on a 50/50 mix of correct tool-using transcripts and
+   transcripts that skip the tool and guess (wrongly). Sampled at temperature 1 it calls the
+   tool about half the time and gets reward ~0.35: RL can raise it by always calling the tool
+   and copying more reliably.
+2. The teacher (for on-policy distillation) is bigger and trained only on correct tool-using
+   transcripts, so it always calls the tool and its reward is far above the student's.
 3. Both are small enough for a 2-core CPU: the student's forward+backward on a batch of
    trajectories takes tens of milliseconds, so a CPU demo runs real GRPO steps.
 4. Every field takes part in :func:`version_hash`, together with the data and protocol
@@ -37,13 +38,14 @@ class TinyModelSpec:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    tool_fraction: float  # share of warm-start transcripts that use the tool correctly
-    train_steps: int
-    batch_size: int = 32
+    tool_fraction: float  # phase-2 share of warm-start transcripts that use the tool correctly
+    train_steps: int  # both phases together
+    tool_only_steps: int  # phase 1: tool-using transcripts only (teaches copying)
+    batch_size: int = 16
     learning_rate: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
-    n_transcripts: int = 20_000
+    n_transcripts: int = 12_000
     retry_prob: float = 0.2
     vocab_size: int = 512
     tokenizer_corpus: int = 4000  # transcripts the tokenizer is trained on
@@ -55,6 +57,7 @@ class TinyModelSpec:
         changes = {}
         if train_steps is not None:
             changes["train_steps"] = train_steps
+            changes["tool_only_steps"] = self.tool_only_steps * train_steps // self.train_steps
             changes["warmup_steps"] = min(self.warmup_steps, max(1, train_steps // 10))
         if n_transcripts is not None:
             changes["n_transcripts"] = n_transcripts
@@ -71,7 +74,8 @@ VARIANTS: dict[str, TinyModelSpec] = {
         num_kv_heads=2,
         intermediate_size=384,
         tool_fraction=0.5,
-        train_steps=1200,
+        train_steps=1300,
+        tool_only_steps=800,
     ),
     "teacher": TinyModelSpec(
         name="teacher",
@@ -81,7 +85,8 @@ VARIANTS: dict[str, TinyModelSpec] = {
         num_kv_heads=2,
         intermediate_size=576,
         tool_fraction=1.0,
-        train_steps=1500,
+        train_steps=2000,
+        tool_only_steps=2000,
         learning_rate=2e-3,
     ),
 }

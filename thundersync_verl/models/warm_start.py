@@ -3,9 +3,16 @@
 Why:
 1. A randomly initialised model never emits a well-formed tool call, so RL from scratch would
    see zero reward. A short supervised phase teaches the format; RL then has something to improve.
-2. Loss is taken on assistant tokens only (including the closing ``<|im_end|>``), exactly the
-   tokens the policy generates in the agent loop; prompts and tool turns are context.
-3. Determinism: data come from a named random stream, batches from a seeded order, weights
+2. Two phases. Copying digits (expression -> code, tool output -> answer) needs an
+   induction-style attention circuit, which forms only once copy examples dominate the data.
+   Phase 1 (``tool_only_steps``) trains on correct tool-using transcripts only; phase 2 trains
+   on the variant's mix (for the student, 50% transcripts that skip the tool and guess), which
+   sets how often the model calls the tool without unlearning how to copy.
+3. Loss is taken on assistant tokens only (including the closing ``<|im_end|>``), exactly the
+   tokens the policy generates in the agent loop, and is divided by a FIXED token count per
+   phase, not by the batch's own count: batches are grouped by length, and a per-batch mean
+   would over-weight the decisions of short (guessing) transcripts and bias the tool-use rate.
+4. Determinism: data come from named random streams, batches from a seeded order, weights
    from a seeded init, and the thread count is fixed, so two builds give bitwise-equal weights.
 """
 
@@ -23,12 +30,14 @@ from thundersync_verl.models.variants import TinyModelSpec
 IGNORE_INDEX = -100
 
 
-def encode_corpus(tokenizer, spec: TinyModelSpec, seed: int) -> list[tuple[list[int], list[int]]]:
-    """The warm-start transcripts of ``spec`` as (ids, assistant-mask) pairs."""
-    stream = f"warmstart-{spec.name}"
-    conversations = protocol.transcripts(
-        spec.n_transcripts, seed, tool_fraction=spec.tool_fraction, retry_prob=spec.retry_prob, stream=stream
-    )
+def encode_corpus(tokenizer, spec: TinyModelSpec, seed: int, *, phase: int) -> list[tuple[list[int], list[int]]]:
+    """Phase 1 (tool-only) or phase 2 (the variant's mix) transcripts as (ids, assistant-mask) pairs."""
+    if phase == 1:
+        n, tool_fraction = min(spec.n_transcripts, spec.tool_only_steps * spec.batch_size), 1.0
+    else:
+        n, tool_fraction = spec.n_transcripts, spec.tool_fraction
+    stream = f"warmstart-{spec.name}-phase{phase}"
+    conversations = protocol.transcripts(n, seed, tool_fraction=tool_fraction, retry_prob=spec.retry_prob, stream=stream)
     return [encode_transcript(tokenizer, messages) for messages in conversations]
 
 
@@ -79,6 +88,20 @@ def _batches(lengths: list[int], batch_size: int, n_steps: int, seed: int, windo
         yield pending.pop()
 
 
+def _phases(tokenizer, spec: TinyModelSpec, seed: int):
+    """Yield (step, batch samples, loss normaliser) over both phases."""
+    step = 0
+    for phase, n_steps in ((1, spec.tool_only_steps), (2, spec.train_steps - spec.tool_only_steps)):
+        if n_steps <= 0:
+            continue
+        corpus = encode_corpus(tokenizer, spec, seed, phase=phase)
+        lengths = [len(ids) for ids, _ in corpus]
+        tokens_per_batch = spec.batch_size * sum(sum(mask) for _, mask in corpus) / len(corpus)
+        for index in _batches(lengths, spec.batch_size, n_steps, seed + 1000 * phase):
+            yield step, [corpus[i] for i in index], tokens_per_batch
+            step += 1
+
+
 def warm_start(
     model,
     tokenizer,
@@ -90,10 +113,13 @@ def warm_start(
     import torch
     import torch.nn.functional as F
 
-    corpus = encode_corpus(tokenizer, spec, seed)
-    pad_id = tokenizer.pad_token_id
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    if not 0 <= spec.tool_only_steps <= spec.train_steps:
+        raise ValueError(
+            f"tool_only_steps={spec.tool_only_steps} must lie in [0, train_steps={spec.train_steps}]: "
+            "it is the length of the first (tool-only) phase of the warm start"
+        )
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.learning_rate,
@@ -102,17 +128,18 @@ def warm_start(
     model.train()
     started, first_loss, running = time.perf_counter(), float("nan"), float("nan")
     log_every = max(1, spec.train_steps // 5)
-    lengths = [len(ids) for ids, _ in corpus]
-    for step, index in enumerate(_batches(lengths, spec.batch_size, spec.train_steps, seed)):
+    for step, samples, tokens_per_batch in _phases(tokenizer, spec, seed):
         for group in optimizer.param_groups:
             group["lr"] = spec.learning_rate * _lr_factor(step, spec)
-        input_ids, attention, labels = _collate([corpus[i] for i in index], pad_id)
+        input_ids, attention, labels = _collate(samples, tokenizer.pad_token_id)
         logits = model(input_ids=input_ids, attention_mask=attention).logits  # [B, T, V]
-        loss = F.cross_entropy(
+        loss_sum = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]),  # [B*(T-1), V]
             labels[:, 1:].reshape(-1),  # [B*(T-1)]
             ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
+        loss = loss_sum / tokens_per_batch  # fixed normaliser: every token weighs the same
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
