@@ -16,6 +16,9 @@ from pathlib import Path
 from thundersync_verl.trainer.timeline import busy_fraction, draw_timeline
 
 
+SIM_OPS = {"fold": "other"}  # the simulator's learner-op vocabulary (sim/trace.py)
+
+
 class StepRecorder:
     def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo", n_rollout_slots: int = 0):
         self.n_rollout_slots = int(n_rollout_slots)
@@ -70,11 +73,11 @@ class StepRecorder:
         with open(self.run_dir / f"{self.algo}_{self.mode}.jsonl", "a") as f:
             for t in self.trajectories.values():
                 f.write(json.dumps({"kind": "trajectory", "mode": self.mode, "algo": self.algo, "step": self.step,
-                                    "reward_s": 0.0, "learner_version": self.step - 1, "policy_version": self.step - 1,
+                                    "reward_s": max(0.0, t["t_reward"] - t["t_done"]),  # verifier + queue, as seen "learner_version": self.step - 1, "policy_version": self.step - 1,
                                     **t}) + "\n")
             for op in self.ops:
                 f.write(json.dumps({"kind": "learner", "mode": self.mode, "step": self.step, "lane": "learner0",
-                                    "op": op["op"], "t0": op["t0"], "t1": op["t1"], "tokens": op["tokens"],
+                                    "op": SIM_OPS.get(op["op"], op["op"]), "t0": op["t0"], "t1": op["t1"], "tokens": op["tokens"],
                                     "rows": op["n"]}) + "\n")
             f.write(json.dumps({"kind": "step", "mode": self.mode, "algo": self.algo, "step": self.step,
                                 "t_start": self.t_step_start, "t_end": t_end, "n_rollout_slots": self.n_rollout_slots,
