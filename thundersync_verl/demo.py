@@ -26,7 +26,7 @@ RECIPE_DIR = REPO_ROOT / "recipes" / "cpu_tiny"
 MODES = ("sync", "async", "fully_async", "thundersync")
 ALGOS = ("grpo", "opd")
 STEP_RE = re.compile(r"step:(\d+) - (.*)$")
-TIMING_KEYS = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step")
+TIMING_KEYS = ("gen", "reward", "old_log_prob", "adv", "update_actor", "stream", "update_weights", "step")
 
 
 def recipe_dir() -> Path:
