@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thundersync", description="Zero-staleness streaming RL for verl")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run stock verl.trainer.main_ppo on the embedded CPU task")
-    demo.add_argument("--algo", default="grpo", choices=["grpo"])
+    demo.add_argument("--algo", default="grpo", choices=["grpo", "opd"], help="opd: on-policy distillation from the tiny teacher")
     demo.add_argument("--mode", default="thundersync", choices=["sync", "async", "fully_async", "thundersync"])
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--work-dir", default="runs/demo")

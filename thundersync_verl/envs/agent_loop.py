@@ -8,6 +8,10 @@
    so the long tail of agentic traces is present even on a CPU.
 3. Every trajectory carries its own event record (turn timings, weight versions)
    in ``extra_fields``; trainers use it for timelines and staleness.
+4. ThunderSync OPD runs (the rollout client carries the teacher clients): each finished
+   turn is scored by the teacher and published while the next tool call runs
+   (``trainer/opd_trainer_step.py``); the trajectory returns only after all its turns
+   are published, and says how many there are. Other runs are unaffected.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.latency import LatencyModel
 from thundersync_verl.envs.sandbox import run_python_async
+from thundersync_verl.trainer.opd_trainer_step import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
 
 DEFAULTS = {"max_tool_turns": 4, "tool_timeout_s": 5.0, "retry_prob": 0.2, "tool_latency": {"kind": "constant", "median_s": 0.0}}
 
@@ -50,6 +55,14 @@ def _append_trace(path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+async def _settle(tasks: list) -> None:
+    """Wait for every task; then raise the first failure (each failed turn has published its failure record)."""
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+
+
 @va.register_agent_loop(protocol.AGENT_NAME)
 class ThunderSyncToolAgentLoop(va.agent_loop_base()):
     def __init__(self, *args, **kwargs):
@@ -58,6 +71,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         self.latency = LatencyModel.from_config(self.settings["tool_latency"])
         self.response_length = self.rollout_config.response_length
         self.tool_rng = random.Random()
+        self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
 
     async def run(self, sampling_params: dict[str, Any], **kwargs):
         t_submit = time.time()
@@ -69,6 +83,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         turns: list[dict] = []
         versions: list[int] = []
         request_id = uuid.uuid4().hex
+        scoring: list[asyncio.Task] = []  # OPD: one teacher call per finished turn, overlapping the tools
         for _ in range(int(self.settings["max_tool_turns"]) + 1):
             budget = self.response_length - len(response_ids)
             if budget <= 0:
@@ -83,9 +98,14 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             turns.append(turn)
             versions.append(int(out.extra_fields.get("min_global_steps") or 0))
             versions.append(int(out.extra_fields.get("max_global_steps") or 0))
+            action_start = len(response_ids)
             response_ids += out.token_ids
             response_mask += [1] * len(out.token_ids)
             logprobs += list(out.log_probs or [0.0] * len(out.token_ids))
+            if self.turn_teacher is not None and action_start < min(len(response_ids), self.response_length):
+                scoring.append(asyncio.create_task(self.turn_teacher.score_and_publish(
+                    trajectory_key(kwargs.get("uid"), kwargs.get("session_id")), len(scoring), prompt_ids,
+                    response_ids[: self.response_length], action_start)))
             call = protocol.parse_tool_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if call is None or len(response_ids) >= self.response_length:
                 break
@@ -96,6 +116,8 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             response_ids += obs_ids
             response_mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
+        if scoring:
+            await _settle(scoring)  # turns are published before the trajectory lands
         record = {"t_submit": t_submit, "t_done": time.time(), "turns": turns, "response_tokens": len(response_ids),
                   "prompt_tokens": len(prompt_ids), "policy_version": min(versions) if versions else 0,
                   "uid": kwargs.get("uid"), "session_id": kwargs.get("session_id")}
@@ -109,6 +131,8 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             "min_global_steps": min(versions) if versions else 0,
             "max_global_steps": max(versions) if versions else 0,
         }
+        if self.turn_teacher is not None:
+            extra[TURN_COUNT_KEY] = len(scoring)
         return va.agent_loop_output_cls()(
             prompt_ids=prompt_ids,
             response_ids=response_ids[:n],

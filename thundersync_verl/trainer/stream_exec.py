@@ -4,12 +4,15 @@
    response mask with tool-observation tokens masked out, reward), and cached until its backward.
 2. A ``BackwardOp`` becomes one chunk in verl's no-padding layout (``build_stream_chunk``), padded to the
    data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``.
+3. An OPD ``TurnBackwardOp`` carries its own rows (each turn's prefix and teacher log-probs): it becomes one
+   per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``.
 """
 
 from __future__ import annotations
 
 import ray
 
+from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
 from thundersync_verl.trainer.stream_loss import build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 
@@ -40,13 +43,21 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
     if isinstance(op, FoldOp):
         worker_group.stream_fold(op.folds)
         return
+    if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
+        client = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature)
+        _wait(worker_group.stream_token_backward(client.chunk(op)))
+        return
     if not isinstance(op, BackwardOp):
         raise TypeError(f"unknown stream op {op!r}")
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
     chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs, op.dest,
                                dp_size=worker_group.world_size, pad_token_id=pad_token_id, temperature=temperature,
                                response_masks=[r["mask"] for r in chunk_rows])
-    result = worker_group.stream_backward(chunk)
+    _wait(worker_group.stream_backward(chunk))
+
+
+def _wait(result) -> None:
+    """Block on a worker-group call's result (a list of object refs or a future)."""
     if isinstance(result, list) and result and isinstance(result[0], ray.ObjectRef):
         ray.get(result)
     elif type(result).__name__ == "DataProtoFuture":

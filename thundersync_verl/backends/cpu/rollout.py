@@ -10,6 +10,9 @@
 3. ``HFCpuServerAdapter`` is the learner-side ``BaseRollout``: verl's checkpoint
    engine hands it the per-tensor weights after each optimizer step
    (resume -> update_weights -> resume kv), and it ships them to its server.
+4. As an on-policy-distillation teacher (verl's ``distillation.teacher_models``), the server
+   answers ``sampling_params["prompt_logprobs"]`` like verl's vLLM server: per prompt position p
+   the log-prob of token p+1 (or the top-k), a zero row for the last position.
 """
 
 from __future__ import annotations
@@ -68,6 +71,29 @@ def _model_path(model_config) -> str:
     raise ValueError("actor_rollout_ref.model.path is not set: point it at an HF checkpoint folder")
 
 
+def prompt_logprob_fields(model, prompt_ids: list[int], num: int) -> dict[str, list[list]]:
+    """verl's teacher reply (``prompt_ids``, ``prompt_logprobs``), each [len(prompt_ids), max(num, 1)].
+
+    Row p describes token p+1 given tokens <= p (temperature 1): with ``num`` = 0 its id and
+    log-prob, with ``num`` > 0 the top-``num`` ids and log-probs by rank. The last row is zeros
+    (no next token), as verl's vLLM server pads it.
+    """
+    if num < 0 or len(prompt_ids) < 2:
+        raise ValueError(f"prompt_logprobs needs num >= 0 and at least 2 prompt tokens (got num={num}, "
+                         f"{len(prompt_ids)} tokens); verl's teacher asks for 0 (or top-k) over prompt+response")
+    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, S]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [S - 1, V]
+    log_probs = torch.log_softmax(logits, dim=-1)  # [S - 1, V]
+    if num == 0:
+        next_ids = ids[0, 1:].unsqueeze(-1)  # [S - 1, 1]
+        values = log_probs.gather(-1, next_ids)  # [S - 1, 1]
+    else:
+        values, next_ids = torch.topk(log_probs, k=num, dim=-1)  # [S - 1, num]
+    width = max(num, 1)
+    return {"prompt_ids": next_ids.tolist() + [[0] * width], "prompt_logprobs": values.tolist() + [[0.0] * width]}
+
+
 class HFCpuServer:
     """One rollout server (a Ray actor with high max_concurrency)."""
 
@@ -84,19 +110,24 @@ class HFCpuServer:
         self.requests_served = 0
 
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
-        gen = await self.engine.generate(list(prompt_ids), dict(sampling_params or {}))
+        params = dict(sampling_params or {})
+        num_prompt_logprobs = params.pop("prompt_logprobs", None)
+        gen = await self.engine.generate(list(prompt_ids), params)
         self.requests_served += 1
+        extra = {
+            "global_steps": gen.max_version,
+            "min_global_steps": gen.min_version,
+            "max_global_steps": gen.max_version,
+            "finish_reason": gen.stop_reason,
+        }
+        if num_prompt_logprobs is not None:
+            extra.update(prompt_logprob_fields(self.engine.model, list(prompt_ids), int(num_prompt_logprobs)))
         TokenOutput = va.token_output_cls()
         return TokenOutput(
             token_ids=gen.token_ids,
             log_probs=gen.log_probs,
             stop_reason="aborted" if gen.stop_reason == "aborted" else "completed",
-            extra_fields={
-                "global_steps": gen.max_version,
-                "min_global_steps": gen.min_version,
-                "max_global_steps": gen.max_version,
-                "finish_reason": gen.stop_reason,
-            },
+            extra_fields=extra,
         )
 
     async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:

@@ -1,0 +1,421 @@
+"""On-policy distillation (OPD) through stock ``python -m verl.trainer.main_ppo``: recipe, wiring, runs.
+
+1. The ``opd`` recipe composes, in every mode, to the ``grpo`` recipe plus exactly the OPD keys
+   (it cannot inherit grpo.yaml through hydra, so this test is what keeps the two in step).
+2. The pieces between the agent loop and the trainer, without Ray: the ``hf_cpu`` teacher's prompt
+   log-probs equal an HF forward; a turn is scored on its prefix, retried, and a teacher that keeps
+   failing publishes a failure record and raises; the trainer's turn source refuses a failed turn.
+3. Two real steps, random tiny student and teacher (seconds to build): ``mode=thundersync`` streams
+   agent turns scored at their boundaries (staleness 0, every turn backpropagated, the per-turn
+   teacher scores equal verl's whole-trajectory ones); ``mode=sync`` is verl's own OPD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from thundersync_verl.demo import recipe_dir, run_env, verl_command
+from thundersync_verl.envs.dataset import write_dataset
+
+MODES = ("sync", "async", "fully_async", "thundersync")
+OPD_ONLY = ("distillation.", "thundersync.opd.", "ray_kwargs.ray_init.num_gpus")
+
+
+# ----- 1. the recipe ------------------------------------------------------------------------------
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _compose(name: str, mode: str, *extra: str) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", f"mode={mode}", *extra]
+    if name == "opd":
+        overrides.append("distillation.teacher_models.teacher_model.model_path=t")
+    with initialize_config_dir(config_dir=str(recipe_dir()), version_base=None):
+        cfg = compose(config_name=name, overrides=overrides)
+    return _flat(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opd_recipe_is_grpo_plus_the_opd_keys(mode):
+    same_name = "trainer.experiment_name=run"  # the run name (and the paths derived from it) differs by design
+    grpo, opd = _compose("grpo", mode, same_name), _compose("opd", mode, same_name)
+    changed = sorted(k for k in set(grpo) | set(opd) if grpo.get(k, "<absent>") != opd.get(k, "<absent>"))
+    unexpected = [k for k in changed if not k.startswith(OPD_ONLY)]
+    assert unexpected == [], f"opd.yaml drifted from grpo.yaml: {unexpected}"
+    assert _compose("opd", mode)["trainer.experiment_name"] == "opd_sync"
+    assert opd["distillation.enabled"] is True and opd["distillation.distillation_loss.loss_mode"] == "k1"
+    assert opd["distillation.distillation_loss.use_policy_gradient"] is True
+    assert opd["distillation.distillation_loss.use_task_rewards"] is False
+    assert opd["distillation.teacher_models.teacher_model.inference.name"] == "hf_cpu"
+    slots = 1 + (mode != "sync") + 1  # learner (+ standalone rollout) + teacher
+    assert opd["ray_kwargs.ray_init.num_gpus"] >= slots
+
+
+@pytest.mark.parametrize("override, key", [
+    ("distillation.distillation_loss.use_task_rewards=true", "use_task_rewards=false"),
+    ("distillation.distillation_loss.loss_mode=k3", "loss_mode=k1"),
+    ("+distillation.teacher_models.teacher_b.model_path=t2", "ONE teacher"),
+])
+def test_thundersync_opd_refuses_what_turns_cannot_stream(override, key):
+    from hydra import compose, initialize_config_dir
+
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+
+    overrides = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync",
+                 "distillation.teacher_models.teacher_model.model_path=t"]
+    with initialize_config_dir(config_dir=str(recipe_dir()), version_base=None):
+        validate_thundersync_config(compose(config_name="opd", overrides=overrides))  # the recipe itself passes
+        with pytest.raises(StreamingConfigError, match=key):
+            validate_thundersync_config(compose(config_name="opd", overrides=overrides + [override]))
+
+
+# ----- 2. the wiring, without Ray ------------------------------------------------------------------
+def _tiny_model(seed: int, layers: int = 2, vocab: int = 64):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_hf_cpu_teacher_prompt_logprobs_match_an_hf_forward():
+    from thundersync_verl.backends.cpu.rollout import prompt_logprob_fields
+    from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer
+
+    model, ids = _tiny_model(1), [5, 9, 17, 3, 40, 22, 8]
+    reply = prompt_logprob_fields(model, ids, 0)
+    assert len(reply["prompt_logprobs"]) == len(reply["prompt_ids"]) == len(ids)
+    assert [r[0] for r in reply["prompt_ids"][:-1]] == ids[1:] and reply["prompt_logprobs"][-1] == [0.0]
+    expected = HFTeacherScorer(model).score(ids, (1, len(ids)))  # [len - 1], token p given tokens < p
+    got = torch.tensor([r[0] for r in reply["prompt_logprobs"][:-1]])
+    assert torch.allclose(got, expected, atol=1e-6)
+    top = prompt_logprob_fields(model, ids, 3)
+    assert all(len(r) == 3 and r[0] >= r[1] >= r[2] for r in top["prompt_logprobs"][:-1])
+
+
+class _FakeTeacher:
+    """verl's teacher client surface: ``generate`` returning extra_fields['prompt_logprobs']."""
+
+    def __init__(self, model, fail_first: int = 0, hang: bool = False):
+        self.model, self.fail_first, self.hang, self.calls = model, fail_first, hang, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        from types import SimpleNamespace
+
+        from thundersync_verl.backends.cpu.rollout import prompt_logprob_fields
+
+        self.calls.append((list(prompt_ids), dict(sampling_params)))
+        if self.hang:
+            await asyncio.sleep(60)
+        if len(self.calls) <= self.fail_first:
+            raise ConnectionError("teacher server restarting")
+        return SimpleNamespace(extra_fields=prompt_logprob_fields(self.model, list(prompt_ids), sampling_params["prompt_logprobs"]))
+
+
+def _publisher(client, **policy):
+    from thundersync_verl.trainer.opd_trainer_step import AgentTurnTeacher
+    from thundersync_verl.trainer.teacher_scoring import TeacherRetryPolicy
+
+    puts = []
+
+    async def put(key, fields, tag):
+        puts.append((key, fields, tag))
+
+    async def no_sleep(_s):
+        return None
+
+    return AgentTurnTeacher(client, TeacherRetryPolicy(**policy), put=put, sleep=no_sleep), puts
+
+
+def test_turn_is_scored_on_its_prefix_and_published_after_a_retry():
+    from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer
+
+    model = _tiny_model(2)
+    teacher, puts = _publisher(_FakeTeacher(model, fail_first=1), max_attempts=2)
+    prompt, response = [4, 7, 11], [20, 21, 30, 31, 32, 40, 41]  # turn 1's action: response[5:]
+    asyncio.run(teacher.score_and_publish("u_0_0", 1, prompt, response, 5))
+    (key, fields, tag), = puts
+    assert key == "u_0_0_t1" and tag["status"] == "success" and tag["attempts"] == 2
+    assert tag["prompt_len"] == 3 and tag["action_start"] == 5 and fields["prefix_ids"].tolist() == prompt + response
+    whole = HFTeacherScorer(model).score(prompt + response, (8, 10))  # the action's 2 tokens
+    assert torch.allclose(fields["teacher_log_probs"], whole, atol=1e-6)
+    assert teacher.client.calls[-1][1]["prompt_logprobs"] == 0 and teacher.client.calls[-1][1]["temperature"] == 1.0
+
+
+def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teacher():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.trainer.opd_trainer_step import AgentTurnTeacher, attach_teacher_clients
+
+    config = OmegaConf.create({"thundersync": {"opd": {"teacher_max_attempts": 2, "teacher_timeout_s": 5}}})
+    assert AgentTurnTeacher.for_agent_loop(config, SimpleNamespace()) is None  # GRPO and verl's own modes
+    teacher = AgentTurnTeacher.for_agent_loop(config, attach_teacher_clients(SimpleNamespace(), {"default": "client"}))
+    assert teacher.client == "client" and teacher.policy.max_attempts == 2 and teacher.policy.timeout_s == 5.0
+    with pytest.raises(StreamingConfigError, match="exactly one teacher"):
+        AgentTurnTeacher.for_agent_loop(config, attach_teacher_clients(SimpleNamespace(), {"a": 1, "b": 2}))
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_failing_teacher_publishes_a_failure_and_raises(hang):
+    from thundersync_verl.trainer.opd_trainer_step import TURN_PARTITION, TurnSource
+    from thundersync_verl.trainer.teacher_scoring import TeacherScoringError
+
+    teacher, puts = _publisher(_FakeTeacher(_tiny_model(3), fail_first=99, hang=hang), max_attempts=3, timeout_s=0.05)
+    with pytest.raises(TeacherScoringError, match="turn 0 of trajectory u_1_0 after 3 attempt"):
+        asyncio.run(teacher.score_and_publish("u_1_0", 0, [1, 2], [3, 4], 0))
+    assert len(teacher.client.calls) == 3
+    (key, fields, tag), = puts
+    assert key == "u_1_0_t0" and fields is None and tag["status"] == "failure"
+    assert ("no reply within teacher_timeout_s=0.05" if hang else "ConnectionError") in tag["error"]
+    listing = {"v_0_0_t0": {"traj": "v_0_0", "status": "failure"}, key: tag}
+    source = TurnSource(lambda part: {TURN_PARTITION: listing}, None, {"u_1_0"})
+    with pytest.raises(TeacherScoringError, match="optimizer step of this batch was NOT taken"):
+        source.poll()
+    assert "v_0_0_t0" in source.foreign  # another batch's (or validation's) turn is not this batch's failure
+
+
+class _FakeTQ:
+    """The TransferQueue surface the OPD step uses; a record becomes visible at its ``poll`` number."""
+
+    def __init__(self):
+        self.records: dict[str, dict[str, tuple[int, dict, dict]]] = {"train": {}, "opd_turns": {}}
+        self.polls, self.cleared = 0, []
+
+    def add(self, partition: str, key: str, fields: dict, tag: dict, visible_at: int = 0):
+        self.records[partition][key] = (visible_at, fields, tag)
+
+    def kv_list(self, partition):
+        if partition == "train":
+            self.polls += 1
+        return {partition: {k: t for k, (v, _, t) in self.records[partition].items() if v <= self.polls}}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return {f: [self.records[partition_id][k][1][f] for k in keys] for f in select_fields}
+
+    def kv_clear(self, keys, partition_id):
+        self.cleared += list(keys)
+
+
+class _FakeLearner:
+    """The streaming worker group: records what each per-token chunk scores; one rank."""
+
+    world_size = 1
+
+    def __init__(self, tq: _FakeTQ):
+        self.tq, self.chunks, self.steps, self.begun = tq, [], [], 0
+
+    def stream_begin_batch(self, meta):
+        self.begun += 1
+
+    def stream_token_backward(self, chunk):
+        coef = chunk["ts_token_coef"].to_padded_tensor(0.0) if chunk["ts_token_coef"].is_nested else chunk["ts_token_coef"]
+        teacher = chunk["ts_teacher_log_prob"]
+        teacher = teacher.to_padded_tensor(0.0) if teacher.is_nested else teacher
+        self.chunks.append({"polls": self.tq.polls, "tokens": int((coef != 0).sum()),
+                            "teacher_sum": float((teacher * (coef != 0)).sum())})
+
+    def finalize_step(self, scale):
+        self.steps.append(scale)
+        return [{"grad_norm": 1.0, "lr": 1e-3}]
+
+
+def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.trainer.opd_stream import OPDTurnPlanner
+    from thundersync_verl.trainer.opd_trainer_step import OPDStreamStep
+    from thundersync_verl.trainer.step_record import StepRecorder
+
+    trainer = SimpleNamespace(
+        config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": n, "temperature": 1.0}}}),
+        _batch_uids=uids, trajectory_timeout_s=30.0, recorder=StepRecorder(None, mode="thundersync", algo="opd"),
+        actor_rollout_wg=_FakeLearner(tq), tokenizer=SimpleNamespace(pad_token_id=0),
+        _forward_at_theta_k=lambda keys, tags: None, _compute_advantage=lambda batch, metrics: batch)
+    api = SimpleNamespace(tq=tq, marked_timer=lambda *a, **k: contextlib.nullcontext(), KVBatchMeta=SimpleNamespace)
+    return OPDStreamStep(trainer, OPDTurnPlanner(max_chunk_size=2), api=api, poll_s=0.001), trainer
+
+
+def _traj(tq: _FakeTQ, key: str, turns: list[tuple[list[int], list[int]]], *, publish: bool, visible_at: int,
+          turns_visible_at: int = 0, drop_turn: int | None = None):
+    """A trajectory of (action, observation) turns: its row, verl's whole-sequence teacher scores,
+    old log-probs and, if ``publish``, its scored turns as the agent loop publishes them."""
+    prompt, response, mask = [1, 2, 3], [], []
+    teacher_whole = [-0.1 * (i + 1) for i in range(len(prompt) + sum(len(a) + len(o) for a, o in turns))]
+    for j, (action, obs) in enumerate(turns):
+        start = len(response)
+        response += action
+        mask += [1] * len(action)
+        if publish and j != drop_turn:
+            values = teacher_whole[len(prompt) + start - 1 : len(prompt) + len(response) - 1]
+            tq.add("opd_turns", f"{key}_t{j}", {"prefix_ids": torch.tensor(prompt + response),
+                                                 "teacher_log_probs": torch.tensor(values)},
+                   {"status": "success", "traj": key, "turn": j, "prompt_len": 3, "action_start": start}, turns_visible_at)
+        response += obs
+        mask += [0] * len(obs)
+    extra = {"opd_turns": len(turns)} if publish else {}
+    tq.add("train", key, {"prompts": torch.tensor(prompt), "responses": torch.tensor(response),
+                          "response_mask": torch.tensor(mask), "rm_scores": torch.tensor([0.0]), "extra_fields": extra,
+                          "teacher_logprobs": torch.tensor(teacher_whole).unsqueeze(-1),
+                          "old_log_probs": torch.zeros(len(response))}, {"status": "success"}, visible_at)
+    scored = [teacher_whole[len(prompt) + i - 1] for i, m in enumerate(mask) if m]  # log p(response token i)
+    return len(scored), sum(scored)
+
+
+TWO_TURNS = [([10, 11], [50, 51, 52]), ([12, 13, 14], [])]
+
+
+@pytest.mark.parametrize("publish", [True, False], ids=["turns_from_agent_loop", "turns_split_at_trajectory_end"])
+def test_opd_step_backpropagates_every_turn_once_then_steps(publish):
+    tq = _FakeTQ()
+    tq.add("opd_turns", "zz_0_0_t0", {}, {}, 0)  # listed before its tag is written: picked up later, not foreign
+    tokens = teacher = 0.0
+    for uid in ("a", "b"):
+        for s in range(2):
+            n_tok, t_sum = _traj(tq, f"{uid}_{s}_0", TWO_TURNS, publish=publish, visible_at=3 + s)
+            tokens, teacher = tokens + n_tok, teacher + t_sum
+    step, trainer = _opd_step(tq, ["a", "b"], n=2)
+    metrics = {}
+    step.run(metrics, {})
+    chunks = trainer.actor_rollout_wg.chunks
+    assert sum(c["tokens"] for c in chunks) == tokens == 20  # every action token once, observations never
+    assert sum(c["teacher_sum"] for c in chunks) == pytest.approx(teacher, abs=1e-5)  # the right teacher values
+    assert trainer.actor_rollout_wg.steps == [pytest.approx(1 / tokens)]  # one step, token-mean normaliser
+    assert metrics["thundersync/opd/turns"] == 8 and metrics["thundersync/opd/teacher_prefix_gap_max"] < 1e-6
+    assert metrics["thundersync/opd/turns_from_trajectory_end"] == (0 if publish else 8)
+    if publish:  # every turn was backpropagated before its trajectory landed (trajectories appear at poll 3)
+        assert all(c["polls"] < 3 for c in chunks)
+        assert metrics["thundersync/opd/turns_backpropagated_before_trajectory_end"] == 1.0
+        assert sorted(tq.cleared) == sorted(k for k in tq.records["opd_turns"] if k != "zz_0_0_t0")  # the batch's turns
+
+
+def test_opd_step_refuses_to_step_without_a_dropped_turn():
+    from thundersync_verl.core import StreamingStateError
+
+    tq = _FakeTQ()
+    _traj(tq, "a_0_0", TWO_TURNS, publish=True, visible_at=1)
+    _traj(tq, "a_1_0", TWO_TURNS, publish=True, visible_at=1, drop_turn=1)
+    step, trainer = _opd_step(tq, ["a"], n=2)
+    with pytest.raises(StreamingStateError, match=r"a_1_0: 1/2 turns"):
+        step.run({}, {})
+    assert trainer.actor_rollout_wg.steps == []  # no optimizer step
+
+
+# ----- 3. two real steps ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_happy_student(tiny_random_lm, tmp_path_factory):
+    """The random student, biased to open tool calls and end turns: multi-turn agent trajectories.
+
+    A large constant in embedding dimension 0 dominates the final hidden state, so that dimension of
+    each (tied) output row acts as a per-token bias: ``<tool_call>`` and ``<|im_end|>`` get ~35% and
+    ~15% of the mass. A turn then opens a tool call and ends within a few tokens; the agent loop answers
+    with a tool turn (an unclosed call is an error observation) and the student generates again.
+    """
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_random_lm)
+    model = Qwen2ForCausalLM.from_pretrained(tiny_random_lm)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # [V, H]
+        emb[:, 0] += 4.0
+        emb[tokenizer.convert_tokens_to_ids("<tool_call>"), 0] += 1.0  # ~35% of the mass
+        emb[tokenizer.eos_token_id, 0] += 0.8  # ~15%: a turn opens a call before it ends ~70% of the time
+    path = tmp_path_factory.mktemp("tool_happy_student")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_random_teacher(tiny_random_lm, tmp_path_factory):
+    """A random 3-layer Qwen2 with the student's tokenizer: the teacher of the e2e runs."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    fields = {k: v for k, v in AutoConfig.from_pretrained(tiny_random_lm).to_dict().items() if k != "layer_types"}
+    # 3 layers, and far from the near-uniform student: a clearly positive reverse KL
+    config = Qwen2Config(**{**fields, "num_hidden_layers": 3, "initializer_range": 0.2})
+    torch.manual_seed(7)
+    path = tmp_path_factory.mktemp("tiny_random_teacher")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_random_lm).save_pretrained(path)
+    return path
+
+
+SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",  # verl needs the 8 rows to split exactly
+         "data.max_response_length=64", "thundersync.env.tool_latency.scale=0.2"]
+
+
+def _run_opd(tmp_path: Path, student: Path, teacher: Path, mode: str, steps: int = 2) -> list[dict]:
+    inputs = {"train": write_dataset(tmp_path / "train.parquet", 32, seed=0, split="train"),
+              "val": write_dataset(tmp_path / "val.parquet", 4, seed=0, split="test"),
+              "student": student, "teacher": teacher}
+    metrics = tmp_path / "metrics.jsonl"
+    extra = SMALL + [f"thundersync.run_dir={tmp_path / 'run'}"]
+    cmd = verl_command(inputs, algo="opd", mode=mode, steps=steps, extra=extra)
+    env = run_env(tmp_path, metrics)
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tsopd_", dir="/tmp")  # Ray's socket paths must stay < 108 bytes
+    try:
+        with open(tmp_path / "verl.log", "w") as log:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300, cwd=tmp_path).returncode
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    if rc != 0:
+        lines = (tmp_path / "verl.log").read_text().splitlines()
+        errors = [x for x in lines if "Error" in x and "Warning" not in x][:8]
+        pytest.fail(f"main_ppo exited with {rc}; log {tmp_path / 'verl.log'}; first errors:\n" + "\n".join(errors))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r.get("data", r) for r in rows if "timing_s/step" in r.get("data", r)]
+
+
+@pytest.mark.timeout(330)
+def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool_happy_student, tiny_random_teacher):
+    steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "thundersync")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["training/off_policy/trajectory_staleness/max"] == 0
+        assert r["training/rollout_logprob_diff_max"] < 1e-5
+        assert r["thundersync/opd/turns"] >= 4 * 2  # every trajectory has at least one turn, all backpropagated
+        assert r["thundersync/opd/turns_from_trajectory_end"] == 0  # all scored by the agent loop, at the turn
+        assert r["thundersync/opd/teacher_prefix_gap_max"] < 1e-4  # per-turn scores == verl's whole-trajectory ones
+        assert math.isfinite(r["thundersync/opd/reverse_kl"]) and r["thundersync/opd/reverse_kl"] > 0
+        assert r["thundersync/chunks"] >= 1 and r["actor/grad_norm"] > 0
+    events = [json.loads(x) for x in (tmp_path / "run" / "opd_thundersync.jsonl").read_text().splitlines()]
+    turns_per_traj = [len(e["turns"]) for e in events if e["kind"] == "trajectory"]
+    assert len(turns_per_traj) == 2 * 4 * 2 and any(n > 1 for n in turns_per_traj)  # multi-turn agent trajectories
+
+
+@pytest.mark.timeout(330)
+def test_sync_opd_is_verls_own_distillation_with_the_hf_cpu_teacher(tmp_path, tool_happy_student, tiny_random_teacher):
+    steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "sync")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["training/off_policy/trajectory_staleness/max"] == 0
+        assert r["training/rollout_logprob_diff_max"] < 1e-5
+        assert math.isfinite(r["actor/distillation/loss"]) and r["actor/distillation/loss"] > 0  # reverse KL estimate
+        assert r["actor/grad_norm"] > 0
