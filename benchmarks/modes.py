@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
     steps = 4 if args.quick else args.steps
     modes = [m for m in args.modes.split(",") if m]
     work = Path(args.work_dir).resolve()
-    inputs = prepare_inputs(work, model=args.model)
+    inputs = prepare_inputs(work, model=args.model, variants=("student", "teacher") if args.algo == "opd" else ("student",))
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
     runs, rows = {}, {}

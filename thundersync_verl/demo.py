@@ -38,26 +38,13 @@ def recipe_dir() -> Path:
     return RECIPE_DIR
 
 
-def _tiny_models(variants: tuple[str, ...]) -> dict[str, Path]:
-    """The cached tiny models, building only the variants this run needs (GRPO needs no teacher)."""
-    from thundersync_verl.models.factory import build_model, default_root, is_built
-    from thundersync_verl.models.variants import version_hash
-
-    folder = default_root() / version_hash()
-    paths = {v: folder / v for v in ("student", "teacher")}
-    for v in variants:
-        if not is_built(paths[v]):
-            print(f"[demo] building the tiny {v} model (once; cached in {folder})", flush=True)
-            build_model(paths[v], v)
-    return paths
-
-
 def prepare_inputs(work_dir: Path, *, n_train: int = 2048, n_val: int = 64, model: str | None = None,
                    variants: tuple[str, ...] = ("student",)) -> dict[str, Path]:
     """Tiny models and datasets, built once and cached (``model``: use this HF folder as the student instead)."""
     from thundersync_verl.envs.dataset import write_dataset
+    from thundersync_verl.models import ensure_tiny_models
 
-    models = {"student": Path(model), "teacher": Path(model)} if model else _tiny_models(variants)
+    models = {"student": Path(model), "teacher": Path(model)} if model else ensure_tiny_models(variants=variants)
     data_dir = work_dir / "data"
     paths = {"train": data_dir / "train.parquet", "val": data_dir / "val.parquet"}
     if not paths["train"].is_file():

@@ -192,13 +192,15 @@ def is_built(path: str | Path) -> bool:
 
 
 def ensure_tiny_models(
-    cache_dir: str | Path | None = None, *, force: bool = False, progress: bool = True, seed: int = 0
+    cache_dir: str | Path | None = None, *, force: bool = False, progress: bool = True, seed: int = 0,
+    variants: tuple[str, ...] = ("student", "teacher"),
 ) -> dict[str, Path]:
-    """Paths of the student and teacher, building whichever is missing (or all, if ``force``)."""
+    """Paths of the student and teacher, building whichever of ``variants`` is missing (or all, if ``force``)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_root()
     folder = root / version_hash(seed=seed)
     paths = {variant: folder / variant for variant in ("student", "teacher")}
-    for variant, path in paths.items():
+    for variant in variants:
+        path = paths[variant]
         if force or not is_built(path):
             _logger(progress)(f"building {variant} into {path}")
             build_model(path, variant, seed, progress=progress)
