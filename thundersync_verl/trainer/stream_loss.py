@@ -62,6 +62,12 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str)
     return loss, {"stream/scored_tokens": scored}
 
 
+def exact_micro_batch_size(rows: int, cap: int | None) -> int:
+    """The largest micro-batch size <= ``cap`` that divides ``rows`` (verl's fixed micro-batching needs an exact split)."""
+    rows = int(rows)
+    return max(d for d in range(1, min(rows, int(cap or rows)) + 1) if rows % d == 0)
+
+
 def make_stream_loss(loss_agg_mode: str):
     """The loss function bound to one batch's ``loss_agg_mode``."""
     token_weights(loss_agg_mode, torch.ones(1, 1))  # raises for an unknown mode, before any backward

@@ -40,6 +40,7 @@ from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, S
 from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.stream_loss import (
+    exact_micro_batch_size,
     COEF_KEY,
     DEST_KEY,
     TEACHER_KEY,
@@ -218,9 +219,7 @@ class StreamingActorWorker(_Base):
         dynamic, configured = va.actor_micro_batch_size(self)
         if dynamic or "micro_batch_size_per_gpu" in chunk.keys():
             return
-        rows = int(chunk.batch_size[0])
-        size = max(d for d in range(1, min(rows, int(configured or rows)) + 1) if rows % d == 0)
-        va.assign_non_tensor(chunk, micro_batch_size_per_gpu=size)
+        va.assign_non_tensor(chunk, micro_batch_size_per_gpu=exact_micro_batch_size(chunk.batch_size[0], configured))
 
     def _harvest(self, state: _BatchState, key: str, params, stash) -> None:
         """bucket[key] += the chunk's gradient now in .grad; then put the direct gradient back."""

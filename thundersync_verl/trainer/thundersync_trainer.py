@@ -30,6 +30,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.opd_trainer_step import OPDStreamStep, attach_teacher_clients, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import execute_op, fetch_rows
+from thundersync_verl.trainer.stream_loss import exact_micro_batch_size
 from thundersync_verl.trainer.stream_plan import BackwardOp, StreamPlanner, settings_from_verl_config
 from thundersync_verl.trainer.trajectory_source import TrajectorySource
 
@@ -173,7 +174,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         """
         t0 = time.time()
         part: dict = {}
-        micro = max(d for d in range(1, min(len(keys), 16) + 1) if len(keys) % d == 0)  # verl needs an exact split
+        micro = exact_micro_batch_size(len(keys), self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
         meta = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags, extra_info={"micro_batch_size_per_gpu": micro})
         self._compute_old_log_prob(meta, part)
         tokens = sum(len(self._rows[k]["prompt"]) + len(self._rows[k]["response"]) for k in keys)
