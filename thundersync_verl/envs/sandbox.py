@@ -32,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 # Executed with ``python -I -S -c``: installs the guard, then runs ``main.py`` from the cwd.
 _BOOTSTRAP = r"""
@@ -55,6 +57,7 @@ exec(compile(_src, "main.py", "exec"), _globals)
 """
 
 _MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -249,12 +252,17 @@ def _resolve_netns(isolate_network: bool | None) -> tuple[str, ...]:
     return prefix
 
 
-def run_python(code: str, **kwargs) -> SandboxResult:
-    """Blocking :func:`run_python_async` (same arguments); safe to call from any thread,
+def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion and return its result; safe to call from any thread,
     including one that already runs an event loop (it then uses a helper thread)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(run_python_async(code, **kwargs))
+        return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, run_python_async(code, **kwargs)).result()
+        return pool.submit(asyncio.run, coro).result()
+
+
+def run_python(code: str, **kwargs) -> SandboxResult:
+    """Blocking :func:`run_python_async` (same arguments), through :func:`run_blocking`."""
+    return run_blocking(run_python_async(code, **kwargs))

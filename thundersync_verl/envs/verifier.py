@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from thundersync_verl.envs import protocol
-from thundersync_verl.envs.sandbox import run_python, run_python_async
+from thundersync_verl.envs.sandbox import run_blocking, run_python_async
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,7 @@ def verify(
     extra_latency_s: float = 0.0,
     program: str = CHECK_PROGRAM,
 ) -> VerifierResult:
-    """Blocking :func:`verify_async`."""
-    started = time.perf_counter()
-    try:
-        result = run_python(
-            program, stdin=_job(response_text, ground_truth), timeout_s=timeout_s, extra_latency_s=extra_latency_s
-        )
-    except Exception as exc:  # noqa: BLE001 - a verifier must never lose a trajectory
-        logger.warning("verifier could not run, scoring 0.0: %r", exc)
-        return VerifierResult(0.0, f"verifier could not run: {type(exc).__name__}: {exc}", time.perf_counter() - started)
-    return _interpret(result, started)
+    """Blocking :func:`verify_async` (same arguments): the same code behind a private event loop."""
+    return run_blocking(
+        verify_async(response_text, ground_truth, timeout_s=timeout_s, extra_latency_s=extra_latency_s, program=program)
+    )
