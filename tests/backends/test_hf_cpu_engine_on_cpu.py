@@ -126,3 +126,57 @@ def test_bad_sampling_params_and_overlong_prompt_fail_clearly(engine):
 def test_missing_model_folder_says_how_to_build(tmp_path):
     with pytest.raises(FileNotFoundError, match="thundersync build-model"):
         load_hf_model(str(tmp_path / "nope"))
+
+
+def test_batched_forward_matches_one_row_at_a_time(engine):
+    from thundersync_verl.backends.cpu import kv_batch
+
+    torch.manual_seed(0)
+    prompts = [torch.randint(4, 300, (n,)).tolist() for n in (3, 11, 29)]
+    logits, caches = kv_batch.prefill(engine.model, prompts, engine.pad_token_id)
+    seqs = [list(p) for p in prompts]
+    for _ in range(5):
+        with torch.no_grad():
+            for seq, row in zip(seqs, logits):
+                ref = engine.model(torch.tensor([seq])).logits[0, -1]
+                assert torch.allclose(row, ref, atol=1e-4, rtol=0), (row - ref).abs().max()
+        tokens = [int(torch.argmax(row)) for row in logits]
+        for seq, tok in zip(seqs, tokens):
+            seq.append(tok)
+        logits, caches = kv_batch.decode(engine.model, tokens, caches)
+    assert [c[0][0].shape[2] for c in caches] == [len(s) for s in seqs]  # caches cut back to true lengths
+
+
+def test_concurrent_requests_share_forwards_and_match_solo_greedy(engine):
+    prompts = [_prompt(engine), engine.tokenizer.encode("<|im_start|>user\nCompute `12*7`.<|im_end|>\n")]
+    greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    solo = [asyncio.run(engine.generate(p, greedy)).token_ids for p in prompts]
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        async def together():
+            return await asyncio.gather(*[engine.generate(p, greedy) for p in prompts for _ in range(4)])
+
+        outs = asyncio.run(together())
+    finally:
+        hook.remove()
+    assert [o.token_ids for o in outs] == [solo[0]] * 4 + [solo[1]] * 4
+    # 8 requests x 10 tokens: one prefill + 9 decode forwards for the batch, + 8 rescoring forwards
+    assert len(calls) <= 1 + 9 + 8, len(calls)
+
+
+def test_max_batch_bounds_rows_per_forward_without_starving_anyone(engine):
+    engine.max_batch = 3
+    rows = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        async def many():
+            return await asyncio.gather(*[engine.generate(_prompt(engine), {"max_tokens": 4, "ignore_eos": True, "seed": i})
+                                          for i in range(7)])
+
+        outs = asyncio.run(many())
+    finally:
+        hook.remove()
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert max(rows) == 3

@@ -1,9 +1,12 @@
 """A token-in/token-out generation engine on HF transformers, for CPU rollouts.
 
-1. Each request keeps its own KV cache and decodes one token per scheduler turn;
-   requests interleave on one asyncio loop, so a long request never blocks a
-   short one (a serial server would hide exactly the long tail ThunderSync
-   removes) and new requests start at once.
+1. Continuous batching: each request keeps its own KV cache; one scheduler task on the
+   server's asyncio loop prefills new requests together and then decodes every running
+   request one token per batched forward (``kv_batch``), so a long request never blocks a
+   short one (a serial server would hide exactly the long tail ThunderSync removes), new
+   requests join at the next step, and decoding costs one forward per step, not per
+   request (on a CPU that is the difference between a rollout bound by compute and one
+   bound by its tools).
 2. The log-prob returned for each sampled token is log_softmax(logits / T), the
    quantity verl's actor recomputes, so rollout and learner log-probs can be
    compared token by token (top-p/top-k change what is sampled, not this value).
@@ -25,6 +28,8 @@ import time
 from typing import Any, Iterable, Optional
 
 import torch
+
+from thundersync_verl.backends.cpu import kv_batch
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +99,27 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+@dataclasses.dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    gen: Optional[torch.Generator]
+    stops: set[int]
+    epoch: int
+    done: asyncio.Future
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    out_lp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    cache: Any = None  # per-layer (K, V) while decoding
+    reason: str = "length"
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+
 class HFGenerationEngine:
     """Holds one HF causal LM and serves concurrent ``generate`` calls."""
 
     def __init__(self, model, tokenizer=None, *, eos_token_ids: Iterable[int] = (), max_model_len: int = 2048,
-                 rescore: bool = True):
+                 rescore: bool = True, max_batch: int = 64):
         self.rescore = rescore
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -108,8 +129,13 @@ class HFGenerationEngine:
         self.active = 0
         self.peak_active = 0
         self._abort_epoch = 0
+        self.max_batch = int(max_batch)
+        self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
         self._paused = asyncio.Event()
         self._paused.set()
+        self._waiting: list[_Request] = []  # admitted, not prefilled yet
+        self._running: list[_Request] = []  # prefilled, decoding
+        self._scheduler: Optional[asyncio.Task] = None
 
     # -- weights -----------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: Optional[int] = None) -> int:
@@ -147,44 +173,87 @@ class HFGenerationEngine:
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
-            return await self._decode(prompt_ids, spec, gen)
+            await self._paused.wait()  # requests that arrive during a pause are parked, not failed
+            stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self.eos_token_ids)
+            req = _Request(list(prompt_ids), spec, gen, stops, self._abort_epoch, asyncio.get_running_loop().create_future())
+            self._waiting.append(req)
+            self._ensure_scheduler()
+            await req.done
         finally:
             self.active -= 1
+        versions = req.versions or [self.version]
+        out_lp = req.out_lp
+        if self.rescore and req.out_ids and min(versions) == max(versions) == self.version:
+            out_lp = self._full_forward_logprobs(req.prompt_ids, req.out_ids, spec.temperature)
+        return Generation(req.out_ids, out_lp, req.reason, min(versions), max(versions), time.perf_counter() - req.t0)
 
-    async def _decode(self, prompt_ids: list[int], spec: SamplingSpec, gen) -> Generation:
-        t0 = time.perf_counter()
-        stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self.eos_token_ids)
-        out_ids: list[int] = []
-        out_lp: list[float] = []
-        versions = []
-        past = None
-        next_input = torch.tensor([prompt_ids], dtype=torch.long)  # [1, P]
-        reason = "length"
-        await self._paused.wait()  # requests that arrive during a pause are parked, not failed
-        epoch = self._abort_epoch
-        while len(out_ids) < spec.max_tokens:
-            while not self._paused.is_set() and self._abort_epoch == epoch:
-                await asyncio.sleep(0.005)  # paused for a weight swap: keep the KV cache, wait
-            if self._abort_epoch != epoch:
-                reason = "aborted"
-                break
-            versions.append(self.version)
-            with torch.no_grad():
-                out = self.model(input_ids=next_input, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()  # [V]
-            token, logprob = self._sample(logits, spec, gen)
-            out_ids.append(token)
-            out_lp.append(logprob)
-            if token in stops or self._hits_stop_string(out_ids, spec.stop):
-                reason = "completed"
-                break
-            next_input = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
-            await asyncio.sleep(0)  # let other requests take their turn
-        versions = versions or [self.version]
-        if self.rescore and out_ids and min(versions) == max(versions) == self.version:
-            out_lp = self._full_forward_logprobs(prompt_ids, out_ids, spec.temperature)
-        return Generation(out_ids, out_lp, reason, min(versions), max(versions), time.perf_counter() - t0)
+    def _ensure_scheduler(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        """Decode every running request one token per forward until none is left."""
+        try:
+            while self._waiting or self._running:
+                self._retire_aborted()
+                if not self._paused.is_set():
+                    await asyncio.sleep(0.005)  # paused for a weight swap: keep the KV caches, wait
+                    continue
+                if self._waiting:
+                    self._prefill(self._take_waiting())
+                if self._running:
+                    self._decode_step()
+                await asyncio.sleep(0)  # let arrivals, tools and control calls run
+        except BaseException as exc:  # a model error fails every request instead of hanging them
+            for req in self._waiting + self._running:
+                if not req.done.done():
+                    req.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine stopped"))
+            self._waiting, self._running = [], []
+            raise
+
+    def _take_waiting(self) -> list["_Request"]:
+        taken = self._waiting[: self.max_batch]
+        self._waiting = self._waiting[self.max_batch :]
+        return taken
+
+    def _retire_aborted(self) -> None:
+        for queue in (self._waiting, self._running):
+            for req in [r for r in queue if r.epoch != self._abort_epoch]:
+                queue.remove(req)
+                self._finish(req, "aborted")
+
+    def _prefill(self, reqs: list["_Request"]) -> None:
+        logits, caches = kv_batch.prefill(self.model, [r.prompt_ids for r in reqs], self.pad_token_id)
+        for req, row, cache in zip(reqs, logits, caches):
+            req.cache = cache
+            self._advance(req, row)
+
+    def _decode_step(self) -> None:
+        reqs = self._running[: self.max_batch]
+        logits, caches = kv_batch.decode(self.model, [r.out_ids[-1] for r in reqs], [r.cache for r in reqs])
+        for req, row, cache in zip(reqs, logits, caches):
+            self._running.remove(req)
+            req.cache = cache
+            self._advance(req, row)
+
+    def _advance(self, req: "_Request", logits: torch.Tensor) -> None:
+        """Sample ``req``'s next token from its logits; finish it or keep it running."""
+        req.versions.append(self.version)
+        token, logprob = self._sample(logits, req.spec, req.gen)
+        req.out_ids.append(token)
+        req.out_lp.append(logprob)
+        if token in req.stops or self._hits_stop_string(req.out_ids, req.spec.stop):
+            self._finish(req, "completed")
+        elif len(req.out_ids) >= req.spec.max_tokens:
+            self._finish(req, "length")
+        else:
+            self._running.append(req)  # rotates: rows beyond max_batch go first next step
+
+    @staticmethod
+    def _finish(req: "_Request", reason: str) -> None:
+        req.reason, req.cache = reason, None
+        if not req.done.done():
+            req.done.set_result(None)
 
     def _full_forward_logprobs(self, prompt_ids: list[int], out_ids: list[int], temperature: float) -> list[float]:
         ids = torch.tensor([prompt_ids + out_ids], dtype=torch.long)  # [1, P + R]
