@@ -2,7 +2,7 @@
 
 setup.py declares it under the ``verl.plugins`` entry-point group. It registers:
 1. platform ``cpu`` (and, when it is the active platform, the CPU patches);
-2. rollout backend ``hf_cpu``;
+2. rollout backends ``hf_cpu`` and ``replay`` (recorded generations, ``backends/replay/``);
 3. agent loop ``thundersync_tool_agent`` and the ThunderSync trainer mode, lazily
    (their modules import on first use by verl).
 verl swallows plugin import errors at debug level, so failures are logged loudly here.
@@ -45,6 +45,13 @@ def register() -> None:
         return HFCpuReplica
 
     va.register_rollout(ROLLOUT_NAME, _load_replica, "thundersync_verl.backends.cpu.rollout.HFCpuServerAdapter")
+
+    def _load_replay_replica():
+        from thundersync_verl.backends.replay.server import ReplayReplica
+
+        return ReplayReplica
+
+    va.register_rollout("replay", _load_replay_replica, "thundersync_verl.backends.replay.server.ReplayServerAdapter")
     from thundersync_verl import registrations
 
     registrations.register_lazy()

@@ -13,6 +13,9 @@
 4. As an on-policy-distillation teacher (verl's ``distillation.teacher_models``), the server
    answers ``sampling_params["prompt_logprobs"]`` like verl's vLLM server: per prompt position p
    the log-prob of token p+1 (or the top-k), a zero row for the last position.
+5. With ``engine_kwargs.hf_cpu.record_path`` (or ``$THUNDERSYNC_RECORD_PATH``) set, every generate
+   call is appended to a replay recording (``thundersync_verl/backends/replay/record.py``) that
+   rollout ``replay`` serves back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+from thundersync_verl.backends.replay.record import GenerateRecorder
 
 logger = logging.getLogger(__name__)
 ROLLOUT_NAME = "hf_cpu"
@@ -108,12 +112,16 @@ class HFCpuServer:
         self.engine = HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer), max_model_len=max_len)
         self.global_steps: Optional[int] = None
         self.requests_served = 0
+        self.recorder = GenerateRecorder.from_config(config)  # None unless recording is asked for
 
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
         params = dict(sampling_params or {})
         num_prompt_logprobs = params.pop("prompt_logprobs", None)
+        start = self.recorder.clock() if self.recorder is not None else 0.0
         gen = await self.engine.generate(list(prompt_ids), params)
         self.requests_served += 1
+        if self.recorder is not None and num_prompt_logprobs is None:  # teacher scoring calls are not rollouts
+            self.recorder.generation(request_id=request_id, prompt_ids=prompt_ids, sampling_params=params, gen=gen, start=start)
         extra = {
             "global_steps": gen.max_version,
             "min_global_steps": gen.min_version,

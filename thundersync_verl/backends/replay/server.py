@@ -1,0 +1,235 @@
+"""Rollout backend ``replay``: serves recorded generations through verl's replica / server / adapter contract.
+
+Why a rollout backend (and not a mocked agent loop or dataset):
+1. verl creates it from ``actor_rollout_ref.rollout.name=replay`` exactly as it creates
+   ``hf_cpu`` or vLLM replicas, so everything around the rollout (agent loop, tools, reward loop,
+   trainer, weight sync) runs unchanged, in hybrid (Sync) and standalone (ThunderSync, async)
+   layouts alike; only the tokens come from a file.
+2. ``ReplayServer.generate(request_id, prompt_ids, sampling_params)`` answers with the recorded
+   tokens and log-probs for that exact prompt (:class:`Recording`), after sleeping the call's
+   recorded service time times ``time_scale`` (0 = no sleeping), optionally permuted by
+   ``permute_seed``. A prompt that was not recorded is an error naming the file.
+3. The learner-side adapter consumes every weight push (FSDP2 gathers are collectives, so every
+   rank must iterate) and forwards only the version: replayed answers report the weight version
+   the server holds, like ``hf_cpu``, so staleness metrics mean the same thing.
+4. Configuration: ``+actor_rollout_ref.rollout.engine_kwargs.replay.path=<recording>``, optional
+   ``.time_scale`` (default 1.0), ``.permute_seed`` (default none: recorded order) and
+   ``.record_path`` (re-record what was served, e.g. to check two replays saw the same data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import ray
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section
+from thundersync_verl.backends.replay.recording import Recording
+
+ROLLOUT_NAME = "replay"
+PATH_KEY = "path"
+
+
+def server_actor_name(replica_rank: int, suffix: str = "") -> str:
+    return f"replay_server_{replica_rank}{suffix}"
+
+
+def replay_settings(config) -> dict[str, Any]:
+    """``engine_kwargs.replay`` checked: ``{"path", "time_scale", "permute_seed", "record_path"}``."""
+    section = engine_section(config, ROLLOUT_NAME)
+    unknown = sorted(set(section) - {PATH_KEY, "time_scale", "permute_seed", "record_path"})
+    if unknown:
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.replay has unknown keys {unknown}; "
+                         "known: path, time_scale, permute_seed, record_path")
+    path = section.get(PATH_KEY)
+    if not path:
+        raise ValueError("rollout 'replay' needs a recording: set "
+                         "+actor_rollout_ref.rollout.engine_kwargs.replay.path=/abs/recording.jsonl "
+                         "(see thundersync_verl/backends/replay/record.py for how to record one)")
+    time_scale = float(section.get("time_scale", 1.0))
+    if not time_scale >= 0:
+        raise ValueError(f"engine_kwargs.replay.time_scale must be >= 0 (0 = no sleeping), got {time_scale}")
+    seed = section.get("permute_seed")
+    record_path = section.get("record_path")
+    if record_path and os.path.abspath(str(record_path)) == os.path.abspath(str(path)):
+        raise ValueError(f"engine_kwargs.replay.record_path is the recording being replayed ({path}); "
+                         "re-record to another file")
+    return {"path": str(path), "time_scale": time_scale, "permute_seed": None if seed is None else int(seed),
+            "record_path": record_path}
+
+
+class ReplayServer:
+    """One replay server (a Ray actor with high max_concurrency; also usable in-process)."""
+
+    def __init__(self, config, model_config=None, rollout_mode=None, replica_rank: int = 0):
+        self.config = config
+        self.replica_rank = replica_rank
+        self.rollout_mode = rollout_mode
+        settings = replay_settings(config)
+        self.time_scale = settings["time_scale"]
+        self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"])
+        self.recorder = GenerateRecorder.from_config(config, section=ROLLOUT_NAME, use_env=False)
+        self.version = 0
+        self.global_steps: Optional[int] = None
+        self.requests_served = 0
+        self.active = 0
+        self._open = asyncio.Event()  # closed by abort_all_requests, reopened by resume_generation
+        self._open.set()
+
+    async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
+        params = dict(sampling_params or {})
+        if params.get("prompt_logprobs") is not None:
+            raise ValueError("rollout 'replay' serves recorded generations and cannot score prompts "
+                             "(prompt_logprobs); use hf_cpu for distillation.teacher_models")
+        await self._open.wait()  # like hf_cpu: calls that arrive after an abort wait for resume
+        start = self.recorder.clock() if self.recorder is not None else time.time()
+        rec = self.recording.next_generate(prompt_ids, temperature=params.get("temperature", 1.0),
+                                           max_tokens=params.get("max_tokens"))
+        version = self.version
+        self.active += 1
+        try:
+            delay = self.recording.service_s[rec.line] * self.time_scale
+            if delay > 0:
+                await asyncio.sleep(delay)
+        finally:
+            self.active -= 1
+        self.requests_served += 1
+        if self.recorder is not None:
+            gen = SimpleNamespace(token_ids=rec.response_ids, log_probs=rec.log_probs, stop_reason=rec.stop_reason,
+                                  max_version=version)
+            self.recorder.generation(request_id=request_id, prompt_ids=prompt_ids, sampling_params=params, gen=gen,
+                                     start=start)
+        TokenOutput = va.token_output_cls()
+        return TokenOutput(
+            token_ids=list(rec.response_ids),
+            log_probs=list(rec.log_probs),
+            stop_reason="aborted" if rec.stop_reason == "aborted" else "completed",
+            extra_fields={"global_steps": version, "min_global_steps": version, "max_global_steps": version,
+                          "finish_reason": rec.stop_reason, "replay_line": rec.line},
+        )
+
+    async def update_weights(self, named_tensors: Optional[list] = None, global_steps: Optional[int] = None) -> int:
+        """Only the version matters here: answers are recorded, not computed."""
+        self.version = self.version + 1 if global_steps is None else int(global_steps)
+        self.global_steps = global_steps
+        return len(named_tensors or [])
+
+    def stats(self) -> dict:
+        return {"version": self.version, "active": self.active, "requests_served": self.requests_served,
+                "recorded_calls": self.recording.num_generates, "recording": self.recording.path}
+
+    # -- verl control calls: their replay meaning ------------------------------------------
+    async def wake_up(self, tags=None):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    release_kv_cache = resume_kv_cache = clear_kv_cache
+
+    async def wait_for_requests_to_drain(self):
+        while self.active:
+            await asyncio.sleep(0.01)
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
+        # In-flight calls still return their whole recorded answer: a cut-short answer was never recorded.
+        self._open.clear()
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def resume_generation(self):
+        self._open.set()
+
+    resume_engine_generation = open_submission_gate = resume_generation
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True):
+        return {"aborted": False, "request_id": request_id, "error": "replay does not abort single requests"}
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+
+def make_replica_class():
+    """Build the RolloutReplica subclass (deferred: it needs verl)."""
+
+    class ReplayReplica(va.rollout_replica_base()):
+        async def launch_servers(self):
+            name = server_actor_name(self.replica_rank, self.name_suffix)
+            server = (
+                ray.remote(ReplayServer)
+                .options(name=name, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0)
+                .remote(self.config, self.model_config, self.rollout_mode, self.replica_rank)
+            )
+            await server.stats.remote()  # a missing or bad recording fails here, not at the first generate
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = name
+
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+    ReplayReplica.__name__ = ReplayReplica.__qualname__ = "ReplayReplica"
+    return ReplayReplica
+
+
+def make_server_adapter_class():
+    """Build the learner-side BaseRollout subclass (deferred: it needs verl)."""
+
+    class ReplayServerAdapter(va.base_rollout_cls()):
+        def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
+            super().__init__(config, model_config, device_mesh)
+            rank = int(os.environ.get("RANK", "0"))
+            world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
+            self.replica_rank = rank // world if replica_rank == -1 else replica_rank
+            self.is_leader_rank = rank % world == 0
+            self._server = None
+
+        def _server_handle(self):
+            if self._server is None:
+                self._server = ray.get_actor(server_actor_name(self.replica_rank))
+            return self._server
+
+        async def resume(self, tags: list[str]):
+            return None
+
+        async def release(self):
+            return None
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
+            # every rank iterates (FSDP2 full_tensor() is a collective); the tensors themselves are dropped
+            if hasattr(weights, "__aiter__"):
+                async for _ in weights:
+                    pass
+            else:
+                for _ in weights:
+                    pass
+            if self.is_leader_rank:
+                await self._server_handle().update_weights.remote(None, global_steps)
+
+    ReplayServerAdapter.__name__ = ReplayServerAdapter.__qualname__ = "ReplayServerAdapter"
+    return ReplayServerAdapter
+
+
+_LAZY = {"ReplayReplica": make_replica_class, "ReplayServerAdapter": make_server_adapter_class}
+
+
+def __getattr__(name: str):
+    # verl resolves rollout adapters by dotted path; build the classes on first use, once.
+    if name in _LAZY:
+        cls = _LAZY.pop(name)()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
