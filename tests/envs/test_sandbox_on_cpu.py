@@ -170,3 +170,19 @@ def test_blocking_call_works_inside_a_running_event_loop():
         return run_python("print('ok')")
 
     assert asyncio.run(inside()).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("use_prlimit", [True, False], ids=["prlimit", "preexec_fn"])
+def test_limits_hold_with_and_without_prlimit(monkeypatch, use_prlimit):
+    from thundersync_verl.envs import sandbox
+
+    if use_prlimit and sandbox._prlimit() is None:
+        pytest.skip("prlimit (util-linux) is not installed here")
+    if not use_prlimit:
+        monkeypatch.setattr(sandbox, "_prlimit", lambda: None)
+    result = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_AS)[0], resource.getrlimit(resource.RLIMIT_NOFILE)[0])",
+                        mem_mb=200)
+    assert result.ok, result
+    assert result.stdout.split() == [str(200 * 1024 * 1024), "64"]
+    hog = run_python("x = bytearray(1 << 30)\nprint('allocated')", mem_mb=200)
+    assert not hog.ok and "allocated" not in hog.stdout

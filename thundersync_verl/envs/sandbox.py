@@ -9,9 +9,9 @@ Why it is built this way:
    runs, which refuses socket creation, connects, binds, name lookups and process spawning.
    The hook alone is not a security boundary (native code can bypass it); the namespace alone
    is not available everywhere. Together they deny the network on every machine we run on.
-3. Limits live in the kernel (``setrlimit`` in the child before exec: address space, CPU
-   seconds, open files, file size); the wall-clock timeout kills the whole process group, so
-   grandchildren cannot outlive the call.
+3. Limits live in the kernel (``setrlimit`` before exec, by ``prlimit`` where installed so the
+   spawn stays cheap: address space, CPU seconds, open files, file size); the wall-clock
+   timeout kills the whole process group, so grandchildren cannot outlive the call.
 4. Output is read incrementally and capped, so a program that prints gigabytes costs us a
    bounded buffer; the rest is drained and dropped so the child never blocks on a full pipe.
 5. One async implementation (:func:`run_python_async`) lets hundreds of tool calls wait
@@ -120,8 +120,26 @@ def netns_prefix() -> tuple[str, ...]:
     return ()
 
 
+@functools.lru_cache(maxsize=1)
+def _prlimit() -> str | None:
+    return shutil.which("prlimit")
+
+
+def _limit_prefix(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: int) -> tuple[str, ...]:
+    """``prlimit`` sets the limits on itself and execs the sandbox: no Python code between fork and exec.
+
+    That matters for throughput: with a ``preexec_fn`` CPython must fork() the whole parent (page
+    tables of a multi-GB trainer process) and waits for the exec, blocking the agent loop's event
+    loop ~30 ms per tool call; without one it uses vfork/posix_spawn (measured: 32 concurrent
+    calls from a 0.4 GB process block the loop 0.92 s with preexec_fn, 0.13 s with prlimit).
+    """
+    mem = mem_mb * 1024 * 1024
+    return (_prlimit(), f"--as={mem}", f"--cpu={cpu_s}:{cpu_s + 1}", f"--nofile={max_open_files}",
+            f"--fsize={max_file_bytes}", "--core=0", "--")
+
+
 def _limits(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: int) -> None:
-    """Runs in the child between fork and exec: kernel-enforced resource limits."""
+    """Fallback without ``prlimit``: runs in the child between fork and exec (the same limits)."""
     mem = mem_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
@@ -171,8 +189,12 @@ async def run_python_async(
     """
     prefix = _resolve_netns(isolate_network)
     mode = "guard" if guard_network else "open"
-    cmd = [*prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
-    limits = functools.partial(_limits, mem_mb, cpu_s, 1 << 20, 64)
+    if _prlimit() is not None:
+        cmd = [*_limit_prefix(mem_mb, cpu_s, 1 << 20, 64), *prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
+        limits = None
+    else:
+        cmd = [*prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
+        limits = functools.partial(_limits, mem_mb, cpu_s, 1 << 20, 64)
     env = {"PATH": _MINIMAL_PATH, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tsv-sandbox-") as workdir:
