@@ -8,48 +8,23 @@ streamed as single rows, and as verl's update. Starts Ray once (~20-40 s on 2 co
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
-from benchmarks import equivalence as eq
 from thundersync_verl.core import StreamingInputError
+from thundersync_verl.trainer.equivalence_setup import make_turn_trajectories, score_turns, turn_arrival
+from thundersync_verl.trainer.equivalence_steps import relative_gap, stream_opd_step, sync_opd_step, train
 from thundersync_verl.trainer.stream_loss import TEACHER_KEY, build_stream_chunk, build_token_chunk
 
 GROUPS = 2
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    saved = dict(os.environ)
-    threads = torch.get_num_threads()
-    work = tmp_path_factory.mktemp("opd_engine")
-    ray_tmp = eq.prepare_environment()
-    model_path, pad_id, vocab = eq.build_tiny_model(work / "model")
-    teacher = eq.build_teacher(model_path, work / "teacher")
-    config = eq.verl_config(model_path, groups=GROUPS, micro=4, teacher=teacher)
-    trajs = eq.make_turn_trajectories(7, GROUPS, vocab)
-    turns, rows, _, diff = eq.score_turns(teacher, trajs, 8)
-    import ray
-
-    try:
-        wg = eq.start_workers(config, dp=1, distillation=True)
-        yield {"wg": wg, "pad": pad_id, "trajs": trajs, "turns": turns, "rows": rows, "teacher_diff": diff}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
-
-
-def _update(wg, step) -> tuple[torch.Tensor, dict]:
-    wg.reset_actor()
-    before = wg.gather_flat_params()[0]
-    info = step()
-    return wg.gather_flat_params()[0] - before, info
+def harness(start_engine):
+    engine = start_engine(groups=GROUPS, opd=True)
+    trajs = make_turn_trajectories(7, GROUPS, engine.vocab)
+    turns, rows, _, diff = score_turns(engine.teacher, trajs, 8)
+    return {"wg": engine.wg, "pad": engine.pad_id, "trajs": trajs, "turns": turns, "rows": rows, "teacher_diff": diff}
 
 
 def _whole_rows_step(h) -> dict:
@@ -67,15 +42,15 @@ def _whole_rows_step(h) -> dict:
 def test_per_turn_streaming_equals_the_whole_trajectory_loss_and_verls_update(harness):
     h = harness
     wg, trajs, turns = h["wg"], h["trajs"], h["turns"]
-    arrival = eq.turn_arrival(turns, 9)
+    arrival = turn_arrival(turns, 9)
     assert any(arrival.index((tid, len(ts) - 1)) < arrival.index((tid, 0)) for tid, ts in turns.items())  # out of order
-    d_turns, info = _update(wg, lambda: eq.stream_opd_step(wg, trajs, turns, arrival, h["pad"]))
-    d_whole, info_whole = _update(wg, lambda: _whole_rows_step(h))
-    d_verl, info_verl = _update(wg, lambda: eq.sync_opd_step(wg, trajs, list(range(len(trajs))), h["pad"], h["rows"]))
+    [d_turns], [info] = train(wg, [lambda: stream_opd_step(wg, trajs, turns, arrival, h["pad"])])
+    [d_whole], [info_whole] = train(wg, [lambda: _whole_rows_step(h)])
+    [d_verl], [info_verl] = train(wg, [lambda: sync_opd_step(wg, trajs, list(range(len(trajs))), h["pad"], h["rows"])])
     assert float(d_verl.norm()) > 1e-3  # verl's distillation loss moved the weights (zero task advantages)
     assert info["turns"] == sum(len(ts) for ts in turns.values()) > len(trajs)
-    assert eq.relative_gap(d_turns, d_whole) < 1e-5  # fp32: recompute-the-prefix is exact up to rounding
-    assert eq.relative_gap(d_turns, d_verl) < 1e-5
+    assert relative_gap(d_turns, d_whole) < 1e-5  # fp32: recompute-the-prefix is exact up to rounding
+    assert relative_gap(d_turns, d_verl) < 1e-5
     assert info["grad_norm"] == pytest.approx(info_verl["grad_norm"], rel=1e-5)
     assert info_whole["grad_norm"] == pytest.approx(info_verl["grad_norm"], rel=1e-5)
     assert h["teacher_diff"] < 1e-5  # per-turn teacher scores vs whole-sequence scores

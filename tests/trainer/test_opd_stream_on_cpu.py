@@ -273,7 +273,7 @@ def test_the_opd_clamp_bounds_the_advantage_like_verls_loss_max_clamp(model64):
 
 
 def test_planner_from_verl_config_checks_the_distillation_settings():
-    from benchmarks.equivalence import opd_overrides
+    from thundersync_verl.trainer.equivalence_setup import opd_overrides
 
     base = ["actor_rollout_ref.model.path=/tmp/student"]
     good = base + opd_overrides("/tmp/teacher")

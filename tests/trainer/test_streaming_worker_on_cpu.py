@@ -7,54 +7,30 @@ weights untouched. The module starts Ray once (~20-40 s on 2 cores) and shuts it
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
-from benchmarks import equivalence as eq
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
+from thundersync_verl.trainer.equivalence_setup import make_trajectories
+from thundersync_verl.trainer.equivalence_steps import relative_gap, stream_step, sync_step, train
 from thundersync_verl.trainer.stream_loss import build_stream_chunk
 
 GROUPS = 2
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    saved = dict(os.environ)
-    threads = torch.get_num_threads()
-    work = tmp_path_factory.mktemp("stream_worker")
-    ray_tmp = eq.prepare_environment()
-    model_path, pad_id, vocab = eq.build_tiny_model(work / "model")
-    config = eq.verl_config(model_path, groups=GROUPS, micro=4)
-    import ray
-
-    try:
-        wg = eq.start_workers(config, dp=1)
-        yield {"wg": wg, "pad": pad_id, "vocab": vocab}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
-
-
-def _update(wg, step) -> tuple[torch.Tensor, dict]:
-    wg.reset_actor()
-    before = wg.gather_flat_params()[0]
-    info = step()
-    return wg.gather_flat_params()[0] - before, info
+def harness(start_engine):
+    engine = start_engine(groups=GROUPS)
+    return {"wg": engine.wg, "pad": engine.pad_id, "vocab": engine.vocab}
 
 
 def test_one_streamed_step_equals_verls_update_actor(harness):
     wg, pad = harness["wg"], harness["pad"]
-    trajs, arrival = eq.make_trajectories(5, GROUPS, harness["vocab"])
-    d_sync, info_sync = _update(wg, lambda: eq.sync_step(wg, trajs, list(range(len(trajs))), pad))
-    d_stream, info = _update(wg, lambda: eq.stream_step(wg, trajs, arrival, pad))
+    trajs, arrival = make_trajectories(5, GROUPS, harness["vocab"])
+    [d_sync], [info_sync] = train(wg, [lambda: sync_step(wg, trajs, list(range(len(trajs))), pad)])
+    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])
     assert float(d_sync.norm()) > 1e-4  # the step moved the weights
-    assert eq.relative_gap(d_stream, d_sync) < 1e-5  # fp32 summation order only (floor ~1e-6)
+    assert relative_gap(d_stream, d_sync) < 1e-5  # fp32 summation order only (floor ~1e-6)
     assert info["grad_norm"] == pytest.approx(info_sync["grad_norm"], rel=1e-5)
     assert info["ops/bucket"] > 0 and info["ops/fold"] > 0 and info["ops/direct"] > 0  # all routes ran
     assert info["stream/peak_bytes"] >= info["stream/buffer_bytes"] > 0 and info["stream/bytes_in_use"] == 0

@@ -1,0 +1,158 @@
+"""One optimizer step on the engine, two ways: verl's batch-synchronous update and the streamed one.
+
+Why:
+1. The synchronous path is verl's OWN functions (``compute_log_prob``, ``compute_advantage``,
+   ``update_actor``; for OPD, verl's distillation loss with the teacher log-probs in the batch),
+   so it is the oracle the streamed path is measured against.
+2. The streamed path is the planners (``StreamPlanner``, ``OPDTurnPlanner``) driving the
+   streaming worker as the trainer does: trajectories or scored turns arrive in a given order
+   and are backpropagated in chunks while the rest are still arriving.
+3. ``train`` resets the actor and records each step's dθ, so two paths compare from the same
+   weights; ``relative_gap`` is the yardstick. Used by ``benchmarks/equivalence.py`` and the
+   engine tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.trainer.equivalence_setup import GROUP_SIZE, Traj, TurnTraj
+
+
+# ----- the batch-synchronous path: verl's own functions --------------------------------------
+def _verl_update(wg, data, n: int) -> dict:
+    """verl's ``update_actor`` on a DataProto batch: one epoch, one mini-batch of ``n`` rows."""
+    import numpy as np
+
+    td = va.to_no_padding(data.to_tensordict())
+    va.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    metrics = va.td_get(wg.update_actor(td), "metrics")
+    return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
+
+
+def _old_log_probs(wg, data) -> torch.Tensor:
+    td = va.to_no_padding(data.to_tensordict())
+    va.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+    return va.unpad_response(va.td_get(wg.compute_log_prob(td), "log_probs"), td).float()  # [B, R]
+
+
+def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int) -> dict:
+    """compute_log_prob -> compute_advantage (GRPO) -> update_actor, as verl's trainer does."""
+    import numpy as np
+
+    from thundersync_verl.trainer.stream_loss import pad_batch
+
+    rows = [trajs[i] for i in row_order]
+    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
+    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
+    for b, t in enumerate(rows):
+        rewards[b, len(t.response) - 1] = t.reward
+    data = va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
+                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
+                                         meta_info={"temperature": 1.0})
+    data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
+    return _verl_update(wg, data, len(rows))
+
+
+def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id: int, teacher_rows: dict) -> dict:
+    """verl's OPD update: teacher log-probs in the batch, old log-probs, ``update_actor`` (distillation loss).
+
+    ``teacher_rows`` maps a trajectory to its teacher log-probs, one per response token.
+    """
+    import numpy as np
+
+    from thundersync_verl.trainer.stream_loss import pad_batch
+
+    rows = [trajs[i] for i in row_order]
+    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id,
+                        response_masks=[t.mask for t in rows])
+    n, width = tensors["input_ids"].shape
+    p_width = tensors["prompts"].shape[1]
+    teacher = torch.zeros(n, width, 1, dtype=torch.float32)  # [B, S, 1]: position p holds log p(x_{p+1} | x_<=p)
+    for b, t in enumerate(rows):
+        teacher[b, p_width - 1 : p_width - 1 + len(t.response), 0] = torch.tensor(teacher_rows[t.tid])
+    data = va.data_proto_cls().from_dict(
+        tensors={**tensors, "teacher_logprobs": teacher,
+                 "teacher_ids": tensors["input_ids"].unsqueeze(-1).to(torch.int32)},  # read for top-k modes only
+        non_tensors={"uid": np.array([f"t{t.tid}" for t in rows], dtype=object)}, meta_info={"temperature": 1.0})
+    old = _old_log_probs(wg, data)  # [B, R]
+    data.batch["old_log_probs"] = old
+    data.batch["advantages"] = torch.zeros_like(old)  # task-reward term: read by verl's ppo_loss, then dropped
+    return _verl_update(wg, data, len(rows))
+
+
+# ----- the streamed paths: planners + streaming worker ---------------------------------------
+def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, every: int = 2,
+                max_chunk: int = 4, loss_agg_mode: str = "token-mean") -> dict:
+    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops are sent."""
+    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+    from thundersync_verl.trainer.streaming_worker import StreamingLearnerClient
+
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, max_chunk_size=max_chunk)
+    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
+    groups = sorted({t.gid for t in trajs})
+    planner.begin_batch({g: GROUP_SIZE for g in groups})
+    client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
+    table = {(t.gid, t.tid): (t.prompt, t.response) for t in trajs}
+    kinds = {"direct": 0, "bucket": 0, "fold": 0}
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, t.tid, t.reward, len(t.response))
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = planner.next_ops()
+            for op in ops:
+                key = "fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")
+                kinds[key] += 1
+            client.run(ops, table)
+    metrics = client.finalize(planner.finalize())
+    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}}
+
+
+def stream_opd_step(wg, trajs: list[TurnTraj], turns: dict, arrival: list[tuple[int, int]], pad_token_id: int, *,
+                    every: int = 3, max_chunk: int = 4) -> dict:
+    """Scored turns arrive in ``arrival`` order; every ``every`` arrivals the ready turns are backpropagated."""
+    from thundersync_verl.trainer.opd_stream import OPDStreamClient, OPDTurnPlanner
+
+    planner = OPDTurnPlanner(loss_agg_mode="token-mean", max_chunk_size=max_chunk)
+    client = OPDStreamClient(wg, pad_token_id=pad_token_id)
+    planner.begin_batch([t.tid for t in trajs])
+    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(trajs) // GROUP_SIZE})
+    chunks = 0
+    for k, (tid, j) in enumerate(arrival):
+        planner.add_turn(turns[tid][j])
+        if j == len(turns[tid]) - 1:
+            planner.end_trajectory(tid, len(turns[tid]))  # may come before its earlier turns
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = planner.next_ops()
+            chunks += len(ops)
+            client.run(ops)
+    metrics = client.finalize(planner.finalize())
+    return {**metrics, "ops/turn_chunks": chunks, "turns": len(arrival)}
+
+
+# ----- comparison ----------------------------------------------------------------------------
+def train(wg, steps) -> tuple[list[torch.Tensor], list[dict]]:
+    """Reset the actor, run each step function (one optimizer step each), return each dθ and info."""
+    wg.reset_actor()
+    theta = wg.gather_flat_params()[0]
+    deltas, infos = [], []
+    for step in steps:
+        t0 = time.perf_counter()
+        info = step()
+        info["seconds"] = time.perf_counter() - t0
+        new = wg.gather_flat_params()[0]
+        deltas.append(new - theta)
+        infos.append(info)
+        theta = new
+    return deltas, infos
+
+
+def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
