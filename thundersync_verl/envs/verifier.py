@@ -116,15 +116,6 @@ async def verify_async(
     return _interpret(result, started)
 
 
-def verify(
-    response_text: str,
-    ground_truth: str,
-    *,
-    timeout_s: float = 5.0,
-    extra_latency_s: float = 0.0,
-    program: str = CHECK_PROGRAM,
-) -> VerifierResult:
+def verify(response_text: str, ground_truth: str, **kwargs) -> VerifierResult:
     """Blocking :func:`verify_async` (same arguments): the same code behind a private event loop."""
-    return run_blocking(
-        verify_async(response_text, ground_truth, timeout_s=timeout_s, extra_latency_s=extra_latency_s, program=program)
-    )
+    return run_blocking(verify_async(response_text, ground_truth, **kwargs))
