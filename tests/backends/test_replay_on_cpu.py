@@ -206,3 +206,103 @@ def test_verl_resolves_rollout_replay_like_hf_cpu():
 
     assert RolloutReplicaRegistry.get("replay").__name__ == "ReplayReplica"
     assert get_rollout_class("replay").__name__ == "ReplayServerAdapter"
+
+
+# -- end to end: stock main_ppo records one step, then replays it in Sync and ThunderSync modes ---------------
+TOY_REWARD = """
+import zlib
+async def score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    # deterministic in the response, about half the trajectories score 1: GRPO advantages are not all zero
+    return {"score": float(zlib.crc32(solution_str.encode()) % 2), "chars": float(len(solution_str))}
+"""
+
+
+@pytest.fixture(scope="module")
+def tool_happy_student(tiny_random_lm, tmp_path_factory):
+    """The random student biased to open tool calls and end turns (as in tests/e2e): multi-turn trajectories."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_random_lm)
+    model = Qwen2ForCausalLM.from_pretrained(tiny_random_lm)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # [V, H]
+        emb[:, 0] += 4.0
+        emb[tokenizer.convert_tokens_to_ids("<tool_call>"), 0] += 1.0
+        emb[tokenizer.eos_token_id, 0] += 0.8
+    path = tmp_path_factory.mktemp("tool_happy_student")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _main_ppo(tmp_path, model_path, mode: str, rollout: list[str], reward: list[str], tag: str) -> list[dict]:
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from thundersync_verl.demo import recipe_dir, run_env
+    from thundersync_verl.envs.dataset import write_dataset
+
+    train = write_dataset(tmp_path / "train.parquet", 32, seed=0, split="train")
+    val = write_dataset(tmp_path / "val.parquet", 8, seed=0, split="test")
+    metrics = tmp_path / f"{tag}_metrics.jsonl"
+    cmd = [
+        sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={recipe_dir()}", "--config-name=grpo",
+        f"data.train_files={train}", f"data.val_files={val}", f"actor_rollout_ref.model.path={model_path}",
+        "trainer.total_training_steps=1", f"mode={mode}", "data.max_response_length=64",
+        "thundersync.env.retry_prob=0",  # the agent loop's transient tool failures are not seeded: the prompts of
+        "thundersync.env.tool_latency.scale=0.2",  # later turns would differ between runs
+        "reward.custom_reward_function.path=pkg://thundersync_verl.backends.replay.record",
+        "reward.custom_reward_function.name=record_compute_score_async", *rollout, *reward,
+    ]
+    env = run_env(tmp_path, metrics)
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tsrep_", dir="/tmp")  # Ray's socket paths must stay < 108 bytes
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert out.returncode == 0, f"{tag}: " + (out.stdout + out.stderr)[-4000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r.get("data", r) for r in rows if "timing_s/step" in r.get("data", r)]
+
+
+def _trajectories(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    gens = sorted((tuple(r["prompt_ids"]), tuple(r["response_ids"]), tuple(r["log_probs"])) for r in rows if r["kind"] == "generate")
+    rewards = sorted((r["index"], r["solution_str"], r["score"]) for r in rows if r["kind"] == "reward")
+    return gens, rewards
+
+
+@pytest.mark.timeout(1800)
+def test_main_ppo_replays_one_recorded_step_in_sync_and_thundersync_modes(tmp_path, tool_happy_student):
+    rec = tmp_path / "recording.jsonl"
+    toy = tmp_path / "toy_reward.py"
+    toy.write_text(TOY_REWARD)
+    recorded = _main_ppo(tmp_path, tool_happy_student, "sync", [f"+actor_rollout_ref.rollout.engine_kwargs.hf_cpu.record_path={rec}"],
+                         [f"+reward.custom_reward_function.reward_kwargs.record_path={rec}",
+                          f"+reward.custom_reward_function.reward_kwargs.record_inner={toy}:score"], "record")
+    gens, rewards = _trajectories(rec)
+    assert len(rewards) == 8 * 4 and len(gens) > len(rewards)  # one step: 8 prompts x rollout.n=4, multi-turn
+    assert 0 < sum(r[2] for r in rewards) < len(rewards)
+    assert len(recorded) == 1 and recorded[0]["actor/grad_norm"] > 0
+    for mode in ("sync", "thundersync"):
+        served = tmp_path / f"served_{mode}.jsonl"
+        rows = _main_ppo(
+            tmp_path, tool_happy_student, mode,
+            ["actor_rollout_ref.rollout.name=replay", f"+actor_rollout_ref.rollout.engine_kwargs.replay.path={rec}",
+             "+actor_rollout_ref.rollout.engine_kwargs.replay.time_scale=0.5",
+             f"+actor_rollout_ref.rollout.engine_kwargs.replay.record_path={served}"],
+            [f"+reward.custom_reward_function.reward_kwargs.record_path={served}",  # re-record what the learner got
+             "+reward.custom_reward_function.reward_kwargs.record_inner=thundersync_verl.backends.replay.reward:compute_score_async",
+             f"+reward.custom_reward_function.reward_kwargs.replay_path={rec}",
+             "+reward.custom_reward_function.reward_kwargs.time_scale=0.5"],
+            f"replay_{mode}")
+        assert _trajectories(served) == (gens, rewards), mode  # the same calls, tokens, log-probs and rewards
+        assert len(rows) == 1
+        for key in ("critic/score/mean", "response_length/mean", "critic/advantages/max", "critic/advantages/min"):
+            assert rows[0][key] == pytest.approx(recorded[0][key], abs=1e-6), (mode, key)
+        assert rows[0]["training/rollout_logprob_diff_max"] < 1e-5  # the learner scored exactly the recorded tokens
+        assert rows[0]["actor/grad_norm"] == pytest.approx(recorded[0]["actor/grad_norm"], rel=1e-4), mode  # same update

@@ -36,13 +36,15 @@ How to record (use a new path per recording run: an existing file is appended to
   ``reward.custom_reward_function.name=record_compute_score_async`` and
   ``+reward.custom_reward_function.reward_kwargs.record_path=/abs/rec.jsonl``; the wrapped
   function is ``thundersync_verl.envs.reward:compute_score_async`` unless ``record_inner``
-  (``"module:function"``) names another, and it receives the other reward kwargs.
+  (``"module:function"`` or ``"/path/file.py:function"``) names another; it receives the other
+  reward kwargs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -170,13 +172,26 @@ class GenerateRecorder:
 
 
 def _load_inner(spec: str):
-    module_name, _, fn_name = str(spec).partition(":")
-    if not fn_name:
-        raise ValueError(f"{INNER_KWARG}={spec!r} must be 'module:function', e.g. {DEFAULT_INNER!r}")
-    return getattr(importlib.import_module(module_name), fn_name)
+    """``"package.module:function"`` or ``"/path/to/file.py:function"`` (a file, like verl's reward path)."""
+    module_name, _, fn_name = str(spec).rpartition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"{INNER_KWARG}={spec!r} must be 'module:function' or '/path/file.py:function', "
+                         f"e.g. {DEFAULT_INNER!r}")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise FileNotFoundError(f"{INNER_KWARG}={spec!r}: {module_name} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_recorded_reward_{abs(hash(module_name))}", module_name)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    if not hasattr(module, fn_name):
+        raise AttributeError(f"{INNER_KWARG}={spec!r}: {module_name} has no function {fn_name!r}")
+    return getattr(module, fn_name)
 
 
 _FILES: dict[str, RecordFile] = {}
+_INNERS: dict[str, Any] = {}
 
 
 async def record_compute_score_async(
@@ -192,7 +207,8 @@ async def record_compute_score_async(
     names the wrapped function (default :data:`DEFAULT_INNER`); every other kwarg goes to it.
     """
     path = kwargs.pop(RECORD_KWARG, None) or os.environ.get(RECORD_ENV)
-    inner = _load_inner(kwargs.pop(INNER_KWARG, None) or DEFAULT_INNER)
+    spec = kwargs.pop(INNER_KWARG, None) or DEFAULT_INNER
+    inner = _INNERS.get(spec) or _INNERS.setdefault(spec, _load_inner(spec))
     if not path:
         raise ValueError(
             "record_compute_score_async needs a recording path: set "
