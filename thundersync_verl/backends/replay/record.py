@@ -47,10 +47,12 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import time
 from typing import Any, Mapping, Optional
 
+logger = logging.getLogger(__name__)
 FORMAT = "thundersync-replay/1"
 RECORD_ENV = "THUNDERSYNC_RECORD_PATH"
 RECORD_KWARG = "record_path"
@@ -73,7 +75,7 @@ def engine_section(config, name: str) -> dict:
     kwargs = getattr(config, "engine_kwargs", None)
     if kwargs is None and isinstance(config, Mapping):
         kwargs = config.get("engine_kwargs")
-    section = (kwargs or {}).get(name) if hasattr(kwargs or {}, "get") else None
+    section = kwargs.get(name) if kwargs is not None else None
     return {str(k): v for k, v in (section or {}).items()}
 
 
@@ -138,6 +140,9 @@ class GenerateRecorder:
 
     def __init__(self, path: str):
         self.file = RecordFile(path)
+        if os.path.exists(self.file.path):
+            logger.warning("replay recording %s already exists; this run's generate calls are appended to it "
+                           "(record to a new path to keep runs apart)", self.file.path)
 
     @classmethod
     def from_config(cls, config, section: str = ROLLOUT_SECTION, use_env: bool = True) -> Optional["GenerateRecorder"]:
