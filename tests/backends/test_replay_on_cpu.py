@@ -163,7 +163,7 @@ def test_time_scale_reproduces_the_recorded_relative_timing(tmp_path, time_scale
     prompts = _synthetic(tmp_path / "rec.jsonl", SERVICE)
     done = _completion_times(_replay_server(tmp_path / "rec.jsonl", time_scale=time_scale), prompts)
     for got, want in zip(done, SERVICE):
-        assert got == pytest.approx(want * time_scale, abs=0.04)
+        assert got == pytest.approx(want * time_scale, abs=0.08)  # asyncio timers on a shared machine
     assert sorted(range(len(done)), key=done.__getitem__) == sorted(range(len(SERVICE)), key=SERVICE.__getitem__)
 
 
@@ -179,7 +179,7 @@ def test_permute_seed_gives_a_reproducible_permutation_of_the_completion_order(t
     for seed in (11, 11, 12):
         server = _replay_server(tmp_path / "rec.jsonl", permute_seed=seed)
         plan = [server.recording.service_s[line] for line in range(2, 2 + len(SERVICE))]  # records start on line 2
-        assert sorted(plan) == sorted(SERVICE)  # the same latencies, reassigned
+        assert sorted(plan) == pytest.approx(sorted(SERVICE))  # the same latencies, reassigned
         done = _completion_times(server, prompts)
         orders.append(sorted(range(len(done)), key=done.__getitem__))
         assert orders[-1] == sorted(range(len(plan)), key=plan.__getitem__)
@@ -195,8 +195,8 @@ def test_permutation_stays_within_one_weight_version(tmp_path):
         r["version"] = 1
     path.write_text(lines[0] + "\n" + "".join(json.dumps(r) + "\n" for r in moved))
     plan = Recording(str(path), permute_seed=5).service_s
-    assert sorted(plan[line] for line in (2, 3, 4)) == sorted(SERVICE[:3])
-    assert sorted(plan[line] for line in (5, 6, 7)) == sorted(SERVICE[3:])
+    assert sorted(plan[line] for line in (2, 3, 4)) == pytest.approx(sorted(SERVICE[:3]))
+    assert sorted(plan[line] for line in (5, 6, 7)) == pytest.approx(sorted(SERVICE[3:]))
 
 
 def test_verl_resolves_rollout_replay_like_hf_cpu():

@@ -140,6 +140,7 @@ class GenerateRecorder:
 
     def __init__(self, path: str):
         self.file = RecordFile(path)
+        self._last = 0.0
         if os.path.exists(self.file.path):
             logger.warning("replay recording %s already exists; this run's generate calls are appended to it "
                            "(record to a new path to keep runs apart)", self.file.path)
@@ -151,7 +152,9 @@ class GenerateRecorder:
         return cls(path) if path else None
 
     def clock(self) -> float:
-        now = time.time()
+        """A call's start time, strictly increasing in this process: replay serves calls in start order."""
+        now = max(time.time(), self._last + 1e-6)
+        self._last = now
         self.file.origin(now)
         return now
 
