@@ -107,3 +107,20 @@ def test_padding_rows_contribute_exactly_zero_gradient():
 def test_unknown_loss_agg_mode_is_refused():
     with pytest.raises(ValueError, match="loss_agg_mode"):
         make_stream_loss("token-median")
+
+
+def test_rollout_log_probs_give_the_max_gap_over_scored_tokens_only():
+    masks = [[1, 1], [1, 0, 0, 1]]
+    chunk = build_stream_chunk(PROMPTS, RESPONSES, [1.0, 1.0], "direct", dp_size=1, pad_token_id=PAD, response_masks=masks)
+    output, values, offsets = _fake_model_output(chunk)
+    learner = [row.detach().float() for row in _response_logp(values, offsets, PROMPTS, RESPONSES)]
+    rollout = [(learner[0] + torch.tensor([0.01, -0.02])).tolist(),
+               (learner[1] + torch.tensor([0.03, 5.0, 5.0, -0.04])).tolist()]  # 5.0: unscored tool tokens
+    chunk = build_stream_chunk(PROMPTS, RESPONSES, [1.0, 1.0], "direct", dp_size=2, pad_token_id=PAD, response_masks=masks,
+                               rollout_log_probs=rollout)
+    output, values, offsets = _fake_model_output(chunk)
+    loss, metrics = make_stream_loss("token-mean")(model_output=output, data=chunk)
+    assert metrics["stream/rollout_logprob_diff_max"] == pytest.approx(0.04, abs=1e-5)
+    plain = build_stream_chunk(PROMPTS, RESPONSES, [1.0, 1.0], "direct", dp_size=2, pad_token_id=PAD, response_masks=masks)
+    assert float(make_stream_loss("token-mean")(model_output=output, data=plain)[0]) == float(loss)  # loss unchanged
+    assert "stream/rollout_logprob_diff_max" not in make_stream_loss("token-mean")(model_output=output, data=plain)[1]

@@ -31,6 +31,8 @@ def test_the_shipped_thundersync_recipe_is_valid():
         ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff"),
         ("actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "checkpoint_engine.backend"),
         ("actor_rollout_ref.rollout.n_gpus_per_node=0", "n_gpus_per_node"),
+        ("thundersync.learner_forward=twice", "thundersync.learner_forward"),
+        ("actor_rollout_ref.rollout.calculate_log_probs=false", "calculate_log_probs"),
     ],
 )
 def test_incompatible_settings_are_refused_naming_the_key(override, key):

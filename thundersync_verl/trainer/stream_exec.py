@@ -17,11 +17,13 @@ from thundersync_verl.trainer.stream_loss import build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
+ROLLOUT_LP_FIELD = "rollout_log_probs"  # verl's agent loop stores it when rollout.calculate_log_probs is on
 
 
-def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, dict]:
-    """``{key: {prompt, response, mask, reward, num_tokens, extra}}`` for finished trajectories."""
-    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=ROW_FIELDS)
+def fetch_rows(tq, keys: list[str], partition_id: str = "train", *, rollout_log_probs: bool = False) -> dict[str, dict]:
+    """``{key: {prompt, response, mask, reward, num_tokens, extra[, rollout_lp]}}`` for finished trajectories."""
+    fields = ROW_FIELDS + ([ROLLOUT_LP_FIELD] if rollout_log_probs else [])
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
     extras = data["extra_fields"]
     extras = extras.tolist() if hasattr(extras, "tolist") else list(extras)
     rows = {}
@@ -35,30 +37,46 @@ def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, di
             "num_tokens": int(mask.sum()),
             "extra": getattr(extras[i], "data", extras[i]) or {},
         }
+        if rollout_log_probs:
+            rows[key]["rollout_lp"] = data[ROLLOUT_LP_FIELD][i].tolist()
     return rows
 
 
-def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> None:
-    """Run one planner op on the learner and wait for it (errors surface here, before any step)."""
+def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> float | None:
+    """Run one planner op on the learner and wait for it (errors surface here, before any step).
+
+    Returns, for a backward whose rows carry ``rollout_lp``, the max |log p_rollout - log p_learner|
+    over its scored tokens (measured by the backward's own forward), else None.
+    """
     if isinstance(op, FoldOp):
         worker_group.stream_fold(op.folds)
-        return
+        return None
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
         client = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature)
         _wait(worker_group.stream_token_backward(client.chunk(op)))
-        return
+        return None
     if not isinstance(op, BackwardOp):
         raise TypeError(f"unknown stream op {op!r}")
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+    with_lp = all("rollout_lp" in r for r in chunk_rows)
     chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs, op.dest,
                                dp_size=worker_group.world_size, pad_token_id=pad_token_id, temperature=temperature,
-                               response_masks=[r["mask"] for r in chunk_rows])
-    _wait(worker_group.stream_backward(chunk))
+                               response_masks=[r["mask"] for r in chunk_rows],
+                               rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
+    out = _wait(worker_group.stream_backward(chunk))
+    return _lp_gap(out) if with_lp else None
 
 
-def _wait(result) -> None:
-    """Block on a worker-group call's result (a list of object refs or a future)."""
+def _wait(result):
+    """Block on a worker-group call's result (a list of object refs or a future); return its value."""
     if isinstance(result, list) and result and isinstance(result[0], ray.ObjectRef):
-        ray.get(result)
-    elif type(result).__name__ == "DataProtoFuture":
-        result.get()
+        return ray.get(result)
+    if type(result).__name__ == "DataProtoFuture":
+        return result.get()
+    return result
+
+
+def _lp_gap(results) -> float:
+    """Max ``ts_lp_diff_max`` over the per-rank chunk results."""
+    parts = results if isinstance(results, list) else [results]
+    return max(float(p["ts_lp_diff_max"].max()) for p in parts if p is not None)

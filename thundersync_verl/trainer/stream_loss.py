@@ -42,6 +42,8 @@ COEF_KEY = "ts_coef"  # [B] per-trajectory coefficient (A_i, or 1 for a bucket)
 DEST_KEY = "ts_dest"  # non-tensor: "direct" or a bucket key
 TOKEN_COEF_KEY = "ts_token_coef"  # [B, R] per-token coefficient, zero off the scored tokens
 TEACHER_KEY = "ts_teacher_log_prob"  # [B, R] teacher log-probs of the scored tokens (OPD)
+ROLLOUT_LP_KEY = "ts_rollout_log_prob"  # [B, R] optional: the rollout's log-probs, for the agreement metric
+LP_DIFF_METRIC = "stream/rollout_logprob_diff_max"  # max |log p_rollout - log p_learner| over scored tokens
 ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
 
 
@@ -59,7 +61,12 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str)
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     loss = -(coef * per_seq).sum() * dp_size  # scalar
     scored = int((mask != 0).sum())
-    return loss, {"stream/scored_tokens": scored}
+    metrics = {"stream/scored_tokens": scored}
+    if ROLLOUT_LP_KEY in data.keys():  # the forward at θ_k doubles as verl's old-log-prob check
+        rollout = va.padded_fields(data, ROLLOUT_LP_KEY)[ROLLOUT_LP_KEY].to(log_prob.device)  # [B, T]
+        gap = ((log_prob.detach() - rollout.to(log_prob.dtype)).abs() * (mask != 0)).max()
+        metrics[LP_DIFF_METRIC] = float(gap) if scored else 0.0
+    return loss, metrics
 
 
 def exact_micro_batch_size(rows: int, cap: int | None) -> int:
@@ -157,11 +164,15 @@ def build_stream_chunk(
     pad_token_id: int,
     temperature: float = 1.0,
     response_masks: Sequence[Sequence[int]] | None = None,
+    rollout_log_probs: Sequence[Sequence[float]] | None = None,
 ):
     """The TensorDict ``stream_backward`` takes, padded to a multiple of ``dp_size`` rows.
 
     ``response_masks`` (optional, one 0/1 list per response) marks the scored tokens; the
     planner must have been given the same count (``num_tokens = sum(mask)``).
+    ``rollout_log_probs`` (optional, one list per response): the loss then also reports
+    ``stream/rollout_logprob_diff_max``, the rollout-vs-learner check verl's old-log-prob
+    forward exists for, from the backward's own forward (same weights θ_k).
     """
     from tensordict import TensorDict
 
@@ -174,6 +185,9 @@ def build_stream_chunk(
     if n_pad:
         tensors["response_mask"][-n_pad:] = 0  # padding rows score no token
     tensors[COEF_KEY] = torch.tensor([float(c) for c in coefs] + [0.0] * n_pad, dtype=torch.float64)  # [B]
+    if rollout_log_probs is not None:
+        rows = list(rollout_log_probs) + [rollout_log_probs[-1]] * n_pad
+        tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rows, tensors["responses"].shape[1], dtype=torch.float32)  # [B, R]
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
     return va.to_no_padding(td)

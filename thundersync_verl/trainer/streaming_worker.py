@@ -43,6 +43,7 @@ from thundersync_verl.trainer.stream_loss import (
     exact_micro_batch_size,
     COEF_KEY,
     DEST_KEY,
+    LP_DIFF_METRIC,
     TEACHER_KEY,
     TOKEN_COEF_KEY,
     build_stream_chunk,
@@ -410,15 +411,25 @@ def _check_scale(scale) -> float:
     return value
 
 
+def _flat(values) -> list[float]:
+    if isinstance(values, (list, tuple)):
+        return [x for v in values for x in _flat(v)]
+    return [float(values)]
+
+
 def _chunk_result(output, rows: int):
     from tensordict import TensorDict
 
-    loss = float("nan")
+    loss, gap = float("nan"), float("nan")
     if output is not None:
         metrics = va.non_tensor(output, "metrics", {}) or {}
         loss = float(metrics.get("loss", float("nan")))
+        gaps = metrics.get(LP_DIFF_METRIC)
+        if gaps is not None:  # one value per micro-batch (nested per rank after verl's all-gather)
+            gap = max(_flat(gaps))
     return TensorDict(
-        {"ts_loss": torch.tensor([loss], dtype=torch.float64), "ts_rows": torch.tensor([rows])}, batch_size=[1]
+        {"ts_loss": torch.tensor([loss], dtype=torch.float64), "ts_rows": torch.tensor([rows]),
+         "ts_lp_diff_max": torch.tensor([gap], dtype=torch.float64)}, batch_size=[1]
     )
 
 

@@ -61,8 +61,40 @@ def validate_thundersync_config(config) -> None:
             "thundersync mode pushes weights to a standalone pool, which the 'naive' checkpoint engine cannot reach",
             "naive copies weights inside the learner process (colocated rollout only)",
             "set actor_rollout_ref.rollout.checkpoint_engine.backend to nccl/nixl on GPUs or cpu_channel on CPUs"))
+    learner_forward_of(config)
     if opd_enabled(config):
         validate_opd_config(config)  # k1 policy gradient, no task rewards, one teacher
+
+
+LEARNER_FORWARDS = ("fused", "separate")
+
+
+def learner_forward_of(config) -> str:
+    """``thundersync.learner_forward``: how verl's old-log-prob forward is done (GRPO).
+
+    ``fused`` (default): no separate forward. With one optimizer step per batch every backward runs
+    at the batch's weights θ_k, so its own forward IS the old-log-prob forward: the chunk carries the
+    rollout log-probs and the loss reports max |log p_rollout - log p_learner| (the check verl's
+    forward exists for, as ``training/rollout_logprob_diff_max``); verl's ``old_log_probs`` field is
+    filled with the rollout's log-probs, as verl's own bypass mode does (the streamed loss never reads
+    it: every ratio is 1). Saves one forward per trajectory. ``separate``: verl's forward per arrival
+    set, as before (also gives ``actor/entropy``). Needs ``actor_rollout_ref.rollout.calculate_log_probs``.
+    """
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.core.errors import rule_message
+
+    value = str((config.get("thundersync", {}) or {}).get("learner_forward", "fused"))
+    if value not in LEARNER_FORWARDS:
+        raise StreamingConfigError(rule_message(
+            f"thundersync.learner_forward must be one of {LEARNER_FORWARDS}, got {value!r}",
+            "it decides whether verl's old-log-prob forward runs separately or inside each backward",
+            "set thundersync.learner_forward=fused (default) or separate"))
+    if value == "fused" and not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+        raise StreamingConfigError(rule_message(
+            "thundersync.learner_forward=fused needs the rollout's log-probs",
+            "the fused check compares them with the backward's forward, and old_log_probs is filled from them",
+            "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
+    return value
 
 
 @api.register_trainer("thundersync")
@@ -77,6 +109,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.opd_step = OPDStreamStep(self, validate_opd_config(config, max_chunk_size=chunk)) if opd_enabled(config) else None
         self.planner = None if self.opd_step else StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=chunk)
         self.trajectory_timeout_s = float(ts.get("trajectory_timeout_s", 600))
+        self.learner_forward = learner_forward_of(config)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(ts.get("run_dir"), mode="thundersync", algo="opd" if self.opd_step else "grpo",
                                      n_rollout_slots=n_slots)
@@ -136,6 +169,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         t_start, keys, tags = self.recorder.t_step_start, [], []
         self._rows: dict[str, dict] = {}
         self._forward_metrics: dict[str, float] = {}
+        self._fused_gap: float | None = None
         with api.marked_timer("stream", timing_raw, color="red"):
             while not source.done or self.planner.ready:
                 arrived = source.wait_new(t_start)
@@ -148,6 +182,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
             out = self.actor_rollout_wg.finalize_step(final.scale)
             self.recorder.learner_op("optimizer", t0, time.time())
         metrics.update(self._forward_metrics)
+        if self._fused_gap is not None:
+            metrics["training/rollout_logprob_diff_max"] = self._fused_gap
         metrics.update(self.recorder.finish_step(out, self.planner.memory()))
         batch = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags)
         return self._compute_advantage(batch, {})  # verl's own advantages, for verl's data metrics
@@ -156,7 +192,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         if not arrived:
             return
         t_seen = time.time()
-        rows = fetch_rows(api.tq, [k for k, _ in arrived])
+        fused = self.learner_forward == "fused"
+        rows = fetch_rows(api.tq, [k for k, _ in arrived], rollout_log_probs=fused)
         self._rows.update(rows)
         for key, tag in arrived:
             row = rows[key]
@@ -164,7 +201,16 @@ class ThunderSyncTrainer(api.PPOTrainer):
             self.recorder.trajectory(key, row["extra"], row["reward"], t_reward=t_seen)
             keys.append(key)
             tags.append(tag)
-        self._forward_at_theta_k([k for k, _ in arrived], [t for _, t in arrived])
+        if fused:
+            self._old_log_probs_from_rollout([k for k, _ in arrived])
+        else:
+            self._forward_at_theta_k([k for k, _ in arrived], [t for _, t in arrived])
+
+    def _old_log_probs_from_rollout(self, keys: list) -> None:
+        """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode)."""
+        data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+        data["old_log_probs"] = data.pop("rollout_log_probs")
+        api.tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
 
     def _forward_at_theta_k(self, keys: list, tags: list) -> None:
         """Reward-independent work as soon as trajectories land: log-probs at the batch's weights.
@@ -187,8 +233,10 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     def _run(self, op) -> None:
         t0 = time.time()
-        execute_op(self.actor_rollout_wg, op, self._rows, pad_token_id=self.tokenizer.pad_token_id,
-                   temperature=self.config.actor_rollout_ref.rollout.temperature)
+        gap = execute_op(self.actor_rollout_wg, op, self._rows, pad_token_id=self.tokenizer.pad_token_id,
+                         temperature=self.config.actor_rollout_ref.rollout.temperature)
+        if gap is not None:
+            self._fused_gap = max(gap, self._fused_gap if self._fused_gap is not None else gap)
         kind = "backward" if isinstance(op, BackwardOp) else "fold"
         items = getattr(op, "items", ())
         tokens = sum(len(self._rows[k]["prompt"]) + len(self._rows[k]["response"]) for _, k in items)
