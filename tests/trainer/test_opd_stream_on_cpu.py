@@ -261,6 +261,29 @@ def test_per_turn_prefix_rows_sum_to_the_whole_trajectory_gradient_and_match_ver
     assert float((g_deferred - g_verl).norm() / g_verl.norm()) < 1e-10
 
 
+def test_turn_backwards_report_the_reverse_kl_of_the_whole_trajectories(model64):
+    """Summed over the turn chunks, the loss's KL sums equal the whole trajectories' (unclamped) reverse KL."""
+    trajs = _trajectories(seed=5)
+    whole = build_token_chunk([t[0] for t in trajs], [t[1] for t in trajs], [t[2] for t in trajs], dp_size=1,
+                              pad_token_id=PAD, teacher_log_probs=[t[3] for t in trajs])
+    with torch.no_grad():
+        log_prob = va.response_log_probs(_engine_output(model64, whole), whole)  # [B, R]
+        mask = whole["response_mask"].double()  # [B, R]
+        expected = float(((log_prob - whole[TEACHER_KEY].double()) * mask).sum())
+    turns = [u for i, t in enumerate(trajs) for u in turns_of_trajectory(i, *t)]
+    kl_sum, kl_tokens = 0.0, 0
+    for i in range(0, len(turns), 2):
+        part = turns[i : i + 2]
+        chunk = build_token_chunk([u.prompt for u in part], [u.response for u in part], [u.token_coefs() for u in part],
+                                  dp_size=2, pad_token_id=PAD, teacher_log_probs=[u.teacher_row() for u in part], opd_clamp=0.5)
+        with torch.no_grad():
+            _, metrics = stream_token_loss(_engine_output(model64, chunk), chunk)
+        kl_sum += metrics["stream/opd_reverse_kl_sum"]
+        kl_tokens += metrics["stream/opd_reverse_kl_tokens"]
+    assert kl_tokens == int(mask.sum())
+    assert kl_sum == pytest.approx(expected, rel=1e-9)
+
+
 def test_the_opd_clamp_bounds_the_advantage_like_verls_loss_max_clamp(model64):
     prompt, response, mask, teacher = _trajectories(1, seed=3)[0]
     far = [-30.0] * len(teacher)  # |log pi - log p_teacher| far above the clamp

@@ -255,6 +255,8 @@ class _StepBook:
     seen_at: dict = field(default_factory=dict)  # (trajectory, turn) -> time the turn reached the driver
     backward_at: dict = field(default_factory=dict)  # (trajectory, turn) -> start of its backward
     from_trajectory_end: int = 0  # turns split from a landed trajectory (point 4)
+    kl_sum: float = 0.0  # learner_forward=fused: log pi - log p_teacher over scored tokens, from the backwards
+    kl_tokens: float = 0.0
 
     def missing(self) -> list[str]:
         return [f"{traj}: {len(self.turns.get(traj, {}))}/{n} turns" for traj, n in self.expected.items()
@@ -352,7 +354,10 @@ class OPDStreamStep:
             t.recorder.trajectory(key, row["extra"], row["reward"], t_reward=t_seen)
             keys.append(key)
             tags.append(tag)
-        t._forward_at_theta_k([k for k, _ in arrived], [g for _, g in arrived])
+        if t.learner_forward == "fused":  # the turn backwards measure the reverse KL at θ_k themselves
+            t._old_log_probs_from_rollout([k for k, _ in arrived])
+        else:
+            t._forward_at_theta_k([k for k, _ in arrived], [g for _, g in arrived])
 
     def _split_landed(self, key: str, row: dict, t_seen: float) -> int:
         teacher = self._teacher_response_rows([key], {key: row})[key]
@@ -374,8 +379,10 @@ class OPDStreamStep:
 
     def _run(self, op) -> None:
         t, t0 = self.trainer, time.time()
-        execute_op(t.actor_rollout_wg, op, t._rows, pad_token_id=t.tokenizer.pad_token_id,
-                   temperature=t.config.actor_rollout_ref.rollout.temperature)
+        stats = execute_op(t.actor_rollout_wg, op, t._rows, pad_token_id=t.tokenizer.pad_token_id,
+                           temperature=t.config.actor_rollout_ref.rollout.temperature)
+        self.book.kl_sum += stats.get("kl_sum", 0.0)
+        self.book.kl_tokens += stats.get("kl_tokens", 0.0)
         for turn in op.turns:
             self.book.backward_at[(turn.traj_id, turn.turn)] = t0
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]
@@ -394,16 +401,20 @@ class OPDStreamStep:
     def _opd_metrics(self, keys: list[str]) -> dict[str, float]:
         """Reverse KL at the batch's weights, teacher prefix-vs-whole gap, streaming timing."""
         book, rows = self.book, self.trainer._rows
-        data = self.api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["old_log_probs"])
+        fused = self.trainer.learner_forward == "fused"
+        data = None if fused else self.api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["old_log_probs"])
         whole = self._teacher_response_rows(keys, rows)
         kl, gap, n_tok = 0.0, 0.0, 0
         for i, key in enumerate(keys):
-            student = data["old_log_probs"][i].tolist()  # [R] log pi at θ_k (learner forward)
+            student = None if fused else data["old_log_probs"][i].tolist()  # [R] log pi at θ_k (learner forward)
             for turn in book.turns.get(key, {}).values():
                 for j, r in enumerate(range(turn.action_start, len(turn.response))):
-                    kl += student[r] - turn.teacher_log_probs[j]
+                    if student is not None:
+                        kl += student[r] - turn.teacher_log_probs[j]
                     gap = max(gap, abs(turn.teacher_log_probs[j] - whole[key][r]))
                     n_tok += 1
+        if fused:  # each turn's backward measured its own tokens at θ_k: the same sum
+            kl, n_tok = book.kl_sum, int(book.kl_tokens)
         early = [at < book.landed_at[traj] for (traj, _), at in book.backward_at.items()]
         delay = [at - book.seen_at[k] for k, at in book.backward_at.items()]
         retries = sum(int(tag.get("attempts", 1)) - 1 for tag in self.turns.seen.values())

@@ -42,19 +42,21 @@ def fetch_rows(tq, keys: list[str], partition_id: str = "train", *, rollout_log_
     return rows
 
 
-def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> float | None:
+def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> dict:
     """Run one planner op on the learner and wait for it (errors surface here, before any step).
 
-    Returns, for a backward whose rows carry ``rollout_lp``, the max |log p_rollout - log p_learner|
-    over its scored tokens (measured by the backward's own forward), else None.
+    Returns what the backward's own forward (at θ_k) measured: ``lp_gap`` (max |log p_rollout -
+    log p_learner| over scored tokens) when the rows carry ``rollout_lp``; ``kl_sum`` and
+    ``kl_tokens`` (log pi - log p_teacher summed over scored tokens) for an OPD turn chunk.
     """
     if isinstance(op, FoldOp):
         worker_group.stream_fold(op.folds)
-        return None
+        return {}
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
         client = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature)
-        _wait(worker_group.stream_token_backward(client.chunk(op)))
-        return None
+        parts = _parts(_wait(worker_group.stream_token_backward(client.chunk(op))))
+        return {"kl_sum": sum(float(p["ts_kl_sum"].sum()) for p in parts),
+                "kl_tokens": sum(float(p["ts_kl_tokens"].sum()) for p in parts)}
     if not isinstance(op, BackwardOp):
         raise TypeError(f"unknown stream op {op!r}")
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
@@ -63,8 +65,8 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
                                dp_size=worker_group.world_size, pad_token_id=pad_token_id, temperature=temperature,
                                response_masks=[r["mask"] for r in chunk_rows],
                                rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
-    out = _wait(worker_group.stream_backward(chunk))
-    return _lp_gap(out) if with_lp else None
+    parts = _parts(_wait(worker_group.stream_backward(chunk)))
+    return {"lp_gap": max(float(p["ts_lp_diff_max"].max()) for p in parts)} if with_lp else {}
 
 
 def _wait(result):
@@ -76,7 +78,6 @@ def _wait(result):
     return result
 
 
-def _lp_gap(results) -> float:
-    """Max ``ts_lp_diff_max`` over the per-rank chunk results."""
-    parts = results if isinstance(results, list) else [results]
-    return max(float(p["ts_lp_diff_max"].max()) for p in parts if p is not None)
+def _parts(results) -> list:
+    """The per-rank chunk results (one TensorDict row each)."""
+    return [p for p in (results if isinstance(results, list) else [results]) if p is not None]

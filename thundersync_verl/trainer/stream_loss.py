@@ -44,6 +44,8 @@ TOKEN_COEF_KEY = "ts_token_coef"  # [B, R] per-token coefficient, zero off the s
 TEACHER_KEY = "ts_teacher_log_prob"  # [B, R] teacher log-probs of the scored tokens (OPD)
 ROLLOUT_LP_KEY = "ts_rollout_log_prob"  # [B, R] optional: the rollout's log-probs, for the agreement metric
 LP_DIFF_METRIC = "stream/rollout_logprob_diff_max"  # max |log p_rollout - log p_learner| over scored tokens
+KL_SUM_METRIC = "stream/opd_reverse_kl_sum"  # OPD: sum of log pi - log p_teacher over scored tokens (at θ_k)
+KL_TOKENS_METRIC = "stream/opd_reverse_kl_tokens"
 ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
 
 
@@ -217,13 +219,15 @@ def stream_token_loss(model_output, data, dp_group=None):
     if has_teacher:
         teacher = fields[TEACHER_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
         gap = log_prob.detach() - teacher  # [B, T], verl's k1 distillation loss
+        scored = token_coef != 0  # [B, T]
+        kl = {KL_SUM_METRIC: float((gap * scored).sum()), KL_TOKENS_METRIC: int(scored.sum())}
         clamp = va.non_tensor(data, ADV_CLAMP_KEY)
         if clamp is not None:
             gap = gap.clamp(min=-float(clamp), max=float(clamp))  # [B, T]
         coef = coef * (-gap)  # [B, T], OPD advantage A_t times the token coefficient
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     loss = -(coef * log_prob).sum() * dp_size  # scalar
-    return loss, {"stream/scored_tokens": int((token_coef != 0).sum())}
+    return loss, {"stream/scored_tokens": int((token_coef != 0).sum()), **(kl if has_teacher else {})}
 
 
 def make_token_stream_loss():

@@ -43,6 +43,8 @@ from thundersync_verl.trainer.stream_loss import (
     exact_micro_batch_size,
     COEF_KEY,
     DEST_KEY,
+    KL_SUM_METRIC,
+    KL_TOKENS_METRIC,
     LP_DIFF_METRIC,
     TEACHER_KEY,
     TOKEN_COEF_KEY,
@@ -418,19 +420,17 @@ def _flat(values) -> list[float]:
 
 
 def _chunk_result(output, rows: int):
+    """One row per rank: the chunk's loss and the checks its forward measured at θ_k (NaN: not measured)."""
     from tensordict import TensorDict
 
-    loss, gap = float("nan"), float("nan")
-    if output is not None:
-        metrics = va.non_tensor(output, "metrics", {}) or {}
-        loss = float(metrics.get("loss", float("nan")))
-        gaps = metrics.get(LP_DIFF_METRIC)
-        if gaps is not None:  # one value per micro-batch (nested per rank after verl's all-gather)
-            gap = max(_flat(gaps))
-    return TensorDict(
-        {"ts_loss": torch.tensor([loss], dtype=torch.float64), "ts_rows": torch.tensor([rows]),
-         "ts_lp_diff_max": torch.tensor([gap], dtype=torch.float64)}, batch_size=[1]
-    )
+    metrics = (va.non_tensor(output, "metrics", {}) or {}) if output is not None else {}
+    loss = float(metrics.get("loss", float("nan")))
+    gap = max(_flat(metrics[LP_DIFF_METRIC])) if LP_DIFF_METRIC in metrics else float("nan")
+    kl_sum = sum(_flat(metrics[KL_SUM_METRIC])) if KL_SUM_METRIC in metrics else float("nan")
+    kl_tokens = sum(_flat(metrics[KL_TOKENS_METRIC])) if KL_TOKENS_METRIC in metrics else float("nan")
+    values = {"ts_loss": loss, "ts_lp_diff_max": gap, "ts_kl_sum": kl_sum, "ts_kl_tokens": kl_tokens}
+    out = {k: torch.tensor([v], dtype=torch.float64) for k, v in values.items()}
+    return TensorDict({**out, "ts_rows": torch.tensor([rows])}, batch_size=[1])
 
 
 # ----- driver side ----------------------------------------------------------------------------

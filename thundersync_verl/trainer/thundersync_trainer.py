@@ -234,7 +234,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def _run(self, op) -> None:
         t0 = time.time()
         gap = execute_op(self.actor_rollout_wg, op, self._rows, pad_token_id=self.tokenizer.pad_token_id,
-                         temperature=self.config.actor_rollout_ref.rollout.temperature)
+                         temperature=self.config.actor_rollout_ref.rollout.temperature).get("lp_gap")
         if gap is not None:
             self._fused_gap = max(gap, self._fused_gap if self._fused_gap is not None else gap)
         kind = "backward" if isinstance(op, BackwardOp) else "fold"
