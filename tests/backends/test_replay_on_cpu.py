@@ -128,6 +128,21 @@ def test_unrecorded_prompt_and_extra_occurrence_are_clear_errors(recorded):
         _replay_server(recorded.path, timescale=1)
 
 
+def test_blocking_reward_functions_record_and_replay(tmp_path):
+    from thundersync_verl.backends.replay.record import record_compute_score
+
+    path, latency = str(tmp_path / "rec.jsonl"), {"kind": "constant", "median_s": 0.0}
+    got = [record_compute_score("arith", a, "7", {"index": 4}, record_path=path, verifier_latency=latency,
+                                record_inner="thundersync_verl.envs.reward:compute_score")  # a blocking inner
+           for a in (protocol.answer_text(7), "no answer")]
+    assert [g["score"] for g in got] == [1.0, 0.0]
+    replay_reward.forget_recordings()
+    assert [replay_reward.compute_score("arith", a, "7", {"index": 4}, replay_path=path, time_scale=0)
+            for a in (protocol.answer_text(7), "no answer")] == got
+    with pytest.raises(ValueError, match="module:function"):
+        record_compute_score("arith", "x", "7", {}, record_path=path, record_inner="no_colon")
+
+
 def _synthetic(path, service_s: list[float], version: int = 3) -> list[list[int]]:
     """A recording in the documented format: one call per prompt, all starting at 0, given service times."""
     prompts = [[100 + i, 7, 7] for i in range(len(service_s))]

@@ -225,9 +225,11 @@ async def record_compute_score_async(
     record_file = _FILES.setdefault(os.path.abspath(path), RecordFile(path))
     start = time.time()
     t0 = record_file.origin(start)
-    call = inner(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                 extra_info=extra_info, **kwargs)
-    result = await call if inspect.isawaitable(call) else call
+    args = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+    if inspect.iscoroutinefunction(inner):
+        result = await inner(**args, **kwargs)
+    else:  # a blocking reward runs in a thread, as verl runs it, so concurrent trajectories are scored concurrently
+        result = await asyncio.to_thread(inner, **args, **kwargs)
     landed = time.time()
     score = result["score"] if isinstance(result, Mapping) else result
     record_file.append({
