@@ -34,24 +34,33 @@ from thundersync_verl.results import RESULTS_DIR, write_result  # noqa: E402
 
 MODES = ("sync", "async", "fully_async", "thundersync")
 LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
-# The default workload: tool latency shaped like agentic SWE traces (most calls short, a long tail),
-# and one trajectory per learner micro-batch, as long-context agentic runs train. The two knobs set the
-# learner/rollout cost ratio; they are calibrated so that Sync's learner waits 40-60% of a step (the
-# published agentic trace: 49.5%), and the measured share is reported, not assumed.
-WORKLOAD = ["thundersync.env.tool_latency.scale=1.0",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+# The default workload: tool and verifier latency shaped like agentic SWE traces (most calls short, a
+# long tail), and one trajectory per learner micro-batch, as long-context agentic runs train. The latency
+# scale sets the learner/rollout cost ratio. It is calibrated on Sync ALONE (``--calibrate``: Sync runs
+# at several scales, the one whose learner wait share is nearest the published agentic trace's 49.5% is
+# kept, results in modes_calibration.json), never on ThunderSync's result; the share measured in each
+# comparison run is reported as sync_learner_wait_share.
+LATENCY_SCALE = 1.0
+MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+TARGET_WAIT_SHARE = 0.495
 
 
-def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo") -> dict:
-    run_dir = work / (mode if algo == "grpo" else f"{algo}_{mode}")
+def workload(latency_scale: float) -> list[str]:
+    return [f"thundersync.env.tool_latency.scale={latency_scale}",
+            f"thundersync.env.verifier_latency.scale={latency_scale}"] + MICRO_BATCH_1
+
+
+def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo", latency_scale: float = LATENCY_SCALE,
+             tag: str = "") -> dict:
+    run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
     traj_path.unlink(missing_ok=True)
-    extra = WORKLOAD + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
+    extra = workload(latency_scale) + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
     cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)
-    print(f"[modes] {algo} {mode}: {steps} steps", flush=True)
+    print(f"[modes] {algo} {mode}: {steps} steps, latency scale {latency_scale}", flush=True)
     t0 = time.time()
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_ray_")  # a private Ray session per run
@@ -163,6 +172,20 @@ def headline(rows: dict, runs: dict, steps: int, algo: str) -> dict:
     return result
 
 
+def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, algo: str) -> dict:
+    """Sync alone at each latency scale: its learner wait share; the scale nearest the published 49.5%."""
+    shares = {}
+    for scale in scales:
+        run = run_mode("sync", steps, inputs, work, algo, latency_scale=scale, tag=f"_scale{scale}")
+        row = summarise("sync", run)
+        shares[str(scale)] = {"sync_learner_wait_share": round(row["wait_share"], 3), "step_time_s": round(row["step_time_s"], 3)}
+        print(f"[calibrate] scale {scale}: Sync learner wait share {row['wait_share']:.3f}, step {row['step_time_s']:.2f}s", flush=True)
+    chosen = min(shares, key=lambda k: abs(shares[k]["sync_learner_wait_share"] - TARGET_WAIT_SHARE))
+    result = {"algo": algo, "steps": steps, "target_wait_share": TARGET_WAIT_SHARE, "scales": shares, "chosen_scale": float(chosen)}
+    write_result("modes_calibration" if algo == "grpo" else "modes_calibration_opd", result)
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--algo", default="grpo", choices=["grpo", "opd"], help="opd: on-policy distillation (recipe opd.yaml)")
@@ -172,6 +195,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--work-dir", default="runs/modes")
     ap.add_argument("--model", default=None, help="an HF model folder to use instead of the tiny student")
     ap.add_argument("--teacher", default=None, help="OPD: an HF teacher folder (the student's tokenizer) instead of the tiny teacher")
+    ap.add_argument("--latency-scale", type=float, default=None,
+                    help=f"tool and verifier latency scale (default: the calibrated {LATENCY_SCALE})")
+    ap.add_argument("--calibrate", default=None, metavar="S1,S2,...",
+                    help="run Sync alone at each latency scale and report its learner wait share (modes_calibration.json)")
     args = ap.parse_args(argv)
     if args.algo == "opd" and args.model and not args.teacher:
         ap.error("--algo opd --model needs --teacher too: distilling a model into itself has nothing to learn")
@@ -181,10 +208,13 @@ def main(argv=None) -> dict:
     inputs = prepare_inputs(work, model=args.model, variants=("student", "teacher") if args.algo == "opd" else ("student",))
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
+    if args.calibrate:
+        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, args.algo)
+    scale = LATENCY_SCALE if args.latency_scale is None else args.latency_scale
     runs, rows = {}, {}
     traces = RESULTS_DIR / "traces"
     for mode in modes:
-        runs[mode] = run_mode(mode, steps, inputs, work, args.algo)
+        runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale)
         rows[mode] = summarise(mode, runs[mode])
         if mode != "thundersync":
             write_sim_trace(mode, runs[mode], traces / f"{args.algo}_{mode}.jsonl", args.algo)
@@ -194,6 +224,7 @@ def main(argv=None) -> dict:
             (traces / name).write_text((runs[mode]["run_dir"] / name).read_text())
     print_table(rows, args.algo)
     result = headline(rows, runs, steps, args.algo)
+    result["latency_scale"] = scale
     write_result("modes" if args.algo == "grpo" else "modes_opd", result)
     return result
 
