@@ -3,13 +3,18 @@
 Why:
 1. A simulator's scale-out claims rest on it predicting runs it can be checked against.
    For each recorded trace (one per mode) this fits the learner's per-token and per-chunk
-   costs, optimizer and weight-push times from the trace's own learner records, replays
-   the recorded trajectories (per-turn generation and tool time, reward latency, slot
-   count) through the simulator in the trace's mode, and compares the simulated mean step
-   time with the measured one.
-2. Traces are <mode>.jsonl or <algo>_<mode>.jsonl files written by the trainer
+   costs, optimizer and weight-push times from the trace's own learner records, measures
+   what the records leave out (sim/calibrate.py: landing latency when the trace has no
+   reward timing, driver time between steps, slot residual, slots in flight, partial
+   rollout, how much rollout and learner slow each other down on shared cores), replays
+   the recorded trajectories through the simulator in the trace's mode, and compares the
+   simulated mean step time with the measured one. No parameter is fitted to a step time.
+2. Printed per trace: the fitted parameters, and measured vs simulated step time with the
+   same breakdown of each steady step: seconds with only rollouts in flight, only the
+   learner working, both, and neither (handoffs, gaps).
+3. Traces are <mode>.jsonl or <algo>_<mode>.jsonl files written by the trainer
    (`python benchmarks/modes.py` writes them to benchmarks/results/traces/).
-3. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
+4. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
    replay machinery is exact; it writes no result file.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
 """
@@ -19,15 +24,19 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+import numpy as np  # noqa: E402
+
 from thundersync_verl.sim.engine import simulate  # noqa: E402
-from thundersync_verl.sim.metrics import format_table  # noqa: E402
-from thundersync_verl.sim.trace import find_traces, load_trace, measured_step_time, replay  # noqa: E402
+from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table  # noqa: E402
+from thundersync_verl.sim.trace import (find_traces, load_trace, measured_step_time, replay,  # noqa: E402
+                                        replay_calibration)
 from thundersync_verl.results import write_result  # noqa: E402
 
 SCRIPT = Path(__file__).stem
@@ -37,16 +46,62 @@ PRODUCER = "python benchmarks/modes.py"
 
 
 
+SPLIT = ("rollout_only", "learner_only", "both", "neither")
+
+
+def _per_step(split: dict, steps: int) -> dict:
+    return {k: v / max(steps, 1) for k, v in split.items()}
+
+
+def measured_split(trace) -> dict:
+    ends = np.sort([s["t_end"] for s in trace.steps])
+    roll = np.asarray([(r["t_submit"], r["t_done"]) for r in trace.trajectories]).reshape(-1, 2)
+    learn = np.asarray([(r["t0"], r["t1"]) for r in trace.learner]).reshape(-1, 2)
+    return _per_step(activity_split(roll, learn, ends[0], ends[-1]), len(ends) - 1)
+
+
+def simulated_split(res) -> dict:
+    tl, w = res.timeline, res.warmup_steps
+    roll = np.asarray([(t0, t1) for _s, t0, t1, _b, _i in tl["rollout"]]).reshape(-1, 2)
+    learn = np.asarray([(t0, t1) for t0, t1, kind, _n in tl["learner"] if kind in LEARNER_WORK_KINDS]).reshape(-1, 2)
+    return _per_step(activity_split(roll, learn, res.step_end[w - 1], res.step_end[-1]), len(res.step_end) - w)
+
+
 def validate_file(path: Path) -> dict:
     trace = load_trace(path)
+    sim_mode, calib = replay_calibration(trace)
     cfg, source, costs = replay(trace)
-    res = simulate(cfg, source, costs)
+    res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
-    return {"file": path.name, "mode": trace.mode, "algo": trace.algo, "steps": len(source.steps),
-            "batch": source.batch_size, "slots": cfg.rollout_slots, "s_per_token": costs.s_per_token,
-            "chunk_overhead_s": costs.chunk_overhead_s, "optimizer_s": costs.optimizer_s,
-            "weight_sync_s": costs.weight_sync_s, "measured_s": measured, "simulated_s": res.step_time_s,
-            "rel_err": res.step_time_s / measured - 1.0, "dropped_steps": source.dropped_steps}
+    return {"file": path.name, "mode": trace.mode, "sim_mode": sim_mode, "algo": trace.algo,
+            "steps": len(source.steps), "batch": source.batch_size, "slots": cfg.rollout_slots,
+            "s_per_token": costs.s_per_token, "chunk_overhead_s": costs.chunk_overhead_s,
+            "forward_s_per_token": costs.forward_s_per_token, "optimizer_s": costs.optimizer_s,
+            "weight_sync_s": costs.weight_sync_s, "calibration": calib.summary(),
+            "measured_s": measured, "simulated_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0,
+            "measured_split": measured_split(trace), "simulated_split": simulated_split(res),
+            "dropped_steps": source.dropped_steps}
+
+
+def print_report(rows: list[dict]) -> None:
+    fitted = [[r["file"], r["sim_mode"], r["slots"], f"{r['s_per_token']:.3g}", f"{r['chunk_overhead_s']:.3g}",
+               f"{r['forward_s_per_token']:.3g}", f"{r['optimizer_s']:.3g}", f"{r['weight_sync_s']:.3g}",
+               f"{r['calibration']['step_gap_s']:.3g}",
+               "recorded" if r["calibration"]["reward_timing"] else f"{r['calibration']['landing_s']:.3g}",
+               "yes" if r["calibration"]["partial_rollout"] else "no",
+               f"{r['calibration']['rollout_slowdown']:.2f}", f"{r['calibration']['learner_slowdown']:.2f}"]
+              for r in rows]
+    print("Fitted from each trace's own records (seconds):")
+    print(format_table(fitted, ["trace", "replayed as", "slots", "s/token", "chunk_s", "fwd s/token", "optim_s",
+                                "sync_s", "step_gap_s", "landing_s", "partial", "roll_slow", "learn_slow"]))
+    table = []
+    for r in rows:
+        m, s = r["measured_split"], r["simulated_split"]
+        table.append([r["file"], r["mode"], r["algo"], r["steps"], r["measured_s"], r["simulated_s"],
+                      f"{100 * r['rel_err']:+.1f}%"] + [f"{m[k]:.2f} / {s[k]:.2f}" for k in SPLIT])
+    print("\nPer steady step, measured / simulated seconds: rollouts only, learner only, both, neither:")
+    print(format_table(table, ["trace", "mode", "algo", "steps", "measured_s", "simulated_s", "rel_err",
+                               "R only", "L only", "both", "neither"]))
 
 
 def write_self_test_traces(directory: Path) -> None:
@@ -89,18 +144,16 @@ def main(argv=None) -> int:
               f"<algo>_<mode>.jsonl there), then re-run this script.", file=sys.stderr)
         return 2
     rows = [validate_file(p) for p in files]
-    table = [[r["file"], r["mode"], r["algo"], r["steps"], r["slots"], f"{r['s_per_token']:.3g}",
-              f"{r['chunk_overhead_s']:.3g}", f"{r['optimizer_s']:.3g}", f"{r['weight_sync_s']:.3g}",
-              r["measured_s"], r["simulated_s"], f"{100 * r['rel_err']:+.1f}%"] for r in rows]
-    print(format_table(table, ["trace", "mode", "algo", "steps", "slots", "s/token", "chunk_s", "optim_s", "sync_s",
-                               "measured_s", "simulated_s", "rel_err"]))
+    print_report(rows)
     for r in rows:
         if r["dropped_steps"]:
             print(f"note: {r['file']}: steps {r['dropped_steps']} have a different batch size and were not replayed")
     out = {"max_rel_err_vs_measured": round(max(abs(r["rel_err"]) for r in rows), 4),
-           "per_mode": {Path(r["file"]).stem: {"measured_s": round(r["measured_s"], 4),
-                                               "simulated_s": round(r["simulated_s"], 4),
-                                               "rel_err": round(r["rel_err"], 4)} for r in rows}}
+           "per_mode": {Path(r["file"]).stem: {
+               "measured_s": round(r["measured_s"], 4), "simulated_s": round(r["simulated_s"], 4),
+               "rel_err": round(r["rel_err"], 4), "replayed_as": r["sim_mode"], "calibration": r["calibration"],
+               "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
+               "simulated_split_s": {k: round(v, 3) for k, v in r["simulated_split"].items()}} for r in rows}}
     if tmp is not None:
         import json
 

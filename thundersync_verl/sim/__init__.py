@@ -11,14 +11,14 @@ Why this package exists:
 
 from .dists import Dist, const, lognormal, mixture, pareto
 from .engine import ALGOS, GRANULARITIES, MODES, SimConfig, simulate
-from .hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec
+from .hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, SharedCores
 from .metrics import SimResult, comparison_table
-from .trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay_config
+from .trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay, replay_config
 from .workload import Batch, RolloutSpec, SyntheticSource, WorkloadSpec
 
 __all__ = [
     "ALGOS", "Batch", "ClusterSpec", "Dist", "GRANULARITIES", "GpuSpec", "LearnerCosts", "MODES", "ModelSpec",
-    "RolloutSpec", "SimConfig", "SimResult", "SyntheticSource", "TraceSource", "WorkloadSpec", "comparison_table",
-    "const", "fit_learner_costs", "load_trace", "lognormal", "measured_step_time", "mixture", "pareto",
-    "replay_config", "simulate",
+    "RolloutSpec", "SharedCores", "SimConfig", "SimResult", "SyntheticSource", "TraceSource", "WorkloadSpec",
+    "comparison_table", "const", "fit_learner_costs", "load_trace", "lognormal", "measured_step_time", "mixture",
+    "pareto", "replay", "replay_config", "simulate",
 ]

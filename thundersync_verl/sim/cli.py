@@ -80,8 +80,9 @@ def cmd_simulate(args) -> int:
         setting = replace(setting, workload=w, rollout=r)
     source, setting = _source(args, setting)
     costs, base = setting.costs, None
-    if args.trace and args.fit_costs:  # the trace's own learner and chunking, other modes played on it
-        base, _, costs = replay(load_trace(args.trace))
+    if args.trace and args.fit_costs:  # the trace's own learner, chunking, calibration; other modes played on it
+        base, source, costs = replay(load_trace(args.trace))
+        setting = replace(setting, rollout=replace(setting.rollout, slots=base.rollout_slots))
     results = []
     for mode in args.modes.split(","):
         cfg = SimConfig(mode=mode, algo=args.algo, granularity=args.granularity if mode == "thundersync" else None,
@@ -90,7 +91,8 @@ def cmd_simulate(args) -> int:
                         record_timeline=bool(args.timeline))
         if base is not None:
             cfg = replace(cfg, mini_batch=base.mini_batch, staleness_threshold=base.staleness_threshold, min_chunk=1,
-                          max_chunk=base.max_chunk if mode == "thundersync" else None)
+                          max_chunk=base.max_chunk if mode == "thundersync" else None,
+                          shared_cores=base.shared_cores)
         results.append(simulate(cfg, source, costs))
     print(comparison_table(results))
     if args.timeline:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .hardware import LearnerCosts
+from .hardware import LearnerCosts, SharedCores
 from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LanePolicy, LaneRun, LaneWork, run_lane
 from .metrics import Ledger, SimResult
 from .workload import Batch
@@ -50,6 +50,7 @@ class SimConfig:
     gpus: int = 8  # learner + rollout GPUs, for GPU-hours
     bytes_per_buffer: float = 0.0  # fp32 accumulator bytes per learner rank (4 P / shards)
     record_timeline: bool = False
+    shared_cores: SharedCores | None = None  # rollout and learner on the same cores (CPU); None on GPUs
 
     def resolved_granularity(self) -> str:
         if self.mode in ("sync", "async"):
@@ -101,9 +102,16 @@ def place_rollouts(dur: np.ndarray, t0: float, slots: int) -> Placement:
     return Placement(start, start + dur, slot)
 
 
+def landing_delay(batch: Batch, algo: str) -> np.ndarray:
+    """[N] slot end -> the trainer has the trajectory: a replayed landing, else the reward / last turn's score."""
+    if batch.land_s is not None:
+        return batch.land_s
+    return batch.reward_s if algo == "grpo" else batch.last_score_s
+
+
 def reward_times(batch: Batch, place: Placement, algo: str) -> np.ndarray:
     """[N] wall time each trajectory's final signal lands (reward, or teacher score of the last turn)."""
-    return place.done + (batch.reward_s if algo == "grpo" else batch.last_score_s)
+    return place.done + landing_delay(batch, algo)
 
 
 def lane_work(batch: Batch, place: Placement, algo: str, gran: str, costs: LearnerCosts) -> tuple[LaneWork, int]:
@@ -122,6 +130,13 @@ def lane_work(batch: Batch, place: Placement, algo: str, gran: str, costs: Learn
         cost = costs.sequence_cost(lo, hi)  # [M]
         computed = int((hi - (0 if costs.prefix_recompute else lo)).sum())
         tokens = batch.turn_hi - batch.turn_lo
+        if costs.forward_s_per_token or costs.forward_overhead_s:  # log-probs of each landed trajectory
+            ready = np.concatenate([ready, land])
+            cost = np.concatenate([cost, costs.forward_s_per_token * batch.seq_tokens])
+            forward = np.concatenate([np.zeros(len(tokens), dtype=bool), np.ones(batch.size, dtype=bool)])
+            tokens = np.concatenate([tokens, np.zeros(batch.size, dtype=np.int64)])
+            return LaneWork(ready, np.full(len(ready), -1, dtype=np.int64), np.zeros(0), cost, tokens,
+                            forward), computed
         return LaneWork(ready, np.full(len(ready), -1, dtype=np.int64), np.zeros(0), cost, tokens), computed
     seq = batch.seq_tokens.astype(np.float64)
     cost = costs.sequence_cost(0.0 * seq, seq)  # [N]
@@ -163,7 +178,7 @@ class _Recorder:
         led.add_learner("wait_rollout", run.idle[IDLE_ROLLOUT])
         led.add_learner("wait_budget", run.idle[IDLE_BUDGET])
         led.add_learner("optimizer", costs.optimizer_s)
-        led.add_learner("step_overhead", costs.step_overhead_s)
+        led.add_learner("step_overhead", costs.step_overhead_s + costs.step_gap_s)
         led.add_learner("weight_sync", costs.weight_sync_s)
 
     def rollout(self, k: int, batch_index: int, place: Placement, a: float, b: float) -> None:
@@ -194,7 +209,7 @@ class _Recorder:
 def lane_policy(cfg: SimConfig, costs: LearnerCosts, gran: str) -> LanePolicy:
     budget = cfg.budget_groups if (cfg.mode == "thundersync" and gran == "trajectory") else None
     return LanePolicy(dp=costs.dp, chunk_overhead_s=costs.chunk_overhead_s, min_chunk=cfg.min_chunk,
-                      max_chunk=cfg.max_chunk, budget_groups=budget)
+                      max_chunk=cfg.max_chunk, budget_groups=budget, forward_overhead_s=costs.forward_overhead_s)
 
 
 def simulate(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
@@ -206,6 +221,10 @@ def simulate(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
         from .fully_async import simulate_fully_async
 
         return simulate_fully_async(cfg, source, costs)
+    if cfg.shared_cores is not None and cfg.shared_cores.active:
+        from .shared import simulate_shared
+
+        return simulate_shared(cfg, source, costs)
     if cfg.mode == "async":
         return _one_step_off(cfg, source, costs)
     return _barrier(cfg, source, costs)
@@ -234,7 +253,7 @@ def _barrier(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
         bounds.append(last - t + tail + costs.step_overhead_s + costs.optimizer_s + costs.weight_sync_s)
         starts.append(t)
         ends.append(t_end)
-        t = t_end
+        t = t_end + costs.step_gap_s
     return rec.result(cfg, starts, ends, {"step_lower_bound_s": np.asarray(bounds)})
 
 
@@ -253,7 +272,7 @@ def _one_step_off(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
         nxt = source.batch(k + 1)
         nxt_place = place_rollouts(nxt.dur_s, next_start, cfg.rollout_slots)
         work, computed = lane_work(batch, place, cfg.algo, gran, costs)
-        run = run_lane(work, policy, s_prev, record=cfg.record_timeline)
+        run = run_lane(work, policy, s_prev + (costs.step_gap_s if k else 0.0), record=cfg.record_timeline)
         t_opt = run.finish + costs.step_overhead_s + costs.optimizer_s
         t_sync = max(t_opt, nxt_place.done.max())  # the push needs idle rollout engines
         t_end = t_sync + costs.weight_sync_s

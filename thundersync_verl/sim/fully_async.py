@@ -14,6 +14,10 @@ Why this module exists:
    below (rollout weight version + 1 + staleness_threshold) x batch size. A trajectory's
    staleness is the learner version it updates minus the version it started on.
 4. Accounting streams (O(in-flight) memory), so long runs at thousands of slots fit in RAM.
+5. Shared cores (a CPU run, `hardware.SharedCores`): a trajectory is then its turns, decode
+   phases on a decode clock (stopped during pushes, 1 / rollout_slowdown as fast while the
+   learner computes) and tool phases on the pause clock; learner work advances 1 /
+   learner_slowdown as fast while any sequence decodes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from .engine import SimConfig
+from .engine import SimConfig, landing_delay
 from .hardware import LearnerCosts
 from .metrics import Ledger, SimResult, clip_sum
 
@@ -37,6 +41,7 @@ class _Stream:
     def __init__(self, source, algo: str):
         self.source, self.n, self.algo = source, source.batch_size, algo
         self.batches: dict[int, tuple] = {}
+        self.turns: dict[int, tuple] = {}  # batch -> (turn offsets, decode s, tool s) lists (shared cores)
         self.trained: dict[int, int] = {}
 
     def get(self, tid: int) -> tuple:
@@ -45,10 +50,22 @@ class _Stream:
         if b not in self.batches:
             batch = self.source.batch(b)
             sizes = np.bincount(batch.group, minlength=batch.n_groups)
-            lag = batch.reward_s if self.algo == "grpo" else batch.last_score_s
+            lag = landing_delay(batch, self.algo)
             self.batches[b] = (batch.dur_s.tolist(), lag.tolist(), batch.seq_tokens.tolist(),
                                (batch.group + b * batch.n_groups).tolist(), sizes[batch.group].tolist())
+            if batch.has_turns:
+                self.turns[b] = (batch.turn_ptr.tolist(), batch.turn_gen_s.tolist(), batch.turn_tool_s.tolist())
         return self.batches[b], tid % self.n
+
+    def turn(self, tid: int, j: int) -> tuple[int, float, float]:
+        """(turns of tid, decode s, tool s) of its turn j (shared cores)."""
+        b, i = tid // self.n, tid % self.n
+        if b not in self.turns:
+            raise ValueError("shared cores need per-turn rollouts (decode vs tool time); draw the workload at "
+                             "detail='full' or replay a trace")
+        ptr, gen, tool = self.turns[b]
+        m = ptr[i] + j
+        return ptr[i + 1] - ptr[i], gen[m], tool[m]
 
     def release(self, tid: int) -> None:
         """Count one trained trajectory; forget a batch once all of it is trained."""
@@ -56,6 +73,7 @@ class _Stream:
         self.trained[b] = self.trained.get(b, 0) + 1
         if self.trained[b] == self.n:
             del self.batches[b], self.trained[b]
+            self.turns.pop(b, None)
 
 
 class _RolloutMeter:
@@ -109,6 +127,14 @@ class _State:
         self.staleness: Counter = Counter()
         self.step_ends: list[float] = []
         self.timeline = {"rollout": [], "learner": [], "trained": []} if cfg.record_timeline else None
+        shared = cfg.shared_cores
+        self.shared = shared if (shared is not None and shared.active) else None
+        self.dec_heap: list = []  # shared cores: (decode-clock end, tid, turn)
+        self.turn_of: dict[int, int] = {}
+        self.rv = self.lv = self.clock_t = 0.0  # decode clock, learner clock, when both were last advanced
+        self.rrate = self.lrate = 1.0
+        self.learner_end_v = np.inf  # learner-clock end of the current chunk / optimizer step
+        self.phase_log: tuple = ()  # (start, kind, tokens, chunk overhead, work) of the running compute
 
     # ------------------------------------------------------------------ rollout
     def try_start(self, t: float) -> None:
@@ -117,7 +143,11 @@ class _State:
             tid = self.started
             (dur, _lag, _seq, gids, sizes), i = self.stream.get(tid)
             slot = self.slots_free.pop()
-            heapq.heappush(self.roll_heap, (t - self.pause_acc + dur[i], tid))
+            if self.shared is None:
+                heapq.heappush(self.roll_heap, (t - self.pause_acc + dur[i], tid))
+            else:
+                self.turn_of[tid] = 0
+                heapq.heappush(self.dec_heap, (self.rv + self.stream.turn(tid, 0)[1], tid))
             self.live[tid] = (t, slot)
             self.version_of[tid] = self.rollout_version
             gid, size = gids[i], sizes[i]
@@ -166,36 +196,90 @@ class _State:
         over = self.costs.chunk_overhead_s
         dur = over + max(cost.sum() / self.costs.dp, cost.max())
         self._log(self.learner_idle_since, t, "wait_rollout")
-        self._log(t, t + dur, "compute", int(seq.sum()), over)
         self.chunk_ids = chunk
-        self.learner_phase, self.learner_until = "chunk", t + dur
+        self._busy(t, dur, "chunk")
+        self.phase_log = (t, "compute", int(seq.sum()), over, dur)
 
     def on_learner(self, t: float) -> None:
         """chunk -> optimizer step (one per mini-batch) -> weight push after a batch's worth."""
         costs = self.costs
+        if self.learner_phase in ("chunk", "optimizer"):  # book the finished compute (its end moved if shared)
+            t0, kind, tokens, over, dur = self.phase_log
+            self._log(t0, t, kind, tokens, over if self.shared is None else over * (t - t0) / dur)
         if self.learner_phase == "chunk":
             for tid in self.chunk_ids:
                 self._train(tid)
             self.consumed += len(self.chunk_ids)
             opt = costs.step_overhead_s * len(self.chunk_ids) / self.n + costs.optimizer_s
-            self._log(t, t + opt, "optimizer")
-            self.learner_phase, self.learner_until = "optimizer", t + opt
+            self._busy(t, opt, "optimizer")
+            self.phase_log = (t, "optimizer", 0, 0.0, opt)
         elif self.learner_phase == "optimizer" and self.consumed < self.n:
             self._idle(t)
         elif self.learner_phase == "optimizer":
             self.version += 1
             w = costs.weight_sync_s
             self.pause_acc += w  # partial rollout: every in-flight trajectory waits for the push
-            self.meter.pause(t, t + w, len(self.roll_heap))
+            self.meter.pause(t, t + w, len(self.live))
             self._log(t, t + w, "weight_sync")
             self.learner_phase, self.learner_until = "sync", t + w
+        elif self.learner_phase == "gap":
+            self._idle(t)
         else:
             self.rollout_version, self.consumed = self.version, 0
             self.step_ends.append(t)
             if len(self.step_ends) == self.cfg.warmup_steps:
                 self.meter.a = t
-            self._idle(t)
+            if costs.step_gap_s > 0:  # driver work between steps; rollouts go on
+                self._log(t, t + costs.step_gap_s, "step_overhead")
+                self.learner_phase, self.learner_until = "gap", t + costs.step_gap_s
+            else:
+                self._idle(t)
             self.try_start(t)
+
+    def _busy(self, t: float, work: float, phase: str) -> None:
+        """Start learner compute of `work` seconds (alone); on shared cores its end moves with decoding."""
+        self.learner_phase = phase
+        if self.shared is None:
+            self.learner_until = t + work
+        else:
+            self.learner_end_v = self.lv + work
+            self.set_rates(t)
+
+    # ------------------------------------------------------------------ shared cores
+    def set_rates(self, t: float) -> None:
+        """Advance both clocks to t, then set their rates from who computes now."""
+        dt = t - self.clock_t
+        self.rv += dt * self.rrate
+        self.lv += dt * self.lrate
+        self.clock_t = t
+        computing = self.learner_phase in ("chunk", "optimizer")
+        self.rrate = 0.0 if self.learner_phase == "sync" else (1.0 / self.shared.rollout_slowdown if computing
+                                                                else 1.0)
+        self.lrate = 1.0 / self.shared.learner_slowdown if self.dec_heap else 1.0
+        if computing:
+            self.learner_until = t + (self.learner_end_v - self.lv) / self.lrate
+
+    def next_decode(self) -> float:
+        if not self.dec_heap or self.rrate == 0.0:
+            return np.inf
+        return self.clock_t + (self.dec_heap[0][0] - self.rv) / self.rrate
+
+    def on_decoded(self, t: float) -> None:
+        """A turn's generation ended: its tool call (on the pause clock) follows."""
+        _, tid = heapq.heappop(self.dec_heap)
+        _n, _gen, tool = self.stream.turn(tid, self.turn_of[tid])
+        heapq.heappush(self.roll_heap, (t - self.pause_acc + tool, tid))
+
+    def on_tool(self, t: float, tid: int) -> None:
+        """A turn's tool call ended: the next turn decodes, or the trajectory is done."""
+        j = self.turn_of[tid] + 1
+        n_turns = self.stream.turn(tid, j - 1)[0]
+        if j < n_turns:
+            self.turn_of[tid] = j
+            heapq.heappush(self.dec_heap, (self.rv + self.stream.turn(tid, j)[1], tid))
+            return
+        del self.turn_of[tid]
+        self.on_done(t, tid)
 
     def _seq(self, tid: int) -> int:
         (_dur, _lag, seq, _gids, _sizes), i = self.stream.get(tid)
@@ -223,20 +307,31 @@ class _State:
 def simulate_fully_async(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
     st = _State(cfg, source, costs)
     st.try_start(0.0)
+    shared = st.shared is not None
     while len(st.step_ends) < cfg.steps:
+        t_dec = st.next_decode() if shared else np.inf
         t_roll = st.roll_heap[0][0] + st.pause_acc if st.roll_heap else np.inf
         t_land = st.land_heap[0][0] if st.land_heap else np.inf
-        t_next = min(t_roll, t_land, st.learner_until)
+        t_next = min(t_dec, t_roll, t_land, st.learner_until)
         if t_next == np.inf:
             raise RuntimeError("fully_async simulation stalled: no event can happen; this is a bug")
-        if t_roll == t_next:  # rollouts first: a trajectory ending at a push's start is not paused
+        if shared:
+            st.set_rates(t_next)  # advance the clocks with the rates of the interval that ends here
+        if t_dec == t_next:
+            st.on_decoded(t_next)
+        elif t_roll == t_next:  # rollouts first: a trajectory ending at a push's start is not paused
             _, tid = heapq.heappop(st.roll_heap)
-            st.on_done(t_roll, tid)
+            if shared:
+                st.on_tool(t_roll, tid)
+            else:
+                st.on_done(t_roll, tid)
         elif t_land == t_next:
             _, tid = heapq.heappop(st.land_heap)
             st.on_land(t_land, tid)
         else:
             st.on_learner(t_next)
+        if shared:
+            st.set_rates(t_next)  # who computes may have changed
     return _result(cfg, st)
 
 

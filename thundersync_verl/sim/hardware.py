@@ -12,6 +12,9 @@ Why this module exists:
 4. ThunderSync keeps fp32 accumulators: one batch buffer plus two per open GRPO group,
    4 * (2k + 1) * P / shards bytes per learner rank, where shards counts the ranks that split
    the parameters (tp * pp * cp, times dp when gradients are sharded as in FSDP/ZeRO-2).
+5. On one CPU machine the rollout engine's decoding and the learner's compute share the same
+   cores (`SharedCores`): while both compute, each runs slower (processor sharing). On GPUs
+   they run on separate devices and the resource is off (None).
 """
 
 from __future__ import annotations
@@ -97,12 +100,47 @@ class LearnerCosts:
     step_overhead_s: float = 0.0  # other fixed learner work per step
     dp: int = 1  # data-parallel replicas acting together on each chunk
     prefix_recompute: bool = False  # OPD: per-turn backward recomputes the prefix with grad
+    # A separate forward over each landed trajectory (old log-probs), when the learner streams OPD turns;
+    # otherwise that work is part of s_per_token and chunk_overhead_s. Seconds per token / per chunk.
+    forward_s_per_token: float = 0.0
+    forward_overhead_s: float = 0.0
+    step_gap_s: float = 0.0  # driver time between a weight push and the next step (data loading, bookkeeping)
 
     def sequence_cost(self, lo, hi):
         """Seconds on one replica to train positions [lo, hi) of a sequence (arrays allowed)."""
         if self.prefix_recompute:
             lo = 0 * lo
         return self.s_per_token * (hi - lo) + self.s_per_token_sq * (hi * hi - lo * lo)
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """Rollout decoding and learner compute on the same cores: how much slower each runs while both do.
+
+    Processor sharing: `from_threads` gives the factors when C cores are shared fairly by the threads
+    of the rollout engine (r) and of the learner (l): alone each runs at min(1, C / own threads) of its
+    speed, together at min(1, C / (r + l)); a factor is the ratio. Tool calls and reward or teacher
+    latencies are not compute here (they do not slow down, nor slow the others).
+    """
+
+    rollout_slowdown: float = 1.0  # decoding takes this factor longer while the learner computes
+    learner_slowdown: float = 1.0  # learner compute takes this factor longer while the engine decodes
+
+    def __post_init__(self) -> None:
+        if self.rollout_slowdown < 1.0 or self.learner_slowdown < 1.0:
+            raise ValueError(f"SharedCores slowdowns must be >= 1 (got {self.rollout_slowdown}, "
+                             f"{self.learner_slowdown}): sharing cores never makes anything faster")
+
+    @classmethod
+    def from_threads(cls, cores: float, rollout_threads: float, learner_threads: float) -> "SharedCores":
+        if min(cores, rollout_threads, learner_threads) <= 0:
+            raise ValueError("cores and thread counts must be > 0")
+        both = min(1.0, cores / (rollout_threads + learner_threads))
+        return cls(min(1.0, cores / rollout_threads) / both, min(1.0, cores / learner_threads) / both)
+
+    @property
+    def active(self) -> bool:
+        return self.rollout_slowdown > 1.0 or self.learner_slowdown > 1.0
 
 
 def learner_costs_from_hardware(model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, mfu: float, *,

@@ -35,6 +35,7 @@ class LaneWork:
     close: np.ndarray  # [G] wall time each group closes (its last reward lands)
     cost: np.ndarray  # [U] seconds on one replica
     tokens: np.ndarray  # [U] sequence tokens the unit trains
+    forward: np.ndarray | None = None  # [U] True for a trajectory's separate forward pass (OPD turn streaming)
 
     @property
     def size(self) -> int:
@@ -48,6 +49,7 @@ class LanePolicy:
     min_chunk: int | None = None  # default: dp
     max_chunk: int | None = None  # default: unbounded
     budget_groups: int | None = None  # open-group cap; None = unbounded
+    forward_overhead_s: float = 0.0  # extra per chunk that contains forward units (a separate op)
 
 
 @dataclass
@@ -148,13 +150,20 @@ def run_lane(work: LaneWork, policy: LanePolicy, t_free: float, record: bool = F
     return _run_general(work, policy, t_free, budget, record)
 
 
-def _chunk(run: LaneRun, policy: LanePolicy, t: float, work_s: float, max_cost: float, n: int, ntok: int) -> float:
+def chunk_seconds(policy: LanePolicy, work_s: float, max_cost: float, has_forward: bool) -> tuple[float, float]:
+    """(host overhead, compute) of one chunk."""
+    over = policy.chunk_overhead_s + (policy.forward_overhead_s if has_forward else 0.0)
+    return over, max(work_s / policy.dp, max_cost)
+
+
+def _chunk(run: LaneRun, policy: LanePolicy, t: float, work_s: float, max_cost: float, n: int, ntok: int,
+           has_forward: bool = False) -> float:
     """Book one chunk starting at t; returns its end."""
-    compute = max(work_s / policy.dp, max_cost)
-    t1 = t + policy.chunk_overhead_s + compute
+    over, compute = chunk_seconds(policy, work_s, max_cost, has_forward)
+    t1 = t + over + compute
     run.chunks.append((t, t1, n, ntok))
     run.compute_s += compute
-    run.overhead_s += policy.chunk_overhead_s
+    run.overhead_s += over
     run.tokens += ntok
     return t1
 
@@ -166,6 +175,7 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
     order = order.tolist()
     groups = work.group.tolist()
     cost, tokens = work.cost.tolist(), work.tokens.tolist()
+    fwd = work.forward.tolist() if work.forward is not None else [False] * n
     close = work.close.tolist()
     close_order = np.argsort(work.close, kind="stable").tolist()
     pend = _Pending(len(close))
@@ -197,7 +207,7 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
         chunk = pend.take(budget, policy.max_chunk)
         run.peak_open_groups = max(run.peak_open_groups, pend.open_count)
         t = _chunk(run, policy, t, sum(cost[u] for u in chunk), max(cost[u] for u in chunk), len(chunk),
-                   sum(tokens[u] for u in chunk))
+                   sum(tokens[u] for u in chunk), any(fwd[u] for u in chunk))
         done += len(chunk)
     run.units, run.finish = done, t
     return run
@@ -211,6 +221,8 @@ def _run_unbounded(work: LaneWork, policy: LanePolicy, t_free: float, record: bo
     cost = work.cost[order]
     cum_cost = np.concatenate([[0.0], np.cumsum(cost)])  # [U + 1]
     cum_tok = np.concatenate([[0], np.cumsum(work.tokens[order])])  # [U + 1]
+    fwd = work.forward[order] if work.forward is not None else np.zeros(n, dtype=bool)
+    cum_fwd = np.concatenate([[0], np.cumsum(fwd)])  # [U + 1]
     min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
     run = LaneRun(start=t_free, finish=t_free)
     starts = np.empty(n)  # [U] start of the chunk that trained each (sorted) unit
@@ -227,7 +239,7 @@ def _run_unbounded(work: LaneWork, policy: LanePolicy, t_free: float, record: bo
             continue
         starts[done:hi] = t
         t = _chunk(run, policy, t, float(cum_cost[hi] - cum_cost[done]), float(cost[done:hi].max()), hi - done,
-                   int(cum_tok[hi] - cum_tok[done]))
+                   int(cum_tok[hi] - cum_tok[done]), bool(cum_fwd[hi] > cum_fwd[done]))
         done = hi
     run.units, run.finish = done, t
     run.peak_open_groups = _peak_open(work.group[order], starts, work.close)

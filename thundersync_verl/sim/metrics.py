@@ -51,6 +51,24 @@ def union_length(t0: np.ndarray, t1: np.ndarray, a: float, b: float) -> float:
     return float((seg_hi - seg_lo).sum())
 
 
+LEARNER_WORK_KINDS = ("compute", "optimizer", "weight_sync", "step_overhead")
+
+
+def activity_split(rollout: np.ndarray, learner: np.ndarray, a: float, b: float) -> dict:
+    """Seconds of [a, b) with only rollouts in flight, only the learner working, both, and neither.
+
+    rollout / learner: [K, 2] intervals (a trajectory holding its slot; a learner op). The same
+    split is computed for a measured trace and for its replay, so they compare side by side.
+    """
+    r0, r1 = (rollout[:, 0], rollout[:, 1]) if len(rollout) else (np.zeros(0), np.zeros(0))
+    l0, l1 = (learner[:, 0], learner[:, 1]) if len(learner) else (np.zeros(0), np.zeros(0))
+    r = union_length(r0, r1, a, b)
+    lw = union_length(l0, l1, a, b)
+    either = union_length(np.concatenate([r0, l0]), np.concatenate([r1, l1]), a, b)
+    both = r + lw - either
+    return {"rollout_only": r - both, "learner_only": lw - both, "both": both, "neither": (b - a) - either}
+
+
 @dataclass
 class Ledger:
     """Accumulates learner seconds and rollout slot-seconds inside the steady window."""

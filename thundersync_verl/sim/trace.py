@@ -5,18 +5,23 @@ Why this module exists:
    line (times in seconds from any common origin):
    - {"kind": "trajectory", "mode", "algo", "step", "group_id", "traj_id", "t_submit",
       "t_done", "t_reward", "turns": [{"gen_s", "gen_tokens", "tool_s", "prompt_tokens"}],
-      "reward_s", "response_tokens", "prompt_tokens", "policy_version", "learner_version"}
+      "reward_s", "response_tokens", "prompt_tokens", "policy_version"[, "learner_version"]}
      turns[j].prompt_tokens is the context length passed to the engine for turn j (the
      prompt plus everything before that turn), so turn j added
      prompt_tokens[j] - prompt_tokens[j-1] - gen_tokens[j-1] tool-output tokens;
      the learner trains prompt_tokens + response_tokens tokens; step is the learner step
-     that trained the trajectory; for OPD, reward_s is the teacher's total scoring latency.
+     that trained the trajectory; t_reward is when the trainer had the finished trajectory
+     (t_reward == t_done everywhere: the trace has no reward timing); for OPD, reward_s is
+     the teacher's total scoring latency (spread over the turns on replay).
    - {"kind": "learner", "mode", "step", "lane", "op": forward|backward|optimizer|
       weight_sync|other, "t0", "t1", "tokens"}
    - {"kind": "step", "mode", "algo", "step", "t_start", "t_end", "n_rollout_slots"}
-2. Replay keeps the recorded durations exactly (per-turn generation and tool time, reward
-   latency, slot count) and lets the simulator decide WHEN things run; the learner's cost
-   per token and per chunk are fitted from its own records (time = overhead + cost * tokens).
+2. Replay keeps the recorded durations (per-turn generation and tool time, landing latency
+   t_reward - t_done, slot count) and lets the simulator decide WHEN things run; the
+   learner's cost per token and per chunk are fitted from its own records (time = overhead +
+   cost * tokens). What the records leave out is measured from them too (calibrate.py), and
+   durations measured while rollout and learner shared the cores are replayed at their
+   alone speed, the simulator re-applying the slowdown where its schedule overlaps them.
 3. The measured step time uses the same definition as the simulator (mean spacing of step
    ends after the first step), so the comparison is like for like.
 """
@@ -30,13 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .calibrate import (Calibration, calibrate, decode_scale, fit_line, op_overlap, push_intervals,
+                        slot_residual)
 from .engine import MODES, SimConfig
-from .hardware import LearnerCosts
+from .hardware import LearnerCosts, SharedCores
 from .workload import Batch, batch_from_turns
 
 TRAJ_KEYS = {"mode": str, "algo": str, "step": int, "group_id": str, "traj_id": str, "t_submit": float,
              "t_done": float, "t_reward": float, "turns": list, "reward_s": float, "response_tokens": int,
-             "prompt_tokens": int, "policy_version": int, "learner_version": int}
+             "prompt_tokens": int, "policy_version": int}  # learner_version is optional (not replayed)
 TURN_KEYS = {"gen_s": float, "gen_tokens": int, "tool_s": float, "prompt_tokens": int}
 LEARNER_KEYS = {"mode": str, "step": int, "lane": str, "op": str, "t0": float, "t1": float, "tokens": int}
 STEP_KEYS = {"mode": str, "algo": str, "step": int, "t_start": float, "t_end": float, "n_rollout_slots": int}
@@ -125,42 +132,42 @@ def measured_step_time(trace: Trace, warmup_steps: int = 1) -> float:
     return float((ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps))
 
 
-def _fit_line(tokens: np.ndarray, secs: np.ndarray) -> tuple[float, float]:
-    """Least-squares secs = a + b * tokens with a, b >= 0."""
-    if len(secs) == 0:
-        return 0.0, 0.0
-    if len(np.unique(tokens)) < 2:
-        return 0.0, float(secs.sum() / max(tokens.sum(), 1))
-    b, a = np.polyfit(tokens.astype(np.float64), secs, 1)
-    if a < 0:
-        return 0.0, float(secs.sum() / max(tokens.sum(), 1))
-    if b < 0:
-        return float(secs.mean()), 0.0
-    return float(a), float(b)
+def fit_learner_costs(trace: Trace, contention: float = 1.0, split_forward: bool = False) -> LearnerCosts:
+    """Per-token and per-chunk costs from forward/backward records; means for the rest.
 
-
-def fit_learner_costs(trace: Trace) -> LearnerCosts:
-    """Per-token and per-chunk costs from forward/backward records; means for the rest."""
+    contention > 1: each compute op's duration is first divided by 1 + (contention - 1) x the
+    share of it during which the rollout engine decoded (calibrate.py), giving its cost alone.
+    split_forward: keep forward records (a landed trajectory's log-probs) as separate costs, for a
+    learner that streams OPD turns; otherwise forward and backward add up per chunk.
+    """
     by_op: dict[str, list] = {op: [] for op in LEARNER_OPS}
     for r in trace.learner:
         by_op[r["op"]].append(r)
-    over = per_tok = 0.0
+
+    def secs(recs: list) -> np.ndarray:
+        sec = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
+        if contention > 1.0 and recs:
+            sec = sec / (1.0 + (contention - 1.0) * op_overlap(trace, recs))
+        return sec
+
+    fit = {}
     for op in ("forward", "backward"):
         recs = by_op[op]
-        tok = np.asarray([r["tokens"] for r in recs], dtype=np.float64)
-        sec = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
-        a, b = _fit_line(tok, sec)
-        over, per_tok = over + a, per_tok + b
+        fit[op] = fit_line(np.asarray([r["tokens"] for r in recs], dtype=np.float64), secs(recs))
     lanes = max(1, len({r["lane"] for r in by_op["backward"] or by_op["forward"]}))
     n_steps = max(1, len(trace.steps))
 
     def mean(op: str) -> float:
-        recs = by_op[op]
-        return float(np.mean([r["t1"] - r["t0"] for r in recs])) if recs else 0.0
+        return float(np.mean(secs(by_op[op]) if op != "weight_sync" else
+                             [r["t1"] - r["t0"] for r in by_op[op]])) if by_op[op] else 0.0
 
-    other = sum(r["t1"] - r["t0"] for r in by_op["other"]) / n_steps
-    return LearnerCosts(s_per_token=per_tok, chunk_overhead_s=over, optimizer_s=mean("optimizer"),
-                        weight_sync_s=mean("weight_sync"), step_overhead_s=other, dp=lanes)
+    other = float(secs(by_op["other"]).sum()) / n_steps
+    split = split_forward and bool(by_op["forward"]) and bool(by_op["backward"])
+    (fa, fb), (ba, bb) = fit["forward"], fit["backward"]
+    return LearnerCosts(s_per_token=bb if split else fb + bb, chunk_overhead_s=ba if split else fa + ba,
+                        forward_s_per_token=fb if split else 0.0, forward_overhead_s=fa if split else 0.0,
+                        optimizer_s=mean("optimizer"), weight_sync_s=mean("weight_sync"), step_overhead_s=other,
+                        dp=lanes)
 
 
 # ------------------------------------------------------------------------- replay
@@ -181,28 +188,42 @@ def parse_mode(mode: str) -> tuple[str, str | None]:
 class TraceSource:
     """Batches rebuilt from a trace.
 
-    Barrier modes: batch k = the trajectories the k-th recorded learner step trained.
-    fully_async: batch k = the k-th run of batch_size trajectories in submission order, so
-    the replayed stream starts trajectories in the order the trainer did.
+    Barrier modes: batch k = the trajectories the k-th recorded learner step trained (a step
+    that holds m whole batches, e.g. an off-policy trainer's warm-up, is split in submission
+    order). stream=True (fully_async, or a trainer that pushed weights mid-rollout): batch k =
+    the k-th run of batch_size trajectories in submission order, so the replayed stream starts
+    trajectories in the order the trainer did.
+    calib (replay): each trajectory's slot residual is added after its last turn, its landing
+    latency is t_reward - t_done (or the fitted one when the trace has no reward timing), and
+    each turn's gen_s is divided by the slowdown it ran under (calibrate.py).
     """
 
-    def __init__(self, trace: Trace):
-        self.trace = trace
-        by_step: dict[int, list] = {}
+    def __init__(self, trace: Trace, stream: bool | None = None, calib: Calibration | None = None):
+        self.trace, self.calib = trace, calib
+        by_step: dict = {}
         for t in trace.trajectories:
             by_step.setdefault(t["step"], []).append(t)
         sizes = Counter(len(v) for v in by_step.values())
-        self.batch_size = sizes.most_common(1)[0][0]
-        if parse_mode(trace.mode)[0] == "fully_async":
+        self.batch_size = n = sizes.most_common(1)[0][0]
+        if stream if stream is not None else parse_mode(trace.mode)[0] == "fully_async":
             recs = sorted(trace.trajectories, key=lambda r: r["t_submit"])
-            n = self.batch_size
             by_step = {k: recs[k * n:(k + 1) * n] for k in range(len(recs) // n)}
-        self.steps = [k for k in sorted(by_step) if len(by_step[k]) == self.batch_size]
-        self.dropped_steps = sorted(set(by_step) - set(self.steps))
+        else:
+            split = {}
+            for k in sorted(by_step):
+                recs = sorted(by_step[k], key=lambda r: r["t_submit"])
+                parts = len(recs) // n if len(recs) % n == 0 else 1
+                for j in range(parts):
+                    split[(k, j)] = recs[j * n:(j + 1) * n] if parts > 1 else recs
+            by_step = split
+        self.steps = [k for k in sorted(by_step) if len(by_step[k]) == n]
+        self.dropped_steps = sorted({k[0] if isinstance(k, tuple) else k for k in set(by_step) - set(self.steps)})
         self._by_step = by_step
         groups = Counter(t["group_id"] for t in trace.trajectories)
         self.group_size = Counter(groups.values()).most_common(1)[0][0]
         self.algo = trace.algo
+        self._scale = decode_scale(trace, calib.rollout_contention) if calib is not None else {}
+        self._pushes = push_intervals(trace)
 
     def batch(self, index: int) -> Batch:
         recs = sorted(self._by_step[self.steps[index % len(self.steps)]], key=lambda r: r["t_submit"])
@@ -219,7 +240,15 @@ class TraceSource:
         reward = np.asarray([r["reward_s"] for r in recs], dtype=np.float64)
         score = np.repeat(reward / n_turns, n_turns) if self.algo == "opd" else np.zeros(len(flat))
         group = np.asarray([gids[r["group_id"]] for r in recs], dtype=np.int64)
-        return batch_from_turns(group, len(gids), n_turns, gen_s, tool_s, new_tok, gen_tok, score, reward, seq)
+        land = None
+        if self.calib is not None:
+            if self._scale:
+                gen_s = gen_s / np.concatenate([self._scale[id(r)] for r in recs])
+            tool_s[np.cumsum(n_turns) - 1] += [slot_residual(r, self._pushes) for r in recs]  # after the last turn
+            land = (np.asarray([r["t_reward"] - r["t_done"] for r in recs], dtype=np.float64)
+                    if self.calib.reward_timing else np.full(len(recs), self.calib.landing_s))
+        batch = batch_from_turns(group, len(gids), n_turns, gen_s, tool_s, new_tok, gen_tok, score, reward, seq)
+        return replace(batch, land_s=land) if land is not None else batch
 
 
 def _new_tokens(ctx: np.ndarray, gen: np.ndarray, n_turns: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -237,26 +266,50 @@ def _new_tokens(ctx: np.ndarray, gen: np.ndarray, n_turns: np.ndarray, seq: np.n
     return new
 
 
-def replay_config(trace: Trace, source: TraceSource, warmup_steps: int = 1) -> SimConfig:
-    """The SimConfig that replays a trace: its mode, slots, chunking, mini-batching and staleness bound."""
-    mode, gran = parse_mode(trace.mode)
-    slots = max(s["n_rollout_slots"] for s in trace.steps)
+def replay_config(trace: Trace, source: TraceSource, warmup_steps: int = 1, mode: str | None = None,
+                  calib: Calibration | None = None) -> SimConfig:
+    """The SimConfig that replays a trace: its mode, slots, chunking, mini-batching, staleness bound
+    and, with a calibration, the measured slots and shared cores."""
+    recorded, gran = parse_mode(trace.mode)
+    mode = mode or recorded
+    slots = calib.slots if calib is not None else max(s["n_rollout_slots"] for s in trace.steps)
     per_step = _backward_records_per_step(trace)
     mini = max(source.group_size, source.batch_size // per_step) if mode == "fully_async" else None
     threshold = _gate_threshold(trace, source.batch_size) if mode == "fully_async" else 1.0
-    cfg = SimConfig(mode=mode, algo=trace.algo, granularity=gran, steps=len(source.steps),
-                    warmup_steps=warmup_steps, rollout_slots=slots, mini_batch=mini,
-                    staleness_threshold=threshold, min_chunk=1)
+    shared = None
+    if calib is not None and max(calib.contention, calib.rollout_contention) > 1:
+        shared = SharedCores(rollout_slowdown=calib.rollout_contention, learner_slowdown=calib.contention)
+    cfg = SimConfig(mode=mode, algo=trace.algo, granularity=gran if mode == recorded else None,
+                    steps=len(source.steps), warmup_steps=warmup_steps, rollout_slots=slots, mini_batch=mini,
+                    staleness_threshold=threshold, min_chunk=1, shared_cores=shared)
     return replace(cfg, max_chunk=_largest_chunk(trace, source, cfg)) if mode == "thundersync" else cfg
+
+
+def replay_calibration(trace: Trace) -> tuple[str, Calibration]:
+    """(simulator mode, calibration): a trainer that pushed weights mid-rollout replays as streaming."""
+    mode, _ = parse_mode(trace.mode)
+    plain = TraceSource(trace)
+    stream = mode == "fully_async"
+    first = max(plain.group_size, plain.batch_size // _backward_records_per_step(trace)) if stream else plain.batch_size
+    calib = calibrate(trace, mode, plain.batch_size, first, max(s["n_rollout_slots"] for s in trace.steps))
+    if mode == "async" and calib.partial_rollout:
+        mode = "fully_async"
+        first = plain.batch_size // _backward_records_per_step(trace)
+        calib = calibrate(trace, mode, plain.batch_size, max(plain.group_size, first), calib.slots)
+        calib = replace(calib, partial_rollout=True)
+    return mode, calib
 
 
 def replay(trace: Trace, warmup_steps: int = 1) -> tuple[SimConfig, TraceSource, LearnerCosts]:
     """Config, batches and fitted costs that replay a trace, with the per-chunk overhead
     scaled to the trainer's chunking: a batch-granularity step that the trainer ran as R
-    backward records pays R record overheads in its single simulated chunk."""
-    source = TraceSource(trace)
-    cfg = replay_config(trace, source, warmup_steps)
-    costs = fit_learner_costs(trace)
+    backward records pays R record overheads in its single simulated chunk. The trace's own
+    calibration (calibrate.py) adds what its records leave out."""
+    mode, calib = replay_calibration(trace)
+    source = TraceSource(trace, stream=mode == "fully_async", calib=calib)
+    cfg = replay_config(trace, source, warmup_steps, mode, calib)
+    split = trace.algo == "opd" and cfg.resolved_granularity() == "turn"
+    costs = replace(fit_learner_costs(trace, calib.contention, split_forward=split), step_gap_s=calib.step_gap_s)
     if cfg.resolved_granularity() == "batch":
         costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s * _backward_records_per_step(trace))
     return cfg, source, costs

@@ -54,10 +54,11 @@ def _trajectory(batch, i: int, b: int, t0: float, t1: float, algo: str, mode: st
     turns = [{"gen_s": float(g), "gen_tokens": int(n), "tool_s": float(tl), "prompt_tokens": int(h - n)}
              for g, n, tl, h in zip(batch.turn_gen_s[lo:hi], gen_tok, batch.turn_tool_s[lo:hi], batch.turn_hi[lo:hi])]
     reward = float(batch.reward_s[i]) if algo == "grpo" else float(batch.turn_score_s[lo:hi].sum())
+    land = float(batch.reward_s[i]) if algo == "grpo" else float(batch.last_score_s[i])  # trainer has it
     prompt = int(batch.turn_hi[lo] - gen_tok[0])
     return {"kind": "trajectory", "mode": mode, "algo": algo, "step": int(learner_v),
             "group_id": f"{b}-{batch.group[i]}",
-            "traj_id": f"{b}-{i}", "t_submit": float(t0), "t_done": float(t1), "t_reward": float(t1) + reward,
+            "traj_id": f"{b}-{i}", "t_submit": float(t0), "t_done": float(t1), "t_reward": float(t1) + land,
             "turns": turns, "reward_s": reward, "response_tokens": int(batch.seq_tokens[i]) - prompt,
             "prompt_tokens": prompt, "policy_version": int(policy_v), "learner_version": int(learner_v)}
 

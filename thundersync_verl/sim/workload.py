@@ -81,6 +81,7 @@ class Batch:
     turn_gen_s: np.ndarray | None = None  # [M] prefill + decode time of the turn
     turn_tool_s: np.ndarray | None = None  # [M] tool latency after the turn (0 for the last)
     turn_gen_tokens: np.ndarray | None = None  # [M] decoded tokens of the turn
+    land_s: np.ndarray | None = None  # [N] slot end -> the trainer has the trajectory (replay); None: reward / score
 
     @property
     def size(self) -> int:
