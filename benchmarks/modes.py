@@ -41,15 +41,21 @@ LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # kept, results in modes_calibration.json), never on ThunderSync's result; the share measured in each
 # comparison run is reported as sync_learner_wait_share.
 LATENCY_SCALE = 1.0
+BATCH_PROMPTS = 16  # prompts per step (x rollout.n = 4 trajectories each); one mini-batch, as ThunderSync requires
 MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
 TARGET_WAIT_SHARE = 0.495
 
 
-def workload(latency_scale: float) -> list[str]:
-    return [f"thundersync.env.tool_latency.scale={latency_scale}",
-            f"thundersync.env.verifier_latency.scale={latency_scale}"] + MICRO_BATCH_1
+def workload(latency_scale: float, mode: str) -> list[str]:
+    """Overrides shared by every mode; Fully Async keeps its 2-prompt mini-batches and pushes once per batch."""
+    if mode == "fully_async":
+        batching = [f"trainer.v1.separate_async.parameter_sync_step={BATCH_PROMPTS // 2}"]
+    else:
+        batching = [f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH_PROMPTS}"]
+    return [f"thundersync.env.tool_latency.scale={latency_scale}", f"thundersync.env.verifier_latency.scale={latency_scale}",
+            f"data.train_batch_size={BATCH_PROMPTS}"] + batching + MICRO_BATCH_1
 
 
 def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo", latency_scale: float = LATENCY_SCALE,
@@ -58,7 +64,7 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
     traj_path.unlink(missing_ok=True)
-    extra = workload(latency_scale) + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
+    extra = workload(latency_scale, mode) + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
     cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)
     print(f"[modes] {algo} {mode}: {steps} steps, latency scale {latency_scale}", flush=True)
     t0 = time.time()
@@ -120,7 +126,7 @@ def write_sim_trace(mode: str, run: dict, out: Path, algo: str = "grpo") -> None
     for step, m in sorted(run["per_step"].items()):
         t_end = m["_t_logged"]
         lines.append({"kind": "step", "mode": mode, "algo": algo, "step": step, "t_start": t_end - m["timing_s/step"],
-                      "t_end": t_end, "n_rollout_slots": 32})
+                      "t_end": t_end, "n_rollout_slots": BATCH_PROMPTS * 4})
         cursor = t_end
         for key, op in (("update_weights", "weight_sync"), ("update_actor", "backward"), ("adv", "other"), ("old_log_prob", "forward")):
             dur = m.get(f"timing_s/{key}", 0.0)

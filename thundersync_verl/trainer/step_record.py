@@ -31,6 +31,7 @@ class StepRecorder:
         self.backward_start: dict[str, float] = {}
 
     def begin_step(self, step: int) -> None:
+        self.flush()  # a step whose weight push was never recorded
         self.step, self.t_step_start = int(step), time.time()
         self.ops, self.trajectories, self.backward_start = [], {}, {}
 
@@ -63,8 +64,15 @@ class StepRecorder:
             "actor/grad_norm": first.get("grad_norm", 0.0),
             "actor/lr": first.get("lr", 0.0),
         }
-        self._write(t_end, metrics)
+        self._pending = (t_end, metrics)  # written by flush(), after the weight push joins the step's ops
         return metrics
+
+    def flush(self) -> None:
+        """Write the finished step's trace records and timeline (call after its weight push)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            t_end, metrics = pending
+            self._write(max([t_end] + [op["t1"] for op in self.ops]), metrics)
 
     def _write(self, t_end: float, metrics: dict) -> None:
         if self.run_dir is None:
@@ -73,7 +81,8 @@ class StepRecorder:
         with open(self.run_dir / f"{self.algo}_{self.mode}.jsonl", "a") as f:
             for t in self.trajectories.values():
                 f.write(json.dumps({"kind": "trajectory", "mode": self.mode, "algo": self.algo, "step": self.step,
-                                    "reward_s": max(0.0, t["t_reward"] - t["t_done"]),  # verifier + queue, as seen "learner_version": self.step - 1, "policy_version": self.step - 1,
+                                    "reward_s": max(0.0, t["t_reward"] - t["t_done"]),  # verifier + queue, as seen
+                                    "learner_version": self.step - 1, "policy_version": self.step - 1,
                                     **t}) + "\n")
             for op in self.ops:
                 f.write(json.dumps({"kind": "learner", "mode": self.mode, "step": self.step, "lane": "learner0",

@@ -157,6 +157,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         with api.marked_timer("update_weights", self.timing_raw, color="red"):
             self.rollout_checkpoint.update_weights(self.global_steps)
         self.recorder.learner_op("weight_sync", t0, time.time())
+        self.recorder.flush()
 
     # -- the streamed step -----------------------------------------------------------------
     def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int):

@@ -1,0 +1,38 @@
+"""The ThunderSync step trace: one record set per step, weight push included, versions present."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from thundersync_verl.trainer.step_record import StepRecorder
+
+
+def _one_step(rec: StepRecorder, step: int, with_push: bool) -> None:
+    rec.begin_step(step)
+    t = time.time()
+    rec.trajectory(f"u{step}_0_0", {"thundersync_events": {"turns": [{"gen_s": 0.01, "gen_tokens": 3, "tool_s": 0.0}]}},
+                   1.0, t_reward=t)
+    rec.learner_op("backward", t, t + 0.01, items=[("u", f"u{step}_0_0")], tokens=12)
+    rec.learner_op("optimizer", t + 0.01, t + 0.02)
+    rec.finish_step({"grad_norm": 0.5, "lr": 1e-3}, {"peak_open_groups": 1})
+    if with_push:
+        rec.learner_op("weight_sync", t + 0.02, t + 0.05)
+        rec.flush()
+
+
+def test_the_weight_push_is_part_of_its_step_and_versions_are_written(tmp_path):
+    rec = StepRecorder(str(tmp_path), mode="thundersync", n_rollout_slots=4)
+    _one_step(rec, 1, with_push=True)
+    _one_step(rec, 2, with_push=False)  # no push recorded: written when the next step begins
+    assert not [json.loads(x) for x in open(tmp_path / "grpo_thundersync.jsonl") if '"step": 2' in x]
+    rec.begin_step(3)
+    records = [json.loads(x) for x in open(tmp_path / "grpo_thundersync.jsonl")]
+    ops = [r["op"] for r in records if r["kind"] == "learner" and r["step"] == 1]
+    assert ops == ["backward", "optimizer", "weight_sync"]
+    step1 = next(r for r in records if r["kind"] == "step" and r["step"] == 1)
+    push = next(r for r in records if r["kind"] == "learner" and r["op"] == "weight_sync")
+    assert step1["t_end"] >= push["t1"]
+    trajs = [r for r in records if r["kind"] == "trajectory"]
+    assert [(r["step"], r["learner_version"], r["policy_version"]) for r in trajs] == [(1, 0, 0), (2, 1, 1)]
+    assert (tmp_path / "timelines" / "thundersync_step001.png").exists()
