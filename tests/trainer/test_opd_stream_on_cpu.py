@@ -261,6 +261,52 @@ def test_per_turn_prefix_rows_sum_to_the_whole_trajectory_gradient_and_match_ver
     assert float((g_deferred - g_verl).norm() / g_verl.norm()) < 1e-10
 
 
+def test_trajectory_granularity_releases_one_row_per_finished_trajectory():
+    a = turns_of_trajectory("a", PROMPT, RESPONSE, MASK, TEACHER)
+    b = turns_of_trajectory("b", (9,), (30, 31), (1, 1), (-1.0, -2.0))
+    planner = OPDTurnPlanner(granularity="trajectory", max_chunk_size=4)
+    planner.begin_batch(["a", "b"])
+    for turn in (a[2], a[0], b[0]):
+        planner.add_turn(turn)
+    assert planner.next_ops() == []  # nothing has ended yet
+    planner.end_trajectory("b", 1)
+    planner.end_trajectory("a", 3)  # a still lacks turn 1
+    (op,) = planner.next_ops()
+    assert op.items == (("b", 0),)
+    planner.add_turn(a[1])
+    (op,) = planner.next_ops()
+    assert op.items == (("a", 0), ("a", 1), ("a", 2))
+    row = op.turns[0]
+    assert row.response == RESPONSE and row.token_coefs() == [float(m) for m in MASK]
+    assert [v for v, m in zip(row.teacher_row(), MASK) if m] == [t for t, m in zip(TEACHER, MASK) if m]
+    assert planner.finalize().num_tokens == 8
+    with pytest.raises(StreamingConfigError, match="granularity"):
+        OPDTurnPlanner(granularity="group")
+
+
+def test_trajectory_rows_give_the_turn_rows_gradient(model64):
+    trajs = _trajectories(seed=7)
+    turns = [u for i, t in enumerate(trajs) for u in turns_of_trajectory(i, *t)]
+    grads = {}
+    for granularity in ("turn", "trajectory"):
+        planner = OPDTurnPlanner(granularity=granularity, max_chunk_size=3)
+        planner.begin_batch(range(len(trajs)))
+        ops = []
+        for turn in turns:
+            planner.add_turn(turn)
+            ops += planner.next_ops()
+        for i, t in enumerate(trajs):
+            planner.end_trajectory(i, len(turns_of_trajectory(i, *t)))
+            ops += planner.next_ops()
+        chunks = [build_token_chunk([u.prompt for u in op.turns], [u.response for u in op.turns],
+                                    [u.token_coefs() for u in op.turns], dp_size=1, pad_token_id=PAD,
+                                    teacher_log_probs=[u.teacher_row() for u in op.turns]) for op in ops]
+        grads[granularity] = _grad(model64, chunks)
+        assert sorted(i for op in ops for i in op.items) == sorted((u.traj_id, u.turn) for u in turns)
+    rel = (grads["trajectory"] - grads["turn"]).norm() / grads["turn"].norm()
+    assert float(rel) < 1e-10  # float64: summation order only
+
+
 def test_turn_backwards_report_the_reverse_kl_of_the_whole_trajectories(model64):
     """Summed over the turn chunks, the loss's KL sums equal the whole trajectories' (unclamped) reverse KL."""
     trajs = _trajectories(seed=5)

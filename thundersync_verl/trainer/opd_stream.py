@@ -50,6 +50,7 @@ from thundersync_verl.trainer.stream_loss import build_token_chunk
 from thundersync_verl.trainer.stream_plan import FinalizeOp
 
 OPD_LOSS_MODES = ("k1", "kl")  # verl's estimators whose value is log pi - log p_teacher
+GRANULARITIES = ("turn", "trajectory")
 
 
 @dataclass(frozen=True)
@@ -86,15 +87,60 @@ class OPDTurn:
 
 
 @dataclass(frozen=True)
-class TurnBackwardOp:
-    """Backpropagate ``turns`` in one per-token chunk, straight into the batch gradient."""
+class TrajectoryRow:
+    """All turns of one finished trajectory as ONE chunk row (``granularity="trajectory"``).
 
-    turns: tuple[OPDTurn, ...]
+    The row is the last turn's prefix (the whole trajectory up to its last action) with every
+    turn's action tokens scored: in a causal model each token's log-prob is the one its own
+    turn's prefix row would give, so the row's gradient is the sum of the turn rows' gradients,
+    for one forward+backward of the trajectory instead of one per turn.
+    """
+
+    parts: tuple[OPDTurn, ...]  # by turn index
+
+    @property
+    def traj_id(self) -> Hashable:
+        return self.parts[0].traj_id
+
+    @property
+    def turn(self) -> int:
+        return self.parts[-1].turn
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.parts[-1].prompt
+
+    @property
+    def response(self) -> tuple[int, ...]:
+        return self.parts[-1].response
+
+    @property
+    def items(self) -> tuple[tuple[Hashable, int], ...]:
+        return tuple((t.traj_id, t.turn) for t in self.parts)
+
+    def token_coefs(self) -> list[float]:
+        coefs = [0.0] * len(self.response)
+        for t in self.parts:
+            coefs[t.action_start : len(t.response)] = [1.0] * t.num_tokens
+        return coefs
+
+    def teacher_row(self) -> list[float]:
+        row = [0.0] * len(self.response)
+        for t in self.parts:
+            row[t.action_start : len(t.response)] = [float(x) for x in t.teacher_log_probs]
+        return row
+
+
+@dataclass(frozen=True)
+class TurnBackwardOp:
+    """Backpropagate ``turns`` (turn rows, or whole-trajectory rows) in one per-token chunk."""
+
+    turns: tuple[OPDTurn | TrajectoryRow, ...]
     opd_clamp: float | None = None  # verl's loss_max_clamp on |log pi - log p_teacher|
 
     @property
     def items(self) -> tuple[tuple[Hashable, int], ...]:
-        return tuple((t.traj_id, t.turn) for t in self.turns)
+        return tuple(i for t in self.turns for i in getattr(t, "items", ((t.traj_id, t.turn),)))
 
 
 def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
@@ -131,8 +177,14 @@ class OPDTurnPlanner:
     """Bookkeeping of one batch of OPD turns: validation, chunking, the deferred normaliser."""
 
     def __init__(self, *, loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None,
-                 opd_clamp: float | None = None, max_chunk_size: int = 8):
+                 opd_clamp: float | None = None, max_chunk_size: int = 8, granularity: str = "turn"):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
+        if granularity not in GRANULARITIES:
+            _fail(f"thundersync.opd.granularity must be one of {GRANULARITIES}, got {granularity!r}",
+                  "turn: each turn's prefix row runs when the teacher has scored it (earliest start, prefix recompute); "
+                  "trajectory: one row per trajectory when its last turn is scored (one forward+backward per trajectory)",
+                  "set thundersync.opd.granularity=turn or trajectory", StreamingConfigError)
+        self.granularity = granularity
         check_opd_turn_mode(loss_agg_mode)
         if int(max_chunk_size) < 1 or (opd_clamp is not None and not float(opd_clamp) > 0):
             _fail(f"max_chunk_size must be >= 1 and opd_clamp positive or None (got {max_chunk_size!r}, {opd_clamp!r})",
@@ -176,8 +228,17 @@ class OPDTurnPlanner:
         for other in known.values():
             _check_pair(*sorted((other, turn), key=lambda t: t.turn))
         known[turn.turn] = turn
-        self._ready.append(turn)
         self.num_tokens += turn.num_tokens
+        if self.granularity == "turn":
+            self._ready.append(turn)
+        else:
+            self._release_if_complete(turn.traj_id)
+
+    def _release_if_complete(self, traj_id: Hashable) -> None:
+        """``granularity="trajectory"``: the trajectory's row is ready once it ended with every turn scored."""
+        n, known = self._ended.get(traj_id), self._trajs[traj_id]
+        if n is not None and n > 0 and len(known) == n:
+            self._ready.append(TrajectoryRow(tuple(known[j] for j in range(n))))
 
     def end_trajectory(self, traj_id: Hashable, num_turns: int) -> None:
         """The trajectory finished with ``num_turns`` turns (some may still be on their way)."""
@@ -190,6 +251,8 @@ class OPDTurnPlanner:
             _fail(f"trajectory {traj_id!r} already has turn {max(trajs[traj_id])} but ends with {num_turns} turns",
                   "the turn count decides which turns the barrier waits for", "pass the trajectory's real turn count")
         self._ended[traj_id] = num_turns
+        if self.granularity == "trajectory":
+            self._release_if_complete(traj_id)
 
     @property
     def ready(self) -> int:
@@ -282,7 +345,7 @@ def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPD
     Required (the update verl computes is then linear in the detached per-token advantage):
     ``distillation.enabled=true``, ``distillation_loss.use_policy_gradient=true``, ``loss_mode``
     k1/kl, ``use_task_rewards=false``, ``policy_loss_mode=vanilla``; a loss_agg_mode other than
-    seq-mean-token-mean.
+    seq-mean-token-mean. ``thundersync.opd.granularity`` (turn | trajectory) picks the row unit.
     """
     dist = _get(config, "distillation")
     loss = _get(dist, "distillation_loss")
@@ -306,7 +369,8 @@ def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPD
     clamp = _get(loss, "loss_max_clamp")
     return OPDTurnPlanner(loss_agg_mode=_get(actor, "loss_agg_mode", "token-mean"),
                           loss_scale_factor=_get(actor, "loss_scale_factor"),
-                          opd_clamp=None if clamp is None else float(clamp), max_chunk_size=max_chunk_size)
+                          opd_clamp=None if clamp is None else float(clamp), max_chunk_size=max_chunk_size,
+                          granularity=str(_get(config, "thundersync.opd.granularity", "turn")))
 
 
 # ----- driver ---------------------------------------------------------------------------------

@@ -383,8 +383,8 @@ class OPDStreamStep:
                            temperature=t.config.actor_rollout_ref.rollout.temperature)
         self.book.kl_sum += stats.get("kl_sum", 0.0)
         self.book.kl_tokens += stats.get("kl_tokens", 0.0)
-        for turn in op.turns:
-            self.book.backward_at[(turn.traj_id, turn.turn)] = t0
+        for item in op.items:  # (trajectory, turn) of every turn in the chunk, merged rows included
+            self.book.backward_at[item] = t0
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]
         tokens = sum(len(turn.prompt) + len(turn.response) for turn in op.turns)
         t.recorder.learner_op("backward", t0, time.time(), items=items, tokens=tokens)
