@@ -40,7 +40,7 @@ LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # at several scales, the one whose learner wait share is nearest the published agentic trace's 49.5% is
 # kept, results in modes_calibration.json), never on ThunderSync's result; the share measured in each
 # comparison run is reported as sync_learner_wait_share.
-LATENCY_SCALE = 1.0
+LATENCY_SCALE = 0.2  # calibrated: Sync wait share 0.714 (1.0), 0.625 (0.5), 0.590 (0.3), 0.589 (0.2), 0.595 (0.1)
 BATCH_PROMPTS = 16  # prompts per step (x rollout.n = 4 trajectories each); one mini-batch, as ThunderSync requires
 MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
@@ -59,12 +59,13 @@ def workload(latency_scale: float, mode: str) -> list[str]:
 
 
 def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo", latency_scale: float = LATENCY_SCALE,
-             tag: str = "") -> dict:
+             tag: str = "", extra: list[str] | None = None) -> dict:
     run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
     traj_path.unlink(missing_ok=True)
-    extra = workload(latency_scale, mode) + [f"thundersync.env.trace_path={traj_path}", f"thundersync.run_dir={run_dir}"]
+    extra = workload(latency_scale, mode) + list(extra or []) + [f"thundersync.env.trace_path={traj_path}",
+                                                                 f"thundersync.run_dir={run_dir}"]
     cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)
     print(f"[modes] {algo} {mode}: {steps} steps, latency scale {latency_scale}", flush=True)
     t0 = time.time()
@@ -203,6 +204,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--teacher", default=None, help="OPD: an HF teacher folder (the student's tokenizer) instead of the tiny teacher")
     ap.add_argument("--latency-scale", type=float, default=None,
                     help=f"tool and verifier latency scale (default: the calibrated {LATENCY_SCALE})")
+    ap.add_argument("--opd-granularity", default=None, choices=["turn", "trajectory"],
+                    help="OPD ThunderSync row unit (thundersync.opd.granularity; default: the recipe's)")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra hydra override for every mode (repeatable), e.g. thundersync.chunk_size=4")
     ap.add_argument("--calibrate", default=None, metavar="S1,S2,...",
                     help="run Sync alone at each latency scale and report its learner wait share (modes_calibration.json)")
     args = ap.parse_args(argv)
@@ -220,7 +225,9 @@ def main(argv=None) -> dict:
     runs, rows = {}, {}
     traces = RESULTS_DIR / "traces"
     for mode in modes:
-        runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale)
+        runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale,
+                              extra=([f"thundersync.opd.granularity={args.opd_granularity}"] if args.opd_granularity else [])
+                              + list(args.override))
         rows[mode] = summarise(mode, runs[mode])
         if mode != "thundersync":
             write_sim_trace(mode, runs[mode], traces / f"{args.algo}_{mode}.jsonl", args.algo)
@@ -231,6 +238,10 @@ def main(argv=None) -> dict:
     print_table(rows, args.algo)
     result = headline(rows, runs, steps, args.algo)
     result["latency_scale"] = scale
+    if args.override:
+        result["overrides"] = list(args.override)
+    if args.algo == "opd":
+        result["opd_granularity"] = args.opd_granularity or "turn"
     write_result("modes" if args.algo == "grpo" else "modes_opd", result)
     return result
 

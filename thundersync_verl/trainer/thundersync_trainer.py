@@ -110,6 +110,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.planner = None if self.opd_step else StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=chunk)
         self.trajectory_timeout_s = float(ts.get("trajectory_timeout_s", 600))
         self.learner_forward = learner_forward_of(config)
+        self.poll_s = float(ts.get("poll_s", 0.01))  # TransferQueue listing interval while waiting for arrivals
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(ts.get("run_dir"), mode="thundersync", algo="opd" if self.opd_step else "grpo",
                                      n_rollout_slots=n_slots)
@@ -164,7 +165,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         if self.opd_step is not None:
             return self.opd_step.run(metrics, timing_raw)
         n = int(self.config.actor_rollout_ref.rollout.n)
-        source = TrajectorySource(api.tq.kv_list, self._batch_uids, n, timeout_s=self.trajectory_timeout_s)
+        source = TrajectorySource(api.tq.kv_list, self._batch_uids, n, timeout_s=self.trajectory_timeout_s, poll_s=self.poll_s)
         self.planner.begin_batch({uid: n for uid in self._batch_uids})
         self.actor_rollout_wg.stream_begin_batch({"loss_agg_mode": self.planner.loss_agg_mode})
         t_start, keys, tags = self.recorder.t_step_start, [], []
