@@ -254,6 +254,7 @@ def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
     trainer = SimpleNamespace(
         config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": n, "temperature": 1.0}}}),
         _batch_uids=uids, trajectory_timeout_s=30.0, recorder=StepRecorder(None, mode="thundersync", algo="opd"),
+        learner_forward="separate",  # the fake learner returns no per-chunk measurements: verl's forward path
         actor_rollout_wg=_FakeLearner(tq), tokenizer=SimpleNamespace(pad_token_id=0),
         _forward_at_theta_k=lambda keys, tags: None, _compute_advantage=lambda batch, metrics: batch)
     api = SimpleNamespace(tq=tq, marked_timer=lambda *a, **k: contextlib.nullcontext(), KVBatchMeta=SimpleNamespace)

@@ -105,7 +105,8 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             if self.turn_teacher is not None and action_start < min(len(response_ids), self.response_length):
                 scoring.append(asyncio.create_task(self.turn_teacher.score_and_publish(
                     trajectory_key(kwargs.get("uid"), kwargs.get("session_id")), len(scoring), prompt_ids,
-                    response_ids[: self.response_length], action_start)))
+                    response_ids[: self.response_length], action_start,
+                    rollout_log_probs=logprobs[action_start : min(len(response_ids), self.response_length)])))
             call = protocol.parse_tool_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if call is None or len(response_ids) >= self.response_length:
                 break

@@ -68,9 +68,10 @@ class OPDTurn:
     response: tuple[int, ...]
     action_start: int
     teacher_log_probs: tuple[float, ...]
+    rollout_log_probs: tuple[float, ...] = ()  # optional: the rollout's log-probs of the action tokens
 
     def __post_init__(self):  # lists are accepted and stored as tuples: turns compare and hash by value
-        for name in ("prompt", "response", "teacher_log_probs"):
+        for name in ("prompt", "response", "teacher_log_probs", "rollout_log_probs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -84,6 +85,12 @@ class OPDTurn:
     def teacher_row(self) -> list[float]:
         """Teacher log-probs aligned with ``response``, 0 off the action tokens, [len(response)]."""
         return [0.0] * self.action_start + [float(x) for x in self.teacher_log_probs]
+
+    def rollout_row(self) -> list[float] | None:
+        """Rollout log-probs aligned with ``response`` (0 off the action tokens), or None if not carried."""
+        if len(self.rollout_log_probs) != self.num_tokens:
+            return None
+        return [0.0] * self.action_start + [float(x) for x in self.rollout_log_probs]
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,14 @@ class TrajectoryRow:
         row = [0.0] * len(self.response)
         for t in self.parts:
             row[t.action_start : len(t.response)] = [float(x) for x in t.teacher_log_probs]
+        return row
+
+    def rollout_row(self) -> list[float] | None:
+        if any(len(t.rollout_log_probs) != t.num_tokens for t in self.parts):
+            return None
+        row = [0.0] * len(self.response)
+        for t in self.parts:
+            row[t.action_start : len(t.response)] = [float(x) for x in t.rollout_log_probs]
         return row
 
 
@@ -389,10 +404,12 @@ class OPDStreamClient:
     def chunk(self, op: TurnBackwardOp):
         """The per-token chunk of one op (prefix rows, turn j's tokens scored)."""
         turns = op.turns
+        rollout = [t.rollout_row() for t in turns]
         return build_token_chunk([t.prompt for t in turns], [t.response for t in turns],
                                  [t.token_coefs() for t in turns], dp_size=self.dp_size, pad_token_id=self.pad_token_id,
                                  teacher_log_probs=[t.teacher_row() for t in turns], opd_clamp=op.opd_clamp,
-                                 temperature=self.temperature)
+                                 temperature=self.temperature,
+                                 rollout_log_probs=None if any(r is None for r in rollout) else rollout)
 
     def run(self, ops: Sequence[TurnBackwardOp]) -> list:
         """One ``stream_token_backward`` per op, each waited for; returns their results."""

@@ -169,7 +169,7 @@ class AgentTurnTeacher:
             "/ teacher_timeout_s"))
 
     async def score_and_publish(self, traj_key: str, turn: int, prompt_ids: list[int], response_ids: list[int],
-                                action_start: int) -> None:
+                                action_start: int, rollout_log_probs: list[float] | None = None) -> None:
         """Score turn ``turn`` (its action is ``response_ids[action_start:]``) and put it into the TransferQueue."""
         prefix = list(prompt_ids) + list(response_ids)
         key = turn_key(traj_key, turn)
@@ -180,9 +180,12 @@ class AgentTurnTeacher:
             raise
         fields = {"prefix_ids": torch.tensor(prefix, dtype=torch.long),  # [P + end]
                   "teacher_log_probs": torch.tensor(values, dtype=torch.float32)}  # [end - action_start]
+        if rollout_log_probs is not None and len(rollout_log_probs) == len(values):
+            fields["rollout_log_probs"] = torch.tensor(list(rollout_log_probs), dtype=torch.float32)  # [end - action_start]
         await self.put(key, fields, {"status": "success", "traj": traj_key, "turn": int(turn),
                                      "prompt_len": len(prompt_ids), "action_start": int(action_start),
-                                     "attempts": attempts, "t_scored": time.time()})
+                                     "attempts": attempts, "t_scored": time.time(),
+                                     "rollout_lp": "rollout_log_probs" in fields})
 
 
 async def _tq_put(key: str, fields: dict | None, tag: dict) -> None:
@@ -217,13 +220,15 @@ class TurnSource:
                 new.append((key, tag))
         if not new:
             return []
+        with_lp = all(tag.get("rollout_lp", False) for _, tag in new)
         data = self.kv_batch_get(keys=[k for k, _ in new], partition_id=TURN_PARTITION,
-                                 select_fields=["prefix_ids", "teacher_log_probs"])
+                                 select_fields=["prefix_ids", "teacher_log_probs"] + (["rollout_log_probs"] if with_lp else []))
         out = []
         for i, (key, tag) in enumerate(new):
             prefix, p = data["prefix_ids"][i].tolist(), int(tag["prompt_len"])
             turn = OPDTurn(tag["traj"], int(tag["turn"]), prefix[:p], prefix[p:], int(tag["action_start"]),
-                           data["teacher_log_probs"][i].tolist())
+                           data["teacher_log_probs"][i].tolist(),
+                           data["rollout_log_probs"][i].tolist() if with_lp else ())
             self.seen[key] = tag
             out.append((turn, tag))
         return out
@@ -257,6 +262,7 @@ class _StepBook:
     from_trajectory_end: int = 0  # turns split from a landed trajectory (point 4)
     kl_sum: float = 0.0  # learner_forward=fused: log pi - log p_teacher over scored tokens, from the backwards
     kl_tokens: float = 0.0
+    lp_gap: float = float("-inf")  # fused: max |log p_rollout - log p_learner| measured by the turn backwards
 
     def missing(self) -> list[str]:
         return [f"{traj}: {len(self.turns.get(traj, {}))}/{n} turns" for traj, n in self.expected.items()
@@ -301,6 +307,8 @@ class OPDStreamStep:
         metrics.update(t._forward_metrics)
         metrics.update(t.recorder.finish_step(out, {}))
         metrics.update(self._opd_metrics(keys))
+        if math.isfinite(self.book.lp_gap):  # learner_forward=fused: the turn backwards' own check
+            metrics["training/rollout_logprob_diff_max"] = self.book.lp_gap
         return t._compute_advantage(api.KVBatchMeta(partition_id="train", keys=keys, tags=tags), {})
 
     def _stream(self, trajs: TrajectorySource, keys: list, tags: list) -> None:
@@ -383,6 +391,8 @@ class OPDStreamStep:
                            temperature=t.config.actor_rollout_ref.rollout.temperature)
         self.book.kl_sum += stats.get("kl_sum", 0.0)
         self.book.kl_tokens += stats.get("kl_tokens", 0.0)
+        if "lp_gap" in stats:
+            self.book.lp_gap = max(self.book.lp_gap, stats["lp_gap"])
         for item in op.items:  # (trajectory, turn) of every turn in the chunk, merged rows included
             self.book.backward_at[item] = t0
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]

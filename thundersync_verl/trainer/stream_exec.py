@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ray
 
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
@@ -55,8 +57,9 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
         client = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature)
         parts = _parts(_wait(worker_group.stream_token_backward(client.chunk(op))))
-        return {"kl_sum": sum(float(p["ts_kl_sum"].sum()) for p in parts),
-                "kl_tokens": sum(float(p["ts_kl_tokens"].sum()) for p in parts)}
+        stats = {"kl_sum": _stat(parts, "ts_kl_sum", sum), "kl_tokens": _stat(parts, "ts_kl_tokens", sum),
+                 "lp_gap": _stat(parts, "ts_lp_diff_max", max)}
+        return {k: v for k, v in stats.items() if not math.isnan(v)}
     if not isinstance(op, BackwardOp):
         raise TypeError(f"unknown stream op {op!r}")
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
@@ -65,8 +68,8 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
                                dp_size=worker_group.world_size, pad_token_id=pad_token_id, temperature=temperature,
                                response_masks=[r["mask"] for r in chunk_rows],
                                rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
-    parts = _parts(_wait(worker_group.stream_backward(chunk)))
-    return {"lp_gap": max(float(p["ts_lp_diff_max"].max()) for p in parts)} if with_lp else {}
+    gap = _stat(_parts(_wait(worker_group.stream_backward(chunk))), "ts_lp_diff_max", max)
+    return {} if math.isnan(gap) else {"lp_gap": gap}
 
 
 def _wait(result):
@@ -80,4 +83,11 @@ def _wait(result):
 
 def _parts(results) -> list:
     """The per-rank chunk results (one TensorDict row each)."""
-    return [p for p in (results if isinstance(results, list) else [results]) if p is not None]
+    return [p for p in (results if isinstance(results, list) else [results]) if p is not None and hasattr(p, "keys")]
+
+
+def _stat(parts: list, key: str, reduce) -> float:
+    """``reduce`` (sum or max) of one measurement over ranks; NaN when no rank measured it."""
+    values = [float(v) for p in parts if key in p.keys() for v in p[key].reshape(-1).tolist()]
+    values = [v for v in values if not math.isnan(v)]
+    return float(reduce(values)) if values else float("nan")

@@ -63,12 +63,19 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str)
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     loss = -(coef * per_seq).sum() * dp_size  # scalar
     scored = int((mask != 0).sum())
-    metrics = {"stream/scored_tokens": scored}
-    if ROLLOUT_LP_KEY in data.keys():  # the forward at θ_k doubles as verl's old-log-prob check
-        rollout = va.padded_fields(data, ROLLOUT_LP_KEY)[ROLLOUT_LP_KEY].to(log_prob.device)  # [B, T]
-        gap = ((log_prob.detach() - rollout.to(log_prob.dtype)).abs() * (mask != 0)).max()
-        metrics[LP_DIFF_METRIC] = float(gap) if scored else 0.0
-    return loss, metrics
+    return loss, {"stream/scored_tokens": scored, **_rollout_gap(data, log_prob, mask != 0)}
+
+
+def _rollout_gap(data, log_prob, scored) -> dict:
+    """max |log p_rollout - log p_learner| over the scored tokens, when the chunk carries the rollout's.
+
+    The forward at θ_k doubles as verl's old-log-prob check (``learner_forward=fused``).
+    """
+    if ROLLOUT_LP_KEY not in data.keys():
+        return {}
+    rollout = va.padded_fields(data, ROLLOUT_LP_KEY)[ROLLOUT_LP_KEY].to(device=log_prob.device, dtype=log_prob.dtype)
+    gap = ((log_prob.detach() - rollout).abs() * scored).max() if bool(scored.any()) else 0.0  # [B, T] -> scalar
+    return {LP_DIFF_METRIC: float(gap)}
 
 
 def exact_micro_batch_size(rows: int, cap: int | None) -> int:
@@ -227,7 +234,9 @@ def stream_token_loss(model_output, data, dp_group=None):
         coef = coef * (-gap)  # [B, T], OPD advantage A_t times the token coefficient
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     loss = -(coef * log_prob).sum() * dp_size  # scalar
-    return loss, {"stream/scored_tokens": int((token_coef != 0).sum()), **(kl if has_teacher else {})}
+    metrics = {"stream/scored_tokens": int((token_coef != 0).sum()), **(kl if has_teacher else {})}
+    metrics.update(_rollout_gap(data, log_prob, token_coef != 0))
+    return loss, metrics
 
 
 def make_token_stream_loss():
@@ -273,12 +282,14 @@ def build_token_chunk(
     opd_clamp: float | None = None,
     dest: str = "direct",
     temperature: float = 1.0,
+    rollout_log_probs: Sequence[Sequence[float]] | None = None,
 ):
     """A per-token chunk for ``stream_token_backward``, padded to a multiple of ``dp_size`` rows.
 
     Row i scores the response tokens whose ``token_coefs[i]`` entry is non-zero (its
     ``response_mask``, from which verl counts tokens, is 1 exactly there). ``teacher_log_probs``
-    (OPD) gives log p_teacher for those tokens (any value elsewhere; 0 by convention).
+    (OPD) gives log p_teacher for those tokens (any value elsewhere; 0 by convention);
+    ``rollout_log_probs`` the rollout's, for the loss's rollout-vs-learner check (as in ``build_stream_chunk``).
     """
     from tensordict import TensorDict
 
@@ -295,6 +306,9 @@ def build_token_chunk(
     if teacher_log_probs is not None:
         teacher = [list(map(float, t)) for t in teacher_log_probs] + [[0.0] * len(responses[-1])] * n_pad
         tensors[TEACHER_KEY] = _rows_to_tensor(teacher, width, dtype=torch.float32)  # [B, R]
+    if rollout_log_probs is not None:
+        rollout = [list(map(float, r)) for r in rollout_log_probs] + [[0.0] * len(responses[-1])] * n_pad
+        tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rollout, width, dtype=torch.float32)  # [B, R]
     tensors[COEF_KEY] = torch.tensor([1.0] * (len(prompts) - n_pad) + [0.0] * n_pad, dtype=torch.float64)  # [B]
     td = TensorDict(tensors, batch_size=[len(prompts)])
     extra = {} if opd_clamp is None else {ADV_CLAMP_KEY: float(opd_clamp)}
