@@ -258,23 +258,38 @@ def _barrier(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
 
 
 def _one_step_off(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
-    """async: batch k+1 is generated on the weights before step k while the learner trains batch k."""
-    gran = "batch"
-    policy = lane_policy(cfg, costs, gran)
+    """async on dedicated rollout engines: rollouts and learner run side by side without slowing each other."""
+    policy = lane_policy(cfg, costs, "batch")
+
+    def overlap(nxt: Batch, t_roll: float, work: LaneWork, t_learn: float):
+        nxt_place = place_rollouts(nxt.dur_s, t_roll, cfg.rollout_slots)
+        run = run_lane(work, policy, t_learn, record=cfg.record_timeline)
+        t_opt = run.finish + costs.step_overhead_s + costs.optimizer_s
+        return nxt_place, run, t_opt, nxt_place.done.max()
+
+    return one_step_off(cfg, source, costs, lambda batch: place_rollouts(batch.dur_s, 0.0, cfg.rollout_slots), overlap)
+
+
+def one_step_off(cfg: SimConfig, source, costs: LearnerCosts, first_rollout, overlap) -> SimResult:
+    """async: batch k+1 is generated on the weights before step k while the learner trains batch k.
+
+    The schedule and its accounting; how the two sides share the machine is the caller's:
+    ``first_rollout(batch)`` places batch 0 from t = 0 with the learner idle, and
+    ``overlap(next_batch, t_roll, work, t_learn)`` runs batch k+1's rollouts from ``t_roll`` and step k's
+    lane from ``t_learn`` -> (next placement, LaneRun, optimizer end, last rollout end).
+    """
     rec = _Recorder(cfg)
     batch = source.batch(0)
-    place = place_rollouts(batch.dur_s, 0.0, cfg.rollout_slots)
+    place = first_rollout(batch)
     rec.rollout(0, 0, place, 0.0, 0.0)
     starts, ends = [], []
     s_prev = 0.0  # end of the previous weight push
     for k in range(cfg.steps):
-        next_start = place.done.max() if k == 0 else s_prev
+        next_start = float(place.done.max()) if k == 0 else s_prev
         nxt = source.batch(k + 1)
-        nxt_place = place_rollouts(nxt.dur_s, next_start, cfg.rollout_slots)
-        work, computed = lane_work(batch, place, cfg.algo, gran, costs)
-        run = run_lane(work, policy, s_prev + (costs.step_gap_s if k else 0.0), record=cfg.record_timeline)
-        t_opt = run.finish + costs.step_overhead_s + costs.optimizer_s
-        t_sync = max(t_opt, nxt_place.done.max())  # the push needs idle rollout engines
+        work, computed = lane_work(batch, place, cfg.algo, "batch", costs)
+        nxt_place, run, t_opt, roll_end = overlap(nxt, next_start, work, s_prev + (costs.step_gap_s if k else 0.0))
+        t_sync = max(t_opt, roll_end)  # the push needs idle rollout engines
         t_end = t_sync + costs.weight_sync_s
         rec.learner_run(k, run, t_opt, t_sync, t_end, costs)
         rec.rollout(k, k + 1, nxt_place, s_prev, t_end)

@@ -21,7 +21,8 @@ import heapq
 
 import numpy as np
 
-from .engine import Placement, SimConfig, _count_tokens, _Recorder, landing_delay, lane_policy, lane_work
+from .engine import (Placement, SimConfig, _count_tokens, _Recorder, landing_delay, lane_policy, lane_work,
+                     one_step_off)
 from .hardware import LearnerCosts
 from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LaneRun, LaneWork, _Pending, chunk_seconds
 from .workload import Batch
@@ -278,33 +279,20 @@ def simulate_shared(cfg: SimConfig, source, costs: LearnerCosts):
     """sync / thundersync / async with rollout and learner sharing cores (engine.simulate dispatches here)."""
     gran = cfg.resolved_granularity()
     policy = lane_policy(cfg, costs, gran)
-    rec = _Recorder(cfg)
-    starts, ends = [], []
     if cfg.mode == "async":
-        batch = source.batch(0)
         empty = LaneWork(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
                          np.zeros(0, dtype=np.int64))
-        place, _, _, _ = cosimulate(cfg, LearnerCosts(s_per_token=0.0, optimizer_s=0.0), batch, 0.0, empty, True,
-                                    0.0, policy, "batch")
-        rec.rollout(0, 0, place, 0.0, 0.0)
-        s_prev = 0.0
-        for k in range(cfg.steps):
-            next_start = float(place.done.max()) if k == 0 else s_prev
-            nxt = source.batch(k + 1)
-            work, computed = lane_work(batch, place, cfg.algo, "batch", costs)
-            t_learn = s_prev + (costs.step_gap_s if k else 0.0)
-            nxt_place, run, t_opt, roll_end = cosimulate(cfg, costs, nxt, next_start, work, True, t_learn, policy,
-                                                         "batch", record=cfg.record_timeline)
-            t_sync = max(t_opt, roll_end)
-            t_end = t_sync + costs.weight_sync_s
-            rec.learner_run(k, run, t_opt, t_sync, t_end, costs)
-            rec.rollout(k, k + 1, nxt_place, s_prev, t_end)
-            rec.trained(k, batch.size, max(k - 1, 0))
-            _count_tokens(rec, batch, run, computed)
-            starts.append(s_prev)
-            ends.append(t_end)
-            s_prev, batch, place = t_end, nxt, nxt_place
-        return rec.result(cfg, starts, ends)
+
+        def first_rollout(batch: Batch) -> Placement:
+            idle = LearnerCosts(s_per_token=0.0, optimizer_s=0.0)
+            return cosimulate(cfg, idle, batch, 0.0, empty, True, 0.0, policy, "batch")[0]
+
+        def overlap(nxt: Batch, t_roll: float, work: LaneWork, t_learn: float):
+            return cosimulate(cfg, costs, nxt, t_roll, work, True, t_learn, policy, "batch", record=cfg.record_timeline)
+
+        return one_step_off(cfg, source, costs, first_rollout, overlap)
+    rec = _Recorder(cfg)
+    starts, ends = [], []
     t = 0.0
     for k in range(cfg.steps):
         batch = source.batch(k)

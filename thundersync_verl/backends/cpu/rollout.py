@@ -10,6 +10,7 @@
 3. ``HFCpuServerAdapter`` is the learner-side ``BaseRollout``: verl's checkpoint
    engine hands it the per-tensor weights after each optimizer step
    (resume -> update_weights -> resume kv), and it ships them to its server.
+   Replica and adapter are built by ``backends/rollout_contract.py`` (shared with ``replay``).
 4. As an on-policy-distillation teacher (verl's ``distillation.teacher_models``), the server
    answers ``sampling_params["prompt_logprobs"]`` like verl's vLLM server: per prompt position p
    the log-prob of token p+1 (or the top-k), a zero row for the last position.
@@ -20,15 +21,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from typing import Any, Optional
 
-import ray
 import torch
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.cpu.engine import HFGenerationEngine
 from thundersync_verl.backends.replay.record import GenerateRecorder
 
@@ -98,7 +98,7 @@ def prompt_logprob_fields(model, prompt_ids: list[int], num: int) -> dict[str, l
     return {"prompt_ids": next_ids.tolist() + [[0] * width], "prompt_logprobs": values.tolist() + [[0.0] * width]}
 
 
-class HFCpuServer:
+class HFCpuServer(contract.ServerControl):
     """One rollout server (a Ray actor with high max_concurrency)."""
 
     def __init__(self, config, model_config, rollout_mode, replica_rank: int, threads: int = 1):
@@ -152,21 +152,9 @@ class HFCpuServer:
         return {"version": self.engine.version, "active": self.engine.active, "peak_active": self.engine.peak_active,
                 "requests_served": self.requests_served}
 
-    # -- verl control calls: their CPU meaning ------------------------------------------
-    async def wake_up(self, tags=None):
-        return None  # weights stay resident in host memory
-
-    async def sleep(self):
-        return None
-
-    async def clear_kv_cache(self):
-        return None  # KV caches are per request and die with it
-
-    release_kv_cache = resume_kv_cache = clear_kv_cache
-
-    async def wait_for_requests_to_drain(self):
-        while self.engine.active:
-            await asyncio.sleep(0.01)
+    # -- verl control calls: their CPU meaning (the rest: rollout_contract.ServerControl) ---------
+    def _in_flight(self) -> int:
+        return self.engine.active
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
         n = self.engine.active
@@ -176,90 +164,29 @@ class HFCpuServer:
     async def resume_generation(self):
         self.engine.resume()
 
-    resume_engine_generation = open_submission_gate = resume_generation
-
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True):
         return {"aborted": False, "request_id": request_id, "error": "hf_cpu aborts all requests, not single ones"}
 
-    async def set_global_steps(self, global_steps: int):
-        self.global_steps = global_steps
 
-    async def start_profile(self, **kwargs):
-        return None
+def _server_threads() -> tuple[int]:
+    return (int(os.environ.get("THUNDERSYNC_ROLLOUT_THREADS", "1")),)
 
-    async def stop_profile(self):
-        return None
+
+async def _named_cpu_tensors(weights, wire_format: str) -> list:
+    if wire_format != "named_tensors":
+        raise NotImplementedError(f"hf_cpu receives full named tensors only, got wire_format={wire_format!r}")
+    return [(name, t.detach().to("cpu").clone()) async for name, t in contract.iterate_weights(weights)]
 
 
 def make_replica_class():
     """Build the RolloutReplica subclass (deferred: it needs verl)."""
-
-    class HFCpuReplica(va.rollout_replica_base()):
-        async def launch_servers(self):
-            name = server_actor_name(self.replica_rank, self.name_suffix)
-            threads = int(os.environ.get("THUNDERSYNC_ROLLOUT_THREADS", "1"))
-            server = (
-                ray.remote(HFCpuServer)
-                .options(name=name, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0)
-                .remote(self.config, self.model_config, self.rollout_mode, self.replica_rank, threads)
-            )
-            await server.stats.remote()  # surface load errors here, not at the first generate
-            self.servers = [server]
-            self._server_handle = server
-            self._server_address = name
-
-        def rollout_worker_use_gpu(self) -> bool:
-            return False
-
-    HFCpuReplica.__name__ = HFCpuReplica.__qualname__ = "HFCpuReplica"
-    return HFCpuReplica
+    return contract.make_replica_class("HFCpuReplica", __name__, HFCpuServer, server_actor_name, _server_threads)
 
 
 def make_server_adapter_class():
-    """Build the learner-side BaseRollout subclass (deferred: it needs verl)."""
-
-    class HFCpuServerAdapter(va.base_rollout_cls()):
-        def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
-            super().__init__(config, model_config, device_mesh)
-            rank = int(os.environ.get("RANK", "0"))
-            world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
-            self.replica_rank = rank // world if replica_rank == -1 else replica_rank
-            self.is_leader_rank = rank % world == 0
-            self._server = None
-
-        def _server_handle(self):
-            if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.replica_rank))
-            return self._server
-
-        async def resume(self, tags: list[str]):
-            return None
-
-        async def release(self):
-            return None
-
-        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
-            if wire_format != "named_tensors":
-                raise NotImplementedError(f"hf_cpu receives full named tensors only, got wire_format={wire_format!r}")
-            # every rank iterates: FSDP2 full_tensor() is a collective
-            if hasattr(weights, "__aiter__"):  # standalone: the checkpoint engine yields asynchronously
-                named = [(name, t.detach().to("cpu").clone()) async for name, t in weights]
-            else:
-                named = [(name, t.detach().to("cpu").clone()) for name, t in weights]
-            if self.is_leader_rank:
-                await self._server_handle().update_weights.remote(named, global_steps)
-
-    HFCpuServerAdapter.__name__ = HFCpuServerAdapter.__qualname__ = "HFCpuServerAdapter"
-    return HFCpuServerAdapter
+    """Build the learner-side BaseRollout subclass (deferred: it needs verl); it ships full CPU tensors."""
+    return contract.make_server_adapter_class("HFCpuServerAdapter", __name__, server_actor_name, _named_cpu_tensors)
 
 
-_LAZY = {"HFCpuReplica": make_replica_class, "HFCpuServerAdapter": make_server_adapter_class}
-
-
-def __getattr__(name: str):
-    # verl resolves rollout adapters by dotted path; build the classes on first use, once.
-    if name in _LAZY:
-        cls = _LAZY.pop(name)()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+__getattr__ = contract.lazy_classes(globals(), {"HFCpuReplica": make_replica_class,
+                                                "HFCpuServerAdapter": make_server_adapter_class})

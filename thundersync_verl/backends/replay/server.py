@@ -25,9 +25,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
-import ray
-
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section
 from thundersync_verl.backends.replay.recording import Recording
 
@@ -63,7 +62,7 @@ def replay_settings(config) -> dict[str, Any]:
             "record_path": record_path}
 
 
-class ReplayServer:
+class ReplayServer(contract.ServerControl):
     """One replay server (a Ray actor with high max_concurrency; also usable in-process)."""
 
     def __init__(self, config, model_config=None, rollout_mode=None, replica_rank: int = 0):
@@ -123,21 +122,9 @@ class ReplayServer:
         return {"version": self.version, "active": self.active, "requests_served": self.requests_served,
                 "recorded_calls": self.recording.num_generates, "recording": self.recording.path}
 
-    # -- verl control calls: their replay meaning ------------------------------------------
-    async def wake_up(self, tags=None):
-        return None
-
-    async def sleep(self):
-        return None
-
-    async def clear_kv_cache(self):
-        return None
-
-    release_kv_cache = resume_kv_cache = clear_kv_cache
-
-    async def wait_for_requests_to_drain(self):
-        while self.active:
-            await asyncio.sleep(0.01)
+    # -- verl control calls: their replay meaning (the rest: rollout_contract.ServerControl) ------
+    def _in_flight(self) -> int:
+        return self.active
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
         # In-flight calls still return their whole recorded answer: a cut-short answer was never recorded.
@@ -147,89 +134,26 @@ class ReplayServer:
     async def resume_generation(self):
         self._open.set()
 
-    resume_engine_generation = open_submission_gate = resume_generation
-
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True):
         return {"aborted": False, "request_id": request_id, "error": "replay does not abort single requests"}
 
-    async def set_global_steps(self, global_steps: int):
-        self.global_steps = global_steps
 
-    async def start_profile(self, **kwargs):
-        return None
-
-    async def stop_profile(self):
-        return None
+async def _drain(weights, wire_format: str) -> None:
+    """Consume the push (every rank must: the gathers are collectives); only its version reaches the server."""
+    async for _ in contract.iterate_weights(weights):
+        pass
+    return None
 
 
 def make_replica_class():
     """Build the RolloutReplica subclass (deferred: it needs verl)."""
-
-    class ReplayReplica(va.rollout_replica_base()):
-        async def launch_servers(self):
-            name = server_actor_name(self.replica_rank, self.name_suffix)
-            server = (
-                ray.remote(ReplayServer)
-                .options(name=name, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0)
-                .remote(self.config, self.model_config, self.rollout_mode, self.replica_rank)
-            )
-            await server.stats.remote()  # a missing or bad recording fails here, not at the first generate
-            self.servers = [server]
-            self._server_handle = server
-            self._server_address = name
-
-        def rollout_worker_use_gpu(self) -> bool:
-            return False
-
-    ReplayReplica.__name__ = ReplayReplica.__qualname__ = "ReplayReplica"
-    return ReplayReplica
+    return contract.make_replica_class("ReplayReplica", __name__, ReplayServer, server_actor_name)
 
 
 def make_server_adapter_class():
-    """Build the learner-side BaseRollout subclass (deferred: it needs verl)."""
-
-    class ReplayServerAdapter(va.base_rollout_cls()):
-        def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
-            super().__init__(config, model_config, device_mesh)
-            rank = int(os.environ.get("RANK", "0"))
-            world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
-            self.replica_rank = rank // world if replica_rank == -1 else replica_rank
-            self.is_leader_rank = rank % world == 0
-            self._server = None
-
-        def _server_handle(self):
-            if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.replica_rank))
-            return self._server
-
-        async def resume(self, tags: list[str]):
-            return None
-
-        async def release(self):
-            return None
-
-        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
-            # every rank iterates (FSDP2 full_tensor() is a collective); the tensors themselves are dropped
-            if hasattr(weights, "__aiter__"):
-                async for _ in weights:
-                    pass
-            else:
-                for _ in weights:
-                    pass
-            if self.is_leader_rank:
-                await self._server_handle().update_weights.remote(None, global_steps)
-
-    ReplayServerAdapter.__name__ = ReplayServerAdapter.__qualname__ = "ReplayServerAdapter"
-    return ReplayServerAdapter
+    """Build the learner-side BaseRollout subclass (deferred: it needs verl); it drops the tensors."""
+    return contract.make_server_adapter_class("ReplayServerAdapter", __name__, server_actor_name, _drain)
 
 
-_LAZY = {"ReplayReplica": make_replica_class, "ReplayServerAdapter": make_server_adapter_class}
-
-
-def __getattr__(name: str):
-    # verl resolves rollout adapters by dotted path; build the classes on first use, once.
-    if name in _LAZY:
-        cls = _LAZY.pop(name)()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+__getattr__ = contract.lazy_classes(globals(), {"ReplayReplica": make_replica_class,
+                                                "ReplayServerAdapter": make_server_adapter_class})
