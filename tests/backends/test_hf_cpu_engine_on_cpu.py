@@ -180,3 +180,23 @@ def test_max_batch_bounds_rows_per_forward_without_starving_anyone(engine):
         hook.remove()
     assert all(len(o.token_ids) == 4 for o in outs)
     assert max(rows) == 3
+
+
+def test_concurrent_scoring_calls_share_one_forward_and_match_a_solo_forward(engine):
+    seqs = [_prompt(engine), _prompt(engine)[:9], list(range(4, 60))]
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        async def together():
+            return await asyncio.gather(*[engine.score(s) for s in seqs])
+
+        rows = asyncio.run(together())
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    with torch.no_grad():
+        for seq, row in zip(seqs, rows):
+            ref = engine.model(torch.tensor([seq])).logits[0].float()  # [L, V]
+            assert row.shape == ref.shape and torch.allclose(row, ref, atol=1e-4, rtol=0), (row - ref).abs().max()
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(engine.score(list(range(300))))

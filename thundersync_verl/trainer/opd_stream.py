@@ -32,6 +32,12 @@ Why:
    their gradients, i.e. replacing verl's forward path for every supported architecture, and
    they still hold every earlier turn's activations (or recompute them at close). Recompute
    keeps the stock engine, is exact, and costs at most K times the tokens (measured above).
+5. ``granularity="trajectory"`` (``thundersync.opd.granularity``) keeps the per-turn teacher scoring
+   (it still overlaps the tools) but backpropagates a trajectory as ONE row once it has ended and
+   all its turns are scored (``TrajectoryRow``): the same gradient (tested), one forward+backward of
+   the trajectory instead of ~(K+1)/2, started later. Which is faster depends on whether the learner
+   has idle time to spend on prefix recompute (separate learner devices) or shares the rollout's
+   compute (this project's 2-core CPU); ``benchmarks/modes.py --algo opd --opd-granularity`` measures it.
 Flow (see ``OPDTurnPlanner``): begin_batch(traj_ids) -> add_turn(OPDTurn) as each turn is scored
 -> next_ops() -> OPDStreamClient.run(ops) -> end_trajectory(id, n_turns) -> finalize() -> barrier.
 """

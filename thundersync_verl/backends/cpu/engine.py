@@ -135,6 +135,7 @@ class HFGenerationEngine:
         self._paused.set()
         self._waiting: list[_Request] = []  # admitted, not prefilled yet
         self._running: list[_Request] = []  # prefilled, decoding
+        self._scoring: list[tuple[list[int], asyncio.Future]] = []  # whole sequences to score (teacher calls)
         self._scheduler: Optional[asyncio.Task] = None
 
     # -- weights -----------------------------------------------------------------
@@ -191,24 +192,49 @@ class HFGenerationEngine:
         if self._scheduler is None or self._scheduler.done():
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
 
+    async def score(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of ``prompt_ids`` ([L, V]), from a forward batched with other scoring calls.
+
+        Teacher scoring (verl's ``prompt_logprobs``) needs the whole sequence, not a generation: the
+        calls that are pending at a scheduler step share one padded forward.
+        """
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"sequence of {len(prompt_ids)} tokens exceeds max_model_len={self.max_model_len}; "
+                             "raise actor_rollout_ref.rollout.max_model_len (or the teacher's) to score it")
+        await self._paused.wait()
+        done = asyncio.get_running_loop().create_future()
+        self._scoring.append((list(prompt_ids), done))
+        self._ensure_scheduler()
+        return await done
+
+    def _score_pending(self) -> None:
+        batch, self._scoring = self._scoring[: self.max_batch], self._scoring[self.max_batch :]
+        rows = kv_batch.all_logits(self.model, [ids for ids, _ in batch], self.pad_token_id)
+        for (_, done), row in zip(batch, rows):
+            if not done.done():
+                done.set_result(row)
+
     async def _schedule(self) -> None:
-        """Decode every running request one token per forward until none is left."""
+        """Score pending sequences, prefill new requests, decode running ones; until nothing is left."""
         try:
-            while self._waiting or self._running:
+            while self._waiting or self._running or self._scoring:
                 self._retire_aborted()
                 if not self._paused.is_set():
                     await asyncio.sleep(0.005)  # paused for a weight swap: keep the KV caches, wait
                     continue
+                if self._scoring:
+                    self._score_pending()
                 if self._waiting:
                     self._prefill(self._take_waiting())
                 if self._running:
                     self._decode_step()
                 await asyncio.sleep(0)  # let arrivals, tools and control calls run
         except BaseException as exc:  # a model error fails every request instead of hanging them
-            for req in self._waiting + self._running:
-                if not req.done.done():
-                    req.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine stopped"))
-            self._waiting, self._running = [], []
+            failed = exc if isinstance(exc, Exception) else RuntimeError("engine stopped")
+            for done in [r.done for r in self._waiting + self._running] + [d for _, d in self._scoring]:
+                if not done.done():
+                    done.set_exception(failed)
+            self._waiting, self._running, self._scoring = [], [], []
             raise
 
     def _take_waiting(self) -> list["_Request"]:

@@ -57,6 +57,20 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[t
 
 
 @torch.no_grad()
+def all_logits(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> list[torch.Tensor]:
+    """Every position's logits of each prompt ([L_i, V] per row) from one left-padded forward (no cache)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.float()  # [B, W, V]
+    return [logits[i, width - len(p) :] for i, p in enumerate(prompts)]
+
+
+@torch.no_grad()
 def decode(model, tokens: Sequence[int], caches: Sequence[KV]) -> tuple[torch.Tensor, list[KV]]:
     """One new token per row on top of its cache: ([B, V] logits, per-row caches grown by one)."""
     lengths = [cache[0][0].shape[2] for cache in caches]

@@ -82,13 +82,23 @@ def prompt_logprob_fields(model, prompt_ids: list[int], num: int) -> dict[str, l
     log-prob, with ``num`` > 0 the top-``num`` ids and log-probs by rank. The last row is zeros
     (no next token), as verl's vLLM server pads it.
     """
+    check_prompt_logprobs(prompt_ids, num)
+    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, S]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()  # [S, V]
+    return prompt_logprobs_from_logits(logits, prompt_ids, num)
+
+
+def check_prompt_logprobs(prompt_ids: list[int], num: int) -> None:
     if num < 0 or len(prompt_ids) < 2:
         raise ValueError(f"prompt_logprobs needs num >= 0 and at least 2 prompt tokens (got num={num}, "
                          f"{len(prompt_ids)} tokens); verl's teacher asks for 0 (or top-k) over prompt+response")
+
+
+def prompt_logprobs_from_logits(logits: torch.Tensor, prompt_ids: list[int], num: int) -> dict[str, list[list]]:
+    """:func:`prompt_logprob_fields` from the sequence's logits ([S, V], every position)."""
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, S]
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [S - 1, V]
-    log_probs = torch.log_softmax(logits, dim=-1)  # [S - 1, V]
+    log_probs = torch.log_softmax(logits[:-1], dim=-1)  # [S - 1, V]
     if num == 0:
         next_ids = ids[0, 1:].unsqueeze(-1)  # [S - 1, 1]
         values = log_probs.gather(-1, next_ids)  # [S - 1, 1]
@@ -117,6 +127,8 @@ class HFCpuServer(contract.ServerControl):
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
         params = dict(sampling_params or {})
         num_prompt_logprobs = params.pop("prompt_logprobs", None)
+        if num_prompt_logprobs is not None:  # a teacher call: score the sequence, generate nothing
+            return await self._score(list(prompt_ids), int(num_prompt_logprobs))
         start = self.recorder.clock() if self.recorder is not None else 0.0
         gen = await self.engine.generate(list(prompt_ids), params)
         self.requests_served += 1
@@ -128,8 +140,6 @@ class HFCpuServer(contract.ServerControl):
             "max_global_steps": gen.max_version,
             "finish_reason": gen.stop_reason,
         }
-        if num_prompt_logprobs is not None:
-            extra.update(prompt_logprob_fields(self.engine.model, list(prompt_ids), int(num_prompt_logprobs)))
         TokenOutput = va.token_output_cls()
         return TokenOutput(
             token_ids=gen.token_ids,
@@ -137,6 +147,18 @@ class HFCpuServer(contract.ServerControl):
             stop_reason="aborted" if gen.stop_reason == "aborted" else "completed",
             extra_fields=extra,
         )
+
+    async def _score(self, prompt_ids: list[int], num: int):
+        """verl's teacher reply: prompt log-probs (batched with concurrent calls), one greedy token."""
+        check_prompt_logprobs(prompt_ids, num)
+        logits = await self.engine.score(prompt_ids)  # [S, V]
+        self.requests_served += 1
+        token = int(torch.argmax(logits[-1]))
+        extra = {"global_steps": self.engine.version, "min_global_steps": self.engine.version,
+                 "max_global_steps": self.engine.version, "finish_reason": "length"}
+        extra.update(prompt_logprobs_from_logits(logits, prompt_ids, num))
+        return va.token_output_cls()(token_ids=[token], log_probs=[float(torch.log_softmax(logits[-1], -1)[token])],
+                                     stop_reason="completed", extra_fields=extra)
 
     async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:
         """Swap weights between decode steps; requests keep their KV caches (like vLLM's in-flight update)."""
