@@ -31,9 +31,10 @@ def register() -> None:
     from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
 
     register_cpu_platform()
-    from thundersync_verl.verl_patches import patch_logprob_diff_metric
+    from thundersync_verl.verl_patches import patch_logprob_diff_metric, patch_reuse_turn_teacher_scores
 
     patch_logprob_diff_metric()
+    patch_reuse_turn_teacher_scores()
     if _cpu_platform_active():
         from thundersync_verl.verl_patches import apply_cpu_patches
 

@@ -138,6 +138,39 @@ def patch_logprob_diff_metric() -> None:
     when_imported("verl.utils.debug.metrics", _wrap)
 
 
+TEACHER_REUSED_KEY = "thundersync_teacher_reused"  # AgentLoopOutput.extra_fields flag set by our agent loop
+
+
+def patch_reuse_turn_teacher_scores() -> None:
+    """Skip verl's whole-trajectory teacher call when the agent loop already holds its exact reply.
+
+    In ThunderSync OPD the agent loop scores every turn's causal prefix with verl's own teacher client;
+    the last turn's prefix IS the trajectory, so its reply is what ``_compute_teacher_logprobs`` would
+    fetch again. The agent loop stores it (``teacher_ids`` / ``teacher_logprobs``, verl's shapes) and
+    sets ``TEACHER_REUSED_KEY``; only then is verl's call skipped (any other agent loop is unaffected).
+    """
+    def _wrap(module):
+        cls = module.AgentLoopWorker
+        original = cls._compute_teacher_logprobs
+        if getattr(original, "_thundersync_patched", False):
+            return
+
+        async def _compute_teacher_logprobs(self, output, *args, **kwargs):
+            fields = getattr(output, "extra_fields", None) or {}
+            flag = fields.pop(TEACHER_REUSED_KEY, None)
+            if flag is not None:  # only outputs of our agent loop carry the flag
+                if flag and not kwargs.get("validate", False) and "teacher_ids" in fields and "teacher_logprobs" in fields:
+                    return None
+                fields.pop("teacher_ids", None), fields.pop("teacher_logprobs", None)  # verl decides, as unpatched
+            return await original(self, output, *args, **kwargs)
+
+        _compute_teacher_logprobs._thundersync_patched = True
+        cls._compute_teacher_logprobs = _compute_teacher_logprobs
+        APPLIED.append("reuse_turn_teacher_scores")
+
+    when_imported("verl.experimental.agent_loop.agent_loop", _wrap)
+
+
 def apply_cpu_patches() -> None:
     patch_gloo_backend_string()
     patch_fsdp_engines_on_cpu()

@@ -404,9 +404,14 @@ def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool
         assert r["thundersync/opd/turns"] >= 4 * 2  # every trajectory has at least one turn, all backpropagated
         assert r["thundersync/opd/turns_from_trajectory_end"] == 0  # all scored by the agent loop, at the turn
         assert r["thundersync/opd/teacher_prefix_gap_max"] < 1e-4  # per-turn scores == verl's whole-trajectory ones
+        assert 0 <= r["thundersync/opd/whole_teacher_call_reused"] <= 1
         assert math.isfinite(r["thundersync/opd/reverse_kl"]) and r["thundersync/opd/reverse_kl"] > 0
         assert r["thundersync/chunks"] >= 1 and r["actor/grad_norm"] > 0
     events = [json.loads(x) for x in (tmp_path / "run" / "opd_thundersync.jsonl").read_text().splitlines()]
+    trajs = [e for e in events if e["kind"] == "trajectory"]
+    # verl's whole-trajectory teacher call is replaced exactly when the last turn's prefix is the trajectory:
+    # it ended on an action (no tool call after it), not on a tool observation
+    assert all(e["teacher_reused"] == (e["turns"][-1]["tool_s"] == 0.0) for e in trajs)
     turns_per_traj = [len(e["turns"]) for e in events if e["kind"] == "trajectory"]
     assert len(turns_per_traj) == 2 * 4 * 2 and any(n > 1 for n in turns_per_traj)  # multi-turn agent trajectories
 

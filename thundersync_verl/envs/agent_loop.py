@@ -29,6 +29,7 @@ from thundersync_verl.envs import protocol
 from thundersync_verl.envs.latency import LatencyModel
 from thundersync_verl.envs.sandbox import run_python_async
 from thundersync_verl.trainer.opd_trainer_step import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
+from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
 
 DEFAULTS = {"max_tool_turns": 4, "tool_timeout_s": 5.0, "retry_prob": 0.2, "tool_latency": {"kind": "constant", "median_s": 0.0}}
 
@@ -134,6 +135,12 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         }
         if self.turn_teacher is not None:
             extra[TURN_COUNT_KEY] = len(scoring)
+            reply = self.turn_teacher.whole_trajectory_reply(trajectory_key(kwargs.get("uid"), kwargs.get("session_id")),
+                                                             prompt_ids + response_ids[:n])
+            if reply is not None:  # verl's whole-trajectory teacher call would repeat the last turn's (verl_patches)
+                extra.update(reply)
+                extra[TEACHER_REUSED_KEY] = True
+            record["teacher_reused"] = reply is not None
         return va.agent_loop_output_cls()(
             prompt_ids=prompt_ids,
             response_ids=response_ids[:n],

@@ -124,6 +124,19 @@ class AgentTurnTeacher:
         self.policy = policy
         self.put = put or _tq_put
         self.sleep = sleep
+        self.replies: dict[str, tuple] = {}  # trajectory -> (prefix, ids rows, log-prob rows) of its latest scored turn
+
+    def whole_trajectory_reply(self, traj_key: str, sequence: list[int]) -> dict | None:
+        """verl's ``teacher_ids`` / ``teacher_logprobs`` for ``sequence`` if a scored turn's prefix equals it.
+
+        The last turn's prefix is the whole trajectory when the loop ended on an action (not on a tool
+        observation or a truncation); then verl's own whole-trajectory call would ask the same question.
+        verl only asks for top-k rows with distillation top-k losses, which OPD turn streaming refuses.
+        """
+        prefix, ids, rows = self.replies.pop(traj_key, (None, None, None))
+        if prefix != list(sequence) or ids is None:
+            return None
+        return {"teacher_ids": torch.tensor(ids, dtype=torch.int32), "teacher_logprobs": torch.tensor(rows)}
 
     @classmethod
     def for_agent_loop(cls, config, rollout_client) -> "AgentTurnTeacher | None":
@@ -140,10 +153,11 @@ class AgentTurnTeacher:
 
     async def _ask(self, prefix: list[int]) -> list:
         out = await self.client.generate(request_id=uuid.uuid4().hex, prompt_ids=prefix, sampling_params=dict(TEACHER_SAMPLING))
-        rows = (getattr(out, "extra_fields", None) or {}).get("prompt_logprobs")
+        fields = getattr(out, "extra_fields", None) or {}
+        rows = fields.get("prompt_logprobs")
         if rows is None:
             raise ValueError("the teacher's reply has no prompt_logprobs: its rollout backend does not serve them")
-        return rows
+        return rows, fields.get("prompt_ids")
 
     async def score(self, traj_key: str, turn: int, prefix: list[int], start: int) -> tuple[list[float], int]:
         """Teacher log-probs of ``prefix[start:]`` and the attempts used; raises after the last attempt."""
@@ -152,8 +166,11 @@ class AgentTurnTeacher:
             if attempt > 1 and policy.backoff_s:
                 await self.sleep(policy.backoff_s * (attempt - 1))
             try:
-                rows = await asyncio.wait_for(self._ask(list(prefix)), policy.timeout_s)
-                return teacher_values(rows, start, len(prefix)), attempt
+                rows, ids = await asyncio.wait_for(self._ask(list(prefix)), policy.timeout_s)
+                values = teacher_values(rows, start, len(prefix))
+                if len(prefix) >= len(self.replies.get(traj_key, ((),))[0]):  # keep the longest (latest) turn's reply
+                    self.replies[traj_key] = (list(prefix), ids, rows)
+                return values, attempt
             except asyncio.TimeoutError:
                 last = f"no reply within teacher_timeout_s={policy.timeout_s}"
             except Exception as exc:  # noqa: BLE001 - any teacher failure is retried, then reported
@@ -436,4 +453,6 @@ class OPDStreamStep:
             "thundersync/opd/reverse_kl": kl / max(n_tok, 1),
             "thundersync/opd/teacher_prefix_gap_max": gap,
             "thundersync/opd/teacher_retries": retries,
+            "thundersync/opd/whole_teacher_call_reused": sum(
+                bool((rows[k]["extra"].get("thundersync_events") or {}).get("teacher_reused")) for k in keys) / max(len(keys), 1),
         }
