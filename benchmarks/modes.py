@@ -242,7 +242,8 @@ def main(argv=None) -> dict:
         result["overrides"] = list(args.override)
     if args.algo == "opd":
         result["opd_granularity"] = args.opd_granularity or "turn"
-    write_result("modes" if args.algo == "grpo" else "modes_opd", result)
+    name = "modes" if args.algo == "grpo" else "modes_opd"
+    write_result(name + (f"_{args.opd_granularity}" if args.opd_granularity else ""), result)
     return result
 
 
