@@ -89,11 +89,13 @@ def print_report(rows: list[dict]) -> None:
                f"{r['calibration']['step_gap_s']:.3g}",
                "recorded" if r["calibration"]["reward_timing"] else f"{r['calibration']['landing_s']:.3g}",
                "yes" if r["calibration"]["partial_rollout"] else "no",
-               f"{r['calibration']['rollout_slowdown']:.2f}", f"{r['calibration']['learner_slowdown']:.2f}"]
+               f"{r['calibration']['rollout_slowdown']:.2f}", f"{r['calibration']['learner_slowdown']:.2f}",
+               f"{r['calibration']['turn_latency_s']:.3g}" if "turn_latency_s" in r["calibration"] else "-"]
               for r in rows]
     print("Fitted from each trace's own records (seconds):")
     print(format_table(fitted, ["trace", "replayed as", "slots", "s/token", "chunk_s", "fwd s/token", "optim_s",
-                                "sync_s", "step_gap_s", "landing_s", "partial", "roll_slow", "learn_slow"]))
+                                "sync_s", "step_gap_s", "landing_s", "partial", "roll_slow", "learn_slow",
+                                "turn_lat_s"]))
     table = []
     for r in rows:
         m, s = r["measured_split"], r["simulated_split"]

@@ -15,7 +15,10 @@ Why this module exists:
    - slots: at least the largest number of trajectories the trace shows in flight at once;
    - partial rollout: a weight push landed in the middle of running trajectories;
    - shared cores: how much slower learner ops ran while the rollout engine decoded, and how
-     much slower the engine decoded while the learner computed.
+     much slower the engine decoded while the learner computed;
+   - turn latency (OPD turn streaming, records with `rows`): from the end of a turn's generation
+     to the trainer having the scored turn (teacher scoring, transfer, the driver's poll), fitted
+     from how many turns each of the driver's polls had (the rows it then trained back to back).
 2. Shared cores (processor sharing, hardware.SharedCores), both sides measured:
    - learner: an op of n tokens takes (a + b n)(1 + k w), where w is the share of its time
      during which at least one sequence was decoding; k is fitted with a and b (least squares
@@ -49,12 +52,16 @@ class Calibration:
     contention: float  # 1 + k: slowdown of learner compute while the engine decodes; 1 = none seen
     contention_ops: int  # learner ops that overlapped decoding (what k was fitted from)
     rollout_contention: float = 1.0  # slowdown of decoding while the learner computes; 1 = none seen
+    turn_latency_s: float | None = None  # OPD turn streaming: generation end -> trainer has the turn; None: unmeasured
 
     def summary(self) -> dict:
-        return {"reward_timing": self.reward_timing, "landing_s": round(self.landing_s, 4),
-                "step_gap_s": round(self.step_gap_s, 4), "slots": self.slots,
-                "partial_rollout": self.partial_rollout, "learner_slowdown": round(self.contention, 3),
-                "contention_ops": self.contention_ops, "rollout_slowdown": round(self.rollout_contention, 3)}
+        out = {"reward_timing": self.reward_timing, "landing_s": round(self.landing_s, 4),
+               "step_gap_s": round(self.step_gap_s, 4), "slots": self.slots,
+               "partial_rollout": self.partial_rollout, "learner_slowdown": round(self.contention, 3),
+               "contention_ops": self.contention_ops, "rollout_slowdown": round(self.rollout_contention, 3)}
+        if self.turn_latency_s is not None:
+            out["turn_latency_s"] = round(self.turn_latency_s, 4)
+        return out
 
 
 # ------------------------------------------------------------------ intervals
@@ -298,6 +305,63 @@ def fit_landing(trace, batch_size: int, first_chunk: int) -> float:
     return float(grid[int(np.argmin(err))])
 
 
+POLL_GAP_S = 1e-3  # backward records further apart than this were trained after separate polls of the driver
+
+
+def turn_polls(trace, poll_gap_s: float = POLL_GAP_S) -> list[tuple[np.ndarray, np.ndarray, float, int]]:
+    """(gen_end [T], t_done [T], poll time, turns the trainer had by then) per driver poll of an OPD turn stream.
+
+    A streaming OPD driver polls for scored turns, then trains every turn it got in chunks run back to back
+    (one backward record each, `rows` = turn rows). A record that starts more than poll_gap_s after the
+    previous one ends opens a new poll: at its start the trainer had every turn of the step trained up to
+    the end of that run of records. Steps whose rows do not add up to their turns are left out (the rows
+    are then not turns). Empty when the records carry no `rows`.
+    """
+    backward = [r for r in trace.learner if r["op"] == "backward"]
+    if trace.algo != "opd" or not backward or any(not isinstance(r.get("rows"), int) for r in backward):
+        return []
+    ops: dict = {}
+    for r in backward:
+        ops.setdefault(r["step"], []).append(r)
+    trajs: dict = {}
+    for r in trace.trajectories:
+        trajs.setdefault(r["step"], []).append(r)
+    polls = []
+    for step, recs in ops.items():
+        recs = sorted(recs, key=lambda r: r["t0"])
+        mine = trajs.get(step, [])
+        if not mine or sum(r["rows"] for r in recs) != sum(len(t["turns"]) for t in mine):
+            continue
+        gen_end = np.concatenate([turn_intervals(t)[:, 1] for t in mine])  # [T]
+        done = np.concatenate([np.full(len(t["turns"]), t["t_done"]) for t in mine])  # [T]
+        had = np.cumsum([r["rows"] for r in recs])
+        starts = [0] + [i for i in range(1, len(recs)) if recs[i]["t0"] - recs[i - 1]["t1"] > poll_gap_s]
+        for a, b in zip(starts, starts[1:] + [len(recs)]):
+            polls.append((gen_end, done, float(recs[a]["t0"]), int(had[b - 1])))
+    return polls
+
+
+def fit_turn_latency(trace, poll_gap_s: float = POLL_GAP_S) -> float | None:
+    """Latency h of an OPD turn stream: turn j is the trainer's at min(gen_end_j + h, t_done).
+
+    The cap: the recorded agent loop returns only after every turn of its trajectory is scored and
+    published, so a trajectory's turns are all available when its slot frees (the slot residual holds
+    the wait for the last turn's score). h is the least-squares fit, over the driver's polls
+    (turn_polls), of the turns available at each poll; None when the trace has no such polls.
+    """
+    polls = turn_polls(trace, poll_gap_s)
+    if not polls:
+        return None
+    top = max(float(np.max(d - g)) for g, d, _, _ in polls)
+    grid = np.linspace(0.0, max(top, 0.0), 1201)  # [H]
+    err = np.zeros(len(grid))
+    for gen_end, done, p, had in polls:
+        later = np.sort(gen_end[done > p])  # turns whose slot was still held at p: available iff gen_end + h <= p
+        count = int((done <= p).sum()) + np.searchsorted(later, p - grid, side="right")  # [H]
+        err += (count - had) ** 2
+    return float(grid[int(np.argmin(err))])
+
+
 def calibrate(trace, mode: str, batch_size: int, first_chunk: int, recorded_slots: int) -> Calibration:
     timing = has_reward_timing(trace)
     k, n_over = fit_contention(trace)
@@ -307,7 +371,8 @@ def calibrate(trace, mode: str, batch_size: int, first_chunk: int, recorded_slot
         step_gap_s=step_gap(trace, barrier=mode in ("sync", "thundersync")),
         slots=max(recorded_slots, peak_in_flight(trace)),
         partial_rollout=mode != "fully_async" and has_partial_rollout(trace),
-        contention=1.0 + k, contention_ops=n_over, rollout_contention=fit_rollout_contention(trace))
+        contention=1.0 + k, contention_ops=n_over, rollout_contention=fit_rollout_contention(trace),
+        turn_latency_s=fit_turn_latency(trace) if mode == "thundersync" else None)
 
 
 def decode_scale(trace, contention: float) -> dict[int, np.ndarray]:  # contention: the rollout's slowdown

@@ -12,9 +12,14 @@ Why this module exists:
      the learner trains prompt_tokens + response_tokens tokens; step is the learner step
      that trained the trajectory; t_reward is when the trainer had the finished trajectory
      (t_reward == t_done everywhere: the trace has no reward timing); for OPD, reward_s is
-     the teacher's total scoring latency (spread over the turns on replay).
+     the teacher's total scoring latency (spread over the turns on replay unless the turn
+     latency is measured, calibrate.fit_turn_latency).
    - {"kind": "learner", "mode", "step", "lane", "op": forward|backward|optimizer|
-      weight_sync|other, "t0", "t1", "tokens"}
+      weight_sync|other, "t0", "t1", "tokens"[, "rows"]}
+     tokens: what the op computed; rows (optional): the units (trajectories, or OPD turn rows)
+     it trained. An OPD turn row streamed by ThunderSync is the trajectory prefix up to the
+     end of its turn, recomputed with grad, so its tokens are the whole prefix's; a trainer
+     with fused old log-probs writes no forward records (that forward is in each backward).
    - {"kind": "step", "mode", "algo", "step", "t_start", "t_end", "n_rollout_slots"}
 2. Replay keeps the recorded durations (per-turn generation and tool time, landing latency
    t_reward - t_done, slot count) and lets the simulator decide WHEN things run; the
@@ -248,6 +253,11 @@ class TraceSource:
             land = (np.asarray([r["t_reward"] - r["t_done"] for r in recs], dtype=np.float64)
                     if self.calib.reward_timing else np.full(len(recs), self.calib.landing_s))
         batch = batch_from_turns(group, len(gids), n_turns, gen_s, tool_s, new_tok, gen_tok, score, reward, seq)
+        if self.algo == "opd" and self.calib is not None and self.calib.turn_latency_s is not None:
+            # measured turn latency, at most until the slot frees (the agent loop returns after its turns are scored)
+            left = np.repeat(batch.dur_s, n_turns) - batch.turn_end_s  # [M] generation end -> slot end
+            score = np.minimum(self.calib.turn_latency_s, np.maximum(left, 0.0))
+            batch = replace(batch, turn_score_s=score, last_score_s=score[batch.turn_ptr[1:] - 1])
         return replace(batch, land_s=land) if land is not None else batch
 
 
@@ -309,7 +319,8 @@ def replay(trace: Trace, warmup_steps: int = 1) -> tuple[SimConfig, TraceSource,
     source = TraceSource(trace, stream=mode == "fully_async", calib=calib)
     cfg = replay_config(trace, source, warmup_steps, mode, calib)
     split = trace.algo == "opd" and cfg.resolved_granularity() == "turn"
-    costs = replace(fit_learner_costs(trace, calib.contention, split_forward=split), step_gap_s=calib.step_gap_s)
+    costs = replace(fit_learner_costs(trace, calib.contention, split_forward=split), step_gap_s=calib.step_gap_s,
+                    prefix_recompute=split and records_recompute_prefix(trace))
     if cfg.resolved_granularity() == "batch":
         costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s * _backward_records_per_step(trace))
     return cfg, source, costs
@@ -320,13 +331,34 @@ def _backward_records_per_step(trace: Trace) -> int:
     return max(1, round(float(np.median(list(counts.values()))))) if counts else 1
 
 
-def _largest_chunk(trace: Trace, source: TraceSource, cfg: SimConfig) -> int | None:
-    """1 when the trainer streamed one unit per backward record, else None (all ready units).
+def records_recompute_prefix(trace: Trace) -> bool:
+    """Whether the backward records' tokens count each OPD turn row as its whole prefix.
 
-    These are the two policies a streaming trainer uses; the record count tells them apart.
+    A trainer that streams OPD turns by recomputing the prefix trains, per trajectory, the prefix up
+    to the end of each turn: its records add up to the sum over turns of the turn's context plus its
+    generated tokens (~(K + 1) / 2 x the trajectory for K turns), not to the trajectory lengths. The
+    per-token cost fitted from those records is then a cost per prefix token, and the replay must
+    cost each turn as its prefix (LearnerCosts.prefix_recompute).
+    """
+    trained = sum(r["tokens"] for r in trace.learner if r["op"] == "backward")
+    prefixes = sum(t["prompt_tokens"] + t["gen_tokens"] for r in trace.trajectories for t in r["turns"])
+    whole = sum(r["prompt_tokens"] + r["response_tokens"] for r in trace.trajectories)
+    return prefixes > whole and abs(trained - prefixes) < abs(trained - whole)
+
+
+def _largest_chunk(trace: Trace, source: TraceSource, cfg: SimConfig) -> int | None:
+    """The trainer's largest chunk: OPD turn rows per record when the records count them, else 1 when
+    the trainer streamed one unit per backward record, else None (all ready units).
+
+    The OPD turn planner trains every ready turn in chunks of at most max_chunk_size rows; records with
+    `rows` show that cap. Without rows, the record count tells the two other policies apart.
     """
     batch = source.batch(0)
-    units = len(batch.turn_lo) if cfg.resolved_granularity() == "turn" else batch.size
+    turns = cfg.resolved_granularity() == "turn"
+    rows = [r.get("rows") for r in trace.learner if r["op"] == "backward"]
+    if turns and cfg.algo == "opd" and rows and all(isinstance(n, int) and n > 0 for n in rows):
+        return max(rows)
+    units = len(batch.turn_lo) if turns else batch.size
     return 1 if _backward_records_per_step(trace) >= 0.9 * units else None
 
 
