@@ -40,7 +40,7 @@ LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # at several scales, the one whose learner wait share is nearest the published agentic trace's 49.5% is
 # kept, results in modes_calibration.json), never on ThunderSync's result; the share measured in each
 # comparison run is reported as sync_learner_wait_share.
-LATENCY_SCALE = 0.2  # calibrated: Sync wait share 0.714 (1.0), 0.625 (0.5), 0.590 (0.3), 0.589 (0.2), 0.595 (0.1)
+LATENCY_SCALE = 0.1  # --calibrate 1.0,0.5,0.3,0.2,0.1: Sync wait share 0.702, 0.615, 0.627, 0.590, 0.585 (flat below 0.3)
 BATCH_PROMPTS = 16  # prompts per step (x rollout.n = 4 trajectories each); one mini-batch, as ThunderSync requires
 MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
