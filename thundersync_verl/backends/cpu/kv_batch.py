@@ -42,16 +42,21 @@ def _split(cache, lengths: Sequence[int]) -> list[KV]:
             for i, n in enumerate(lengths)]
 
 
-@torch.no_grad()
-def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, list[KV]]:
-    """Run ``prompts`` (no cache) as one left-padded batch: ([B, V] last logits, per-row caches)."""
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int):
+    """``input_ids``, ``attention_mask``, ``position_ids`` ([B, W] each) of left-padded prompts."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
     mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, list[KV]]:
+    """Run ``prompts`` (no cache) as one left-padded batch: ([B, V] last logits, per-row caches)."""
+    ids, mask, positions = _left_padded(prompts, pad_id)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     return out.logits[:, -1].float(), _split(out.past_key_values, [len(p) for p in prompts])
 
@@ -59,15 +64,9 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[t
 @torch.no_grad()
 def all_logits(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> list[torch.Tensor]:
     """Every position's logits of each prompt ([L_i, V] per row) from one left-padded forward (no cache)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
+    ids, mask, positions = _left_padded(prompts, pad_id)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.float()  # [B, W, V]
-    return [logits[i, width - len(p) :] for i, p in enumerate(prompts)]
+    return [logits[i, ids.shape[1] - len(p) :] for i, p in enumerate(prompts)]
 
 
 @torch.no_grad()
