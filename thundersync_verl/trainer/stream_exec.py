@@ -19,13 +19,11 @@ from thundersync_verl.trainer.stream_loss import build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
-ROLLOUT_LP_FIELD = "rollout_log_probs"  # verl's agent loop stores it when rollout.calculate_log_probs is on
 
 
-def fetch_rows(tq, keys: list[str], partition_id: str = "train", *, rollout_log_probs: bool = False) -> dict[str, dict]:
-    """``{key: {prompt, response, mask, reward, num_tokens, extra[, rollout_lp]}}`` for finished trajectories."""
-    fields = ROW_FIELDS + ([ROLLOUT_LP_FIELD] if rollout_log_probs else [])
-    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
+def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, dict]:
+    """``{key: {prompt, response, mask, reward, num_tokens, extra}}`` for finished trajectories."""
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=ROW_FIELDS)
     extras = data["extra_fields"]
     extras = extras.tolist() if hasattr(extras, "tolist") else list(extras)
     rows = {}
@@ -39,8 +37,6 @@ def fetch_rows(tq, keys: list[str], partition_id: str = "train", *, rollout_log_
             "num_tokens": int(mask.sum()),
             "extra": getattr(extras[i], "data", extras[i]) or {},
         }
-        if rollout_log_probs:
-            rows[key]["rollout_lp"] = data[ROLLOUT_LP_FIELD][i].tolist()
     return rows
 
 

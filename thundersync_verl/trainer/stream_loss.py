@@ -195,8 +195,7 @@ def build_stream_chunk(
         tensors["response_mask"][-n_pad:] = 0  # padding rows score no token
     tensors[COEF_KEY] = torch.tensor([float(c) for c in coefs] + [0.0] * n_pad, dtype=torch.float64)  # [B]
     if rollout_log_probs is not None:
-        rows = list(rollout_log_probs) + [rollout_log_probs[-1]] * n_pad
-        tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rows, tensors["responses"].shape[1], dtype=torch.float32)  # [B, R]
+        tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rollout_log_probs, tensors["responses"].shape[1], torch.float32, n_pad)
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
     return va.to_no_padding(td)
@@ -303,12 +302,9 @@ def build_token_chunk(
     tensors = pad_batch(prompts, responses, pad_token_id, masks)
     width = tensors["responses"].shape[1]
     tensors[TOKEN_COEF_KEY] = _rows_to_tensor(coefs, width)  # [B, R]
-    if teacher_log_probs is not None:
-        teacher = [list(map(float, t)) for t in teacher_log_probs] + [[0.0] * len(responses[-1])] * n_pad
-        tensors[TEACHER_KEY] = _rows_to_tensor(teacher, width, dtype=torch.float32)  # [B, R]
-    if rollout_log_probs is not None:
-        rollout = [list(map(float, r)) for r in rollout_log_probs] + [[0.0] * len(responses[-1])] * n_pad
-        tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rollout, width, dtype=torch.float32)  # [B, R]
+    for key, rows in ((TEACHER_KEY, teacher_log_probs), (ROLLOUT_LP_KEY, rollout_log_probs)):
+        if rows is not None:
+            tensors[key] = _rows_to_tensor(rows, width, torch.float32, n_pad)  # [B, R]
     tensors[COEF_KEY] = torch.tensor([1.0] * (len(prompts) - n_pad) + [0.0] * n_pad, dtype=torch.float64)  # [B]
     td = TensorDict(tensors, batch_size=[len(prompts)])
     extra = {} if opd_clamp is None else {ADV_CLAMP_KEY: float(opd_clamp)}
@@ -316,8 +312,9 @@ def build_token_chunk(
     return va.to_no_padding(td)
 
 
-def _rows_to_tensor(rows: Sequence[Sequence[float]], width: int, dtype=torch.float64) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=dtype)  # [B, R], right-padded like the responses
+def _rows_to_tensor(rows: Sequence[Sequence[float]], width: int, dtype=torch.float64, n_pad: int = 0) -> torch.Tensor:
+    """Right-padded [B + n_pad, width]; the ``n_pad`` data-parallel padding rows are zeros (they score nothing)."""
+    out = torch.zeros(len(rows) + n_pad, width, dtype=dtype)  # [B, R], right-padded like the responses
     for b, row in enumerate(rows):
         out[b, : len(row)] = torch.tensor(list(row), dtype=dtype)
     return out

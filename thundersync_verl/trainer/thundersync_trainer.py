@@ -194,8 +194,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         if not arrived:
             return
         t_seen = time.time()
-        fused = self.learner_forward == "fused"
-        rows = fetch_rows(api.tq, [k for k, _ in arrived], rollout_log_probs=fused)
+        rows = fetch_rows(api.tq, [k for k, _ in arrived])
         self._rows.update(rows)
         for key, tag in arrived:
             row = rows[key]
@@ -203,16 +202,22 @@ class ThunderSyncTrainer(api.PPOTrainer):
             self.recorder.trajectory(key, row["extra"], row["reward"], t_reward=t_seen)
             keys.append(key)
             tags.append(tag)
-        if fused:
-            self._old_log_probs_from_rollout([k for k, _ in arrived])
+        if self.learner_forward == "fused":  # the chunks carry the rollout log-probs for the backward's own check
+            for key, lp in self._old_log_probs_from_rollout([k for k, _ in arrived]).items():
+                rows[key]["rollout_lp"] = lp
         else:
             self._forward_at_theta_k([k for k, _ in arrived], [t for _, t in arrived])
 
-    def _old_log_probs_from_rollout(self, keys: list) -> None:
-        """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode)."""
+    def _old_log_probs_from_rollout(self, keys: list) -> dict[str, list[float]]:
+        """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode).
+
+        Returns the rollout log-probs per key (one TransferQueue read serves both).
+        """
         data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+        lps = {key: data["rollout_log_probs"][i].tolist() for i, key in enumerate(keys)}
         data["old_log_probs"] = data.pop("rollout_log_probs")
         api.tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
+        return lps
 
     def _forward_at_theta_k(self, keys: list, tags: list) -> None:
         """Reward-independent work as soon as trajectories land: log-probs at the batch's weights.
