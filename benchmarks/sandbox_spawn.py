@@ -1,14 +1,16 @@
-"""Sandbox spawning and the agent loop's event loop: prlimit (vfork) vs preexec_fn (fork), side by side.
+"""Sandbox start cost and the agent loop's event loop: fork server vs prlimit (vfork) vs preexec_fn (fork).
 
 Why:
 1. verl's agent-loop worker runs every trajectory of a batch on one asyncio loop. A tool call that
    blocks that loop while its sandbox starts delays every other trajectory's generation and reward.
 2. With a ``preexec_fn`` CPython must fork() the whole parent process (a trainer-side process holds
-   hundreds of MB) and waits for the exec; without one it takes the vfork/posix_spawn path. The
-   sandbox sets its rlimits through ``prlimit`` for that reason (``envs/sandbox.py`` point 3).
+   hundreds of MB) and waits for the exec; without one it takes the vfork/posix_spawn path
+   (``prlimit`` sets the limits). Either way every call starts a fresh interpreter (~10 ms of CPU);
+   the fork server (``envs/forkserver.py``, the default) forks a small pre-started one instead.
 3. This runs ``concurrency`` sandboxed calls at once from a process holding ``--parent-mb`` of
-   memory, once per path, alternating rounds, and reports the wall time and the longest stall of
-   a 1 ms ticker on the same loop (what the other trajectories feel).
+   memory, once per path, alternating rounds, and reports the wall time, the longest stall of a
+   1 ms ticker on the same loop (what the other trajectories feel) and the CPU the whole machine
+   spent per call (``/proc/stat``: parent, children, kernel; other load on the machine adds noise).
 Run: python benchmarks/sandbox_spawn.py [--quick]
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -29,7 +32,13 @@ from thundersync_verl.envs import sandbox  # noqa: E402
 from thundersync_verl.results import write_result  # noqa: E402
 
 
-async def one_round(concurrency: int) -> tuple[float, float]:
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return sum(values) - values[3] - values[4]  # all but idle and iowait
+
+
+async def one_round(concurrency: int, spawn: str) -> tuple[float, float, float]:
     stalls, stop = [], False
 
     async def ticker():
@@ -38,16 +47,18 @@ async def one_round(concurrency: int) -> tuple[float, float]:
             await asyncio.sleep(0.001)
             stalls.append(time.perf_counter() - t)
 
+    await sandbox.run_python_async("print(0)", spawn=spawn)  # a fork server starts once per process, not per call
     tick = asyncio.create_task(ticker())
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*[sandbox.run_python_async("print(1)") for _ in range(concurrency)])
+    busy0, t0 = _busy_ticks(), time.perf_counter()
+    results = await asyncio.gather(*[sandbox.run_python_async("print(1)", spawn=spawn) for _ in range(concurrency)])
     wall = time.perf_counter() - t0
     stop = True
     await tick
+    cpu_ms = 1000.0 * (_busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK") / concurrency
     bad = [r for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} sandbox calls failed, e.g. {bad[0]}")
-    return wall, max(stalls)
+    return wall, max(stalls), cpu_ms
 
 
 def main() -> None:
@@ -62,24 +73,23 @@ def main() -> None:
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
     with_prlimit = sandbox._prlimit
-    figures: dict[str, dict[str, list[float]]] = {"prlimit": {"wall": [], "stall": []}, "preexec_fn": {"wall": [], "stall": []}}
+    paths = ("fork", "prlimit", "preexec_fn")
+    figures = {p: {"wall": [], "stall": [], "cpu_ms": []} for p in paths}
     rounds = 2 if args.quick else 5
     for r in range(rounds):
-        for path in figures:
-            sandbox._prlimit = with_prlimit if path == "prlimit" else (lambda: None)
-            wall, stall = asyncio.run(one_round(args.concurrency))
-            figures[path]["wall"].append(wall)
-            figures[path]["stall"].append(stall)
-            print(f"round {r + 1}/{rounds} {path:10s} {args.concurrency} calls in {wall:.3f} s, longest loop stall {stall:.3f} s",
-                  flush=True)
+        for path in paths:
+            sandbox._prlimit = (lambda: None) if path == "preexec_fn" else with_prlimit
+            wall, stall, cpu_ms = asyncio.run(one_round(args.concurrency, "fork" if path == "fork" else "exec"))
+            for key, value in (("wall", wall), ("stall", stall), ("cpu_ms", cpu_ms)):
+                figures[path][key].append(value)
+            print(f"round {r + 1}/{rounds} {path:10s} {args.concurrency} calls in {wall:.3f} s, longest loop stall "
+                  f"{stall:.3f} s, {cpu_ms:.1f} ms CPU per call", flush=True)
     sandbox._prlimit = with_prlimit
     med = {p: {k: statistics.median(v) for k, v in f.items()} for p, f in figures.items()}
-    write_result(Path(__file__).stem, {
-        "concurrency": args.concurrency, "parent_mb": args.parent_mb,
-        "wall_s_prlimit": round(med["prlimit"]["wall"], 3), "wall_s_preexec_fn": round(med["preexec_fn"]["wall"], 3),
-        "loop_stall_s_prlimit": round(med["prlimit"]["stall"], 3),
-        "loop_stall_s_preexec_fn": round(med["preexec_fn"]["stall"], 3),
-    })
+    result = {"concurrency": args.concurrency, "parent_mb": args.parent_mb}
+    for key, name, digits in (("wall", "wall_s", 3), ("stall", "loop_stall_s", 3), ("cpu_ms", "cpu_ms_per_call", 2)):
+        result.update({f"{name}_{p}": round(med[p][key], digits) for p in paths})
+    write_result(Path(__file__).stem, result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The sandbox denies the network, enforces its limits and runs calls concurrently. CPU only."""
+"""The sandbox denies the network, enforces its limits and runs calls concurrently, forked or spawned. CPU only."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ try:
 except Exception as exc:
     print("BLOCKED", type(exc).__name__)
 """
+
+
+@pytest.fixture(autouse=True, params=["fork", "exec"])
+def spawn(request, monkeypatch):
+    """Every test runs through both paths: the fork server (default) and a fresh interpreter per call."""
+    monkeypatch.setenv("THUNDERSYNC_SANDBOX_SPAWN", request.param)
+    return request.param
 
 
 @pytest.fixture()

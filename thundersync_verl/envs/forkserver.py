@@ -1,0 +1,244 @@
+"""A pre-started sandbox interpreter that forks one isolated child per call.
+
+Why:
+1. A fresh ``python -I -S`` costs ~10 ms of CPU per call (interpreter start, exec, tear-down);
+   an agentic step makes hundreds of tool and verifier calls, so on a small machine the
+   interpreter starts alone take the cores the rollout and the learner need. A fork of a small,
+   idle interpreter costs well under a millisecond of it.
+2. The isolation is the one of a spawned sandbox: every call is its own process, in its own
+   session (the timeout kills the whole group), with its kernel limits set by ``setrlimit`` in
+   the child, the network denied by the namespace the server was started in and by the same
+   audit hook, which is installed in the child before user code runs. The server itself never
+   runs user code, so one call cannot leave state for the next.
+3. The caller's process holds only a socket: requests carry the child's stdin/stdout/stderr as
+   file descriptors (``SCM_RIGHTS``), so output is read with the same capped buffers as a
+   spawned sandbox; replies (pid, exit status) come back on the socket and are picked up by one
+   reader thread, so any thread or event loop may call.
+4. If the server cannot start or dies, the error says so; :mod:`sandbox` then spawns per call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+# Executed with ``python -I -S -B -c`` after the sandbox's guard source (which defines ``_guard``):
+# serves fork requests on the socket whose fd is argv[1] until it closes.
+SERVER = r"""
+import ctypes, json, os, resource, signal, socket, select, sys, traceback
+sock = socket.socket(fileno=int(sys.argv[1]))
+prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before any guard: children die with the server
+live = {}
+def child(req, fds):
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server_pid:
+        os._exit(1)
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, 1 << 16)
+    os.chdir(req["dir"])
+    for name, value in req["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value[0], value[1]))
+    os.environ.clear()
+    os.environ.update(req["env"])
+    code = 0
+    try:
+        import types
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        if req["guard"]:
+            sys.addaudithook(_guard)
+        with open("main.py", encoding="utf-8") as f:
+            src = f.read()
+        exec(compile(src, "main.py", "exec"), main.__dict__)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 1
+    os._exit(code)
+def reap():
+    while live:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        rid = live.pop(pid, None)
+        if rid is not None:
+            sock.send(json.dumps({"id": rid, "exit": os.waitstatus_to_exitcode(status)}).encode())
+server_pid = os.getpid()
+rd, wr = os.pipe()
+os.set_blocking(wr, False)
+signal.set_wakeup_fd(wr)
+signal.signal(signal.SIGCHLD, lambda *a: None)
+try:
+    while True:
+        ready, _, _ = select.select([sock, rd], [], [])
+        if rd in ready:
+            os.read(rd, 4096)
+        if sock in ready:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            if not msg:
+                break
+            req = json.loads(msg)
+            if "kill" in req:
+                for pid, rid in list(live.items()):
+                    if rid == req["kill"]:
+                        try:
+                            os.killpg(pid, signal.SIGKILL)
+                        except OSError:  # not yet its own group leader
+                            os.kill(pid, signal.SIGKILL)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                child(req, fds)
+            for fd in fds:
+                os.close(fd)
+            live[pid] = req["id"]
+        reap()
+finally:
+    for pid in live:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start, or stopped answering."""
+
+
+class ForkServer:
+    """One server process per client process; :meth:`submit` is thread-safe."""
+
+    def __init__(self, prefix: tuple[str, ...], guard_source: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        program = guard_source + "\n" + SERVER
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
+        try:
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-I", "-S", "-B", "-c", program, str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+            )
+        except OSError as exc:
+            raise ForkServerError(f"the sandbox fork server could not start: {exc}") from exc
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.pid = os.getpid()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._waiters: dict[int, concurrent.futures.Future] = {}
+        self._dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name="sandbox-forkserver", daemon=True)
+        self._reader.start()
+
+    def submit(self, workdir: str, fds: tuple[int, int, int], *, limits: dict[str, tuple[int, int]],
+               env: dict[str, str], guard: bool) -> tuple[int, concurrent.futures.Future]:
+        """Fork one child running ``workdir/main.py`` with ``fds`` as its stdin, stdout, stderr.
+
+        Returns the request id and a future of the child's exit code (negative: the signal
+        that ended it, as ``subprocess`` reports it). ``limits``: ``{"RLIMIT_AS": (soft, hard)}``...
+        """
+        rid = next(self._ids)
+        waiter: concurrent.futures.Future = concurrent.futures.Future()
+        request = json.dumps({"id": rid, "dir": workdir, "limits": limits, "env": env, "guard": guard}).encode()
+        with self._lock:
+            if self._dead is not None:
+                raise ForkServerError(self._dead)
+            self._waiters[rid] = waiter
+            try:
+                socket.send_fds(self.sock, [request], list(fds))
+            except OSError as exc:
+                self._waiters.pop(rid, None)
+                raise ForkServerError(f"the sandbox fork server stopped answering: {exc}") from exc
+        return rid, waiter
+
+    def kill(self, rid: int) -> None:
+        """SIGKILL the process group of request ``rid`` (the server does it: no pid-reuse race)."""
+        with self._lock:
+            if self._dead is None:
+                try:
+                    self.sock.send(json.dumps({"kill": rid}).encode())
+                except OSError:
+                    pass
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.proc.poll() is None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.sock.recv(1 << 16)
+            except OSError:
+                msg = b""
+            if not msg:
+                break
+            reply = json.loads(msg)
+            with self._lock:
+                waiter = self._waiters.pop(reply["id"], None)
+            if waiter is not None:
+                try:
+                    waiter.set_result(reply["exit"])
+                except concurrent.futures.InvalidStateError:
+                    pass  # the caller stopped waiting
+        stderr = b""
+        try:
+            self.proc.wait(timeout=5)
+            stderr = self.proc.stderr.read() if self.proc.stderr else b""
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+        reason = (f"the sandbox fork server exited (code {self.proc.returncode}): "
+                  f"{stderr.decode('utf-8', 'replace').strip()[-400:] or 'no error output'}")
+        with self._lock:
+            self._dead = reason
+            waiters, self._waiters = list(self._waiters.values()), {}
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(ForkServerError(reason))
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_servers: dict[tuple, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def shared(prefix: tuple[str, ...], guard_source: str) -> ForkServer:
+    """This process's server for ``prefix`` (started on first use, restarted if it died)."""
+    key = (os.getpid(), prefix)
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or not server.alive:
+            server = _servers[key] = ForkServer(prefix, guard_source)
+        return server
