@@ -134,6 +134,18 @@ def padded_fields(data, *keys):
     return data.select(*keys).to_padded_tensor()
 
 
+def worker_result_refs(result) -> list:
+    """The object refs behind a non-blocking (``blocking=False``) worker-group call, one per rank.
+
+    verl hands back the list itself, or wraps mesh-dispatched results in a ``DataProtoFuture``.
+    """
+    futures = getattr(result, "futures", None)
+    refs = list(futures) if futures is not None else result
+    if not isinstance(refs, list) or not refs:
+        raise TypeError(f"expected the object refs of a non-blocking worker call, got {type(result).__name__}")
+    return refs
+
+
 def non_tensor(data, key: str, default=None):
     from verl.utils import tensordict_utils as tu
 

@@ -250,12 +250,16 @@ def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
     from thundersync_verl.trainer.opd_stream import OPDTurnPlanner
     from thundersync_verl.trainer.opd_trainer_step import OPDStreamStep
     from thundersync_verl.trainer.step_record import StepRecorder
+    from thundersync_verl.trainer.stream_exec import OpPipeline
 
+    learner = _FakeLearner(tq)
     trainer = SimpleNamespace(
         config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": n, "temperature": 1.0}}}),
         _batch_uids=uids, trajectory_timeout_s=30.0, recorder=StepRecorder(None, mode="thundersync", algo="opd"),
         learner_forward="separate",  # the fake learner returns no per-chunk measurements: verl's forward path
-        actor_rollout_wg=_FakeLearner(tq), tokenizer=SimpleNamespace(pad_token_id=0),
+        actor_rollout_wg=learner, tokenizer=SimpleNamespace(pad_token_id=0),
+        # the fake learner has only the blocking calls: one call per op (thundersync.pipeline_depth=1)
+        op_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
         _forward_at_theta_k=lambda keys, tags: None, _compute_advantage=lambda batch, metrics: batch)
     api = SimpleNamespace(tq=tq, marked_timer=lambda *a, **k: contextlib.nullcontext(), KVBatchMeta=SimpleNamespace)
     return OPDStreamStep(trainer, OPDTurnPlanner(max_chunk_size=2), api=api, poll_s=0.001), trainer

@@ -36,6 +36,59 @@ def test_one_streamed_step_equals_verls_update_actor(harness):
     assert info["stream/peak_bytes"] >= info["stream/buffer_bytes"] > 0 and info["stream/bytes_in_use"] == 0
 
 
+def test_queued_calls_run_in_ticket_order_and_give_the_same_step(harness):
+    wg, pad = harness["wg"], harness["pad"]
+    trajs, arrival = make_trajectories(5, GROUPS, harness["vocab"])
+    [d_sync], _ = train(wg, [lambda: sync_step(wg, trajs, list(range(len(trajs))), pad)])
+    finished: list = []
+    # depth 4: backward and fold calls wait on the worker together; folds must not overtake their buckets
+    [d_queued], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, every=3, max_chunk=2,
+                                                        pipeline=4, finished=finished)])
+    assert relative_gap(d_queued, d_sync) < 1e-5
+    assert info["ops/fold"] > 0 and len(finished) >= 4
+    for (_, _, prev_end), (_, start, end) in zip(finished, finished[1:]):
+        assert prev_end <= start + 1e-3 and start <= end  # one at a time, in submission order
+
+
+def test_a_call_that_arrives_before_its_predecessor_waits_for_it(harness):
+    # Ray starts a task once its arguments are fetched: a small fold can reach the worker before
+    # the chunk that fills its bucket. Sent in that order on purpose, the fold must still run second.
+    import ray
+
+    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.trainer.stream_loss import SEQ_KEY
+
+    wg, pad = harness["wg"], harness["pad"]
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
+    fold = va.worker_result_refs(wg.stream_fold_queued({"g=0|r=1.0": 0.5}, 1))
+    chunk = _bucket_chunk(pad)
+    va.assign_non_tensor(chunk, **{SEQ_KEY: 0})
+    backward = va.worker_result_refs(wg.stream_backward_queued(chunk))
+    [fold_row], [backward_row] = ray.get(fold, timeout=60), ray.get(backward, timeout=60)
+    assert float(fold_row["ts_t_start"]) >= float(backward_row["ts_t_end"]) - 1e-3
+    assert wg.stream_memory()[0]["stream/open_buckets"] == []  # the fold found its bucket filled
+    assert wg.finalize_step(0.25)[0]["grad_norm"] > 0
+
+
+def test_a_reused_ticket_is_refused_with_the_rule(harness):
+    import ray
+
+    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.trainer.stream_loss import SEQ_KEY
+
+    wg, pad = harness["wg"], harness["pad"]
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
+    first = _bucket_chunk(pad)
+    va.assign_non_tensor(first, **{SEQ_KEY: 0})
+    ray.get(va.worker_result_refs(wg.stream_backward_queued(first)))
+    again = _bucket_chunk(pad)
+    va.assign_non_tensor(again, **{SEQ_KEY: 0})
+    with pytest.raises(Exception, match="ticket already used"):
+        ray.get(va.worker_result_refs(wg.stream_backward_queued(again)))
+    with pytest.raises(Exception, match="needs a ticket"):
+        ray.get(va.worker_result_refs(wg.stream_backward_queued(_bucket_chunk(pad))))
+
+
 def _bucket_chunk(pad, coef=1.0, dest="g=0|r=1.0"):
     return build_stream_chunk([[11, 12, 13]], [[14, 15, 16, 17]], [coef], dest, dp_size=1, pad_token_id=pad)
 

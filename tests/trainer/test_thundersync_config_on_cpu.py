@@ -32,6 +32,8 @@ def test_the_shipped_thundersync_recipe_is_valid():
         ("actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "checkpoint_engine.backend"),
         ("actor_rollout_ref.rollout.n_gpus_per_node=0", "n_gpus_per_node"),
         ("thundersync.learner_forward=twice", "thundersync.learner_forward"),
+        ("thundersync.pipeline_depth=0", "thundersync.pipeline_depth"),
+        ("thundersync.pipeline_depth=1.5", "thundersync.pipeline_depth"),
         ("actor_rollout_ref.rollout.calculate_log_probs=false", "calculate_log_probs"),
     ],
 )

@@ -89,27 +89,44 @@ def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id:
 
 # ----- the streamed paths: planners + streaming worker ---------------------------------------
 def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, every: int = 2,
-                max_chunk: int = 4, loss_agg_mode: str = "token-mean") -> dict:
-    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops are sent."""
+                max_chunk: int = 4, loss_agg_mode: str = "token-mean", pipeline: int | None = None,
+                finished: list | None = None) -> dict:
+    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops are sent.
+
+    ``pipeline``: send them through ``OpPipeline`` with that depth (queued calls) instead of one
+    blocking call each; ``finished`` then receives ``(op, t_start, t_end)`` per op, in order.
+    """
     from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
-    from thundersync_verl.trainer.streaming_worker import StreamingLearnerClient
+    from thundersync_verl.trainer.stream_exec import OpPipeline, StreamingLearnerClient
 
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, max_chunk_size=max_chunk)
     client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
     groups = sorted({t.gid for t in trajs})
     planner.begin_batch({g: GROUP_SIZE for g in groups})
     client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
-    table = {(t.gid, t.tid): (t.prompt, t.response) for t in trajs}
+    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}  # trajectory ids unique across groups, as verl's are
+    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
+    rows = {name[id(t)]: {"prompt": t.prompt, "response": t.response, "mask": [1] * len(t.response)} for t in trajs}
+    pipe = None
+    if pipeline is not None:
+        done = finished if finished is not None else []
+        pipe = OpPipeline(wg, pad_token_id=pad_token_id, temperature=1.0, depth=pipeline,
+                          on_done=lambda op, stats, t0, t1: done.append((op, t0, t1)))
     kinds = {"direct": 0, "bucket": 0, "fold": 0}
     for k, i in enumerate(arrival):
         t = trajs[i]
-        planner.arrive(t.gid, t.tid, t.reward, len(t.response))
+        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
         if (k + 1) % every == 0 or k + 1 == len(arrival):
             ops = planner.next_ops()
             for op in ops:
                 key = "fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")
                 kinds[key] += 1
-            client.run(ops, table)
+            if pipe is None:
+                client.run(ops, table)
+            for op in ops if pipe is not None else ():
+                pipe.submit(op, rows)
+    if pipe is not None:
+        pipe.drain()
     metrics = client.finalize(planner.finalize())
     return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}}
 

@@ -45,7 +45,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.opd_stream import OPDTurn, OPDTurnPlanner, opd_planner_from_verl_config, turns_of_trajectory
-from thundersync_verl.trainer.stream_exec import execute_op, fetch_rows
+from thundersync_verl.trainer.stream_exec import fetch_rows
 from thundersync_verl.trainer.teacher_scoring import LOG_PROB_TOLERANCE, TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
 
@@ -309,11 +309,13 @@ class OPDStreamStep:
         self.book = _StepBook()
         self.planner.begin_batch(traj_ids)
         t.actor_rollout_wg.stream_begin_batch({"loss_agg_mode": self.planner.loss_agg_mode})
+        self.pipe = t.op_pipeline(self._op_done)
         t._rows, t._forward_metrics, keys, tags = {}, {}, [], []
         with api.marked_timer("stream", timing_raw, color="red"):
             try:
                 self._stream(trajs, keys, tags)
                 timing_raw["gen"] = max(trajs.arrival_time.values()) - t.recorder.t_step_start
+                self.pipe.drain()
                 final = self.planner.finalize()
                 t0 = time.time()
                 out = t.actor_rollout_wg.finalize_step(final.scale)
@@ -341,7 +343,8 @@ class OPDStreamStep:
                 self._admit(arrived, keys, tags)
             ops = self.planner.next_ops()
             for op in ops:
-                self._run(op)
+                self.pipe.submit(op, self.trainer._rows)
+            self.pipe.collect()
             if all_landed:
                 self._check_complete()
                 return
@@ -402,10 +405,8 @@ class OPDStreamStep:
             out[key] = seq[p - 1 : p - 1 + len(rows[key]["response"]), 0].tolist()  # row s: log p(token s+1)
         return out
 
-    def _run(self, op) -> None:
-        t, t0 = self.trainer, time.time()
-        stats = execute_op(t.actor_rollout_wg, op, t._rows, pad_token_id=t.tokenizer.pad_token_id,
-                           temperature=t.config.actor_rollout_ref.rollout.temperature)
+    def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
+        t = self.trainer
         self.book.kl_sum += stats.get("kl_sum", 0.0)
         self.book.kl_tokens += stats.get("kl_tokens", 0.0)
         if "lp_gap" in stats:
@@ -414,7 +415,7 @@ class OPDStreamStep:
             self.book.backward_at[item] = t0
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]
         tokens = sum(len(turn.prompt) + len(turn.response) for turn in op.turns)
-        t.recorder.learner_op("backward", t0, time.time(), items=items, tokens=tokens)
+        t.recorder.learner_op("backward", t0, t1, items=items, tokens=tokens)
 
     def _check_complete(self) -> None:
         missing = self.book.missing()

@@ -6,17 +6,28 @@
    data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``.
 3. An OPD ``TurnBackwardOp`` carries its own rows (each turn's prefix and teacher log-probs): it becomes one
    per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``.
+4. ``OpPipeline`` keeps the next op queued on the learner while one computes (the worker's ``*_queued``
+   calls, numbered per batch): with one blocking call at a time the learner sat idle while the driver
+   admitted arrivals, built the next chunk and verl dispatched it. Results come back in order; the first
+   failure is raised after the calls already sent have finished, so nothing of the batch is left running.
+5. ``StreamingLearnerClient`` is the blocking form for tests and the equivalence benchmark.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import time
+from typing import Callable
 
 import ray
 
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core import StreamingInputError
+from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
-from thundersync_verl.trainer.stream_loss import build_stream_chunk
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
+from thundersync_verl.trainer.stream_loss import SEQ_KEY, build_stream_chunk
+from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
 
@@ -47,25 +58,107 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
     log p_learner| over scored tokens) when the rows carry ``rollout_lp``; ``kl_sum`` and
     ``kl_tokens`` (log pi - log p_teacher summed over scored tokens) for an OPD turn chunk.
     """
+    method, args = _request(worker_group, op, rows, pad_token_id=pad_token_id, temperature=temperature, queued=False)
+    return _stats(op, _parts(_wait(getattr(worker_group, method)(*args))))
+
+
+def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, queued: bool, seq: int = 0):
+    """``(worker method, args)`` for one op; a queued call carries its ticket ``seq``."""
+    suffix = "_queued" if queued else ""
     if isinstance(op, FoldOp):
-        worker_group.stream_fold(op.folds)
-        return {}
+        return "stream_fold" + suffix, ((op.folds, seq) if queued else (op.folds,))
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
-        client = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature)
-        parts = _parts(_wait(worker_group.stream_token_backward(client.chunk(op))))
-        stats = {"kl_sum": _stat(parts, "ts_kl_sum", sum), "kl_tokens": _stat(parts, "ts_kl_tokens", sum),
-                 "lp_gap": _stat(parts, "ts_lp_diff_max", max)}
-        return {k: v for k, v in stats.items() if not math.isnan(v)}
-    if not isinstance(op, BackwardOp):
+        chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature).chunk(op)
+        method = "stream_token_backward"
+    elif isinstance(op, BackwardOp):
+        chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+        with_lp = all("rollout_lp" in r for r in chunk_rows)
+        chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
+                                   op.dest, dp_size=worker_group.world_size, pad_token_id=pad_token_id,
+                                   temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
+                                   rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
+        method = "stream_backward"
+    else:
         raise TypeError(f"unknown stream op {op!r}")
-    chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-    with_lp = all("rollout_lp" in r for r in chunk_rows)
-    chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs, op.dest,
-                               dp_size=worker_group.world_size, pad_token_id=pad_token_id, temperature=temperature,
-                               response_masks=[r["mask"] for r in chunk_rows],
-                               rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
-    gap = _stat(_parts(_wait(worker_group.stream_backward(chunk))), "ts_lp_diff_max", max)
-    return {} if math.isnan(gap) else {"lp_gap": gap}
+    if queued:
+        va.assign_non_tensor(chunk, **{SEQ_KEY: int(seq)})
+    return method + suffix, (chunk,)
+
+
+def _stats(op, parts: list) -> dict:
+    if isinstance(op, FoldOp):
+        return {}
+    stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max)}
+    if isinstance(op, TurnBackwardOp):
+        stats.update(kl_sum=_stat(parts, "ts_kl_sum", sum), kl_tokens=_stat(parts, "ts_kl_tokens", sum))
+    return {k: v for k, v in stats.items() if not math.isnan(v)}
+
+
+class OpPipeline:
+    """Planner ops queued on the learner, at most ``depth`` in flight, finished in order.
+
+    ``on_done(op, stats, t_start, t_end)`` is called for each finished op, in submission order, with
+    ``execute_op``'s stats and the worker's own start/end times of the call. ``depth=1`` sends each op
+    as one blocking call (``execute_op``) and times it on the driver.
+    """
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float,
+                 on_done: Callable[[object, dict, float, float], None], depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"OpPipeline depth must be >= 1 (ops in flight), got {depth}")
+        self.wg, self.pad_token_id, self.temperature = worker_group, pad_token_id, temperature
+        self.on_done, self.depth = on_done, depth
+        self._inflight: collections.deque = collections.deque()
+        self._seq = 0
+
+    def begin_batch(self) -> None:
+        """Tickets restart at 0 (call after the worker's ``stream_begin_batch``)."""
+        if self._inflight:
+            raise RuntimeError(f"{len(self._inflight)} op(s) of the previous batch still in flight: drain() first")
+        self._seq = 0
+
+    def submit(self, op, rows: dict) -> None:
+        """Queue ``op``; returns once at most ``depth`` ops are in flight."""
+        if self.depth == 1:
+            t0 = time.time()
+            stats = execute_op(self.wg, op, rows, pad_token_id=self.pad_token_id, temperature=self.temperature)
+            self.on_done(op, stats, t0, time.time())
+            return
+        method, args = _request(self.wg, op, rows, pad_token_id=self.pad_token_id, temperature=self.temperature,
+                                queued=True, seq=self._seq)
+        refs = va.worker_result_refs(getattr(self.wg, method)(*args))
+        self._seq += 1
+        self._inflight.append((op, refs, time.time()))
+        self.collect(keep=self.depth)
+
+    def collect(self, keep: int | None = None) -> None:
+        """Hand back every finished op at the head; with ``keep``, wait until at most ``keep`` are in flight."""
+        while self._inflight:
+            op, refs, t_sent = self._inflight[0]
+            must_wait = keep is not None and len(self._inflight) > keep
+            if not must_wait and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                return
+            try:
+                parts = _parts(ray.get(refs))
+            except BaseException:
+                self._abandon()
+                raise
+            self._inflight.popleft()
+            t_start = _stat(parts, "ts_t_start", min)
+            t_end = _stat(parts, "ts_t_end", max)
+            self.on_done(op, _stats(op, parts), t_sent if math.isnan(t_start) else t_start,
+                         time.time() if math.isnan(t_end) else t_end)
+
+    def drain(self) -> None:
+        """Wait for every op in flight (before the optimizer step)."""
+        self.collect(keep=0)
+
+    def _abandon(self) -> None:
+        """After a failure: let the calls already sent finish (each refuses: the batch failed), drop them."""
+        refs = [r for _, op_refs, _ in self._inflight for r in op_refs]
+        self._inflight.clear()
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=60)
 
 
 def _wait(result):
@@ -87,3 +180,49 @@ def _stat(parts: list, key: str, reduce) -> float:
     values = [float(v) for p in parts if key in p.keys() for v in p[key].reshape(-1).tolist()]
     values = [v for v in values if not math.isnan(v)]
     return float(reduce(values)) if values else float("nan")
+
+
+class StreamingLearnerClient:
+    """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
+
+    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids[, response_mask]).
+    Every call waits for
+    its result: the worker is an asyncio actor whose plain methods may run concurrently, and a
+    fold must never overtake the backward that fills its bucket.
+    """
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
+        self.wg = worker_group
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
+
+    def begin_batch(self, meta: dict) -> None:
+        self.wg.stream_begin_batch(meta)
+
+    def run(self, ops, trajectories) -> list:
+        """Send ``ops`` (BackwardOp / FoldOp) in order; returns the backward results."""
+        results = []
+        for op in ops:
+            if isinstance(op, BackwardOp):
+                rows = [trajectories[item] for item in op.items]
+                masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
+                chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
+                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id,
+                                           temperature=self.temperature, response_masks=masks)
+                results.append(self.wg.stream_backward(chunk))
+            elif isinstance(op, FoldOp):
+                self.wg.stream_fold(op.folds)
+            else:
+                raise StreamingInputError(
+                    rule_message(
+                        f"unknown op {type(op).__name__}",
+                        "the worker executes backward chunks and folds; the barrier is finalize()",
+                        "pass the list returned by StreamPlanner.next_ops()",
+                    )
+                )
+        return results
+
+    def finalize(self, op: FinalizeOp) -> dict:
+        """The barrier; returns rank 0's metrics (grad_norm, lr, bucket memory)."""
+        return self.wg.finalize_step(op.scale)[0]

@@ -40,6 +40,7 @@ from thundersync_verl.core.errors import rule_message
 
 COEF_KEY = "ts_coef"  # [B] per-trajectory coefficient (A_i, or 1 for a bucket)
 DEST_KEY = "ts_dest"  # non-tensor: "direct" or a bucket key
+SEQ_KEY = "ts_seq"  # non-tensor: the ticket of a queued call (streaming_worker, stream_exec.OpPipeline)
 TOKEN_COEF_KEY = "ts_token_coef"  # [B, R] per-token coefficient, zero off the scored tokens
 TEACHER_KEY = "ts_teacher_log_prob"  # [B, R] teacher log-probs of the scored tokens (OPD)
 ROLLOUT_LP_KEY = "ts_rollout_log_prob"  # [B, R] optional: the rollout's log-probs, for the agreement metric

@@ -11,8 +11,11 @@ Why:
        stream_fold({key: coef})   .grad += coef * bucket[key] when a group closes; free buckets
        finalize_step(scale)       the barrier: normalise, clip, optimizer step, LR step, zero
    plus ``stream_memory`` (bucket accounting), ``gather_flat_params`` and ``reset_actor`` (for
-   equivalence checks). Every call blocks until done: verl's worker is an asyncio actor whose
-   plain methods run on a thread pool, so unordered calls could overlap.
+   equivalence checks). These calls block until done: verl's worker is an asyncio actor, and Ray
+   starts a task once its arguments are fetched, so calls sent back to back may start out of order.
+   ``stream_backward_queued`` / ``stream_token_backward_queued`` / ``stream_fold_queued`` return
+   at once and carry a ticket (0, 1, 2... per batch): each runs after the previous ticket's call
+   finished, so the driver keeps the next chunk queued while one computes (``OpPipeline``).
 2. The chunk's loss is ours (``stream_loss.py``), installed through the worker's loss-function
    seam for the duration of the call, so verl's own ``update_actor`` keeps its ppo loss.
 3. A bucket backward must not mix with the direct gradient already in ``.grad``: the direct
@@ -24,14 +27,16 @@ Why:
    collective. Errors state the rule, why it exists and how to fix it.
 5. Buckets are accounted by the core's ``BufferPool`` (bytes in use, peak, open buckets): the
    figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated.
-The driver side (``StreamingLearnerClient``) executes the planner's ops against a worker group.
+The driver side (``stream_exec.py``) executes the planner's ops against a worker group.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import threading
+import time
 
 import torch
 
@@ -46,15 +51,16 @@ from thundersync_verl.trainer.stream_loss import (
     KL_SUM_METRIC,
     KL_TOKENS_METRIC,
     LP_DIFF_METRIC,
+    SEQ_KEY,
     TEACHER_KEY,
     TOKEN_COEF_KEY,
-    build_stream_chunk,
     make_stream_loss,
     make_token_stream_loss,
 )
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp, settings_from_verl_config
+from thundersync_verl.trainer.stream_plan import settings_from_verl_config
 
 DIRECT = "direct"
+QUEUE_WAIT_S = 600.0  # a queued call waits at most this long for its predecessor
 _Base = va.tinker_actor_worker_base()
 register, Dispatch, ACTOR_MESH = va.worker_register_api()
 
@@ -80,11 +86,13 @@ class StreamingActorWorker(_Base):
         self._ts: _BatchState | None = None
         self._ts_peak_bytes = 0
         self._ts_lock = threading.Lock()
+        self._ts_turn: asyncio.Condition | None = None  # created on the actor's event loop
+        self._ts_next = 0  # the ticket of the queued call that may run next
 
     @contextlib.contextmanager
     def _exclusive(self, call: str):
-        """One streaming call at a time: verl's worker is an asyncio actor whose plain methods run
-        on a thread pool, so overlapping calls would interleave backward, fold and step."""
+        """One streaming call at a time: a call that slipped past another (an asyncio actor starts
+        tasks as their arguments arrive) must not interleave backward, fold and step."""
         if not self._ts_lock.acquire(blocking=False):
             raise StreamingStateError(
                 rule_message(
@@ -97,6 +105,42 @@ class StreamingActorWorker(_Base):
             yield
         finally:
             self._ts_lock.release()
+
+    async def _await_turn(self, seq, call: str) -> None:
+        """Queued calls run in ticket order. They are coroutines: the actor runs every call on one
+        event loop, and a queued call that arrived before its predecessor (Ray starts a task once its
+        arguments are fetched, so a small fold can overtake a large chunk) must wait without blocking it."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise StreamingInputError(rule_message(
+                f"a queued {call} needs a ticket: an int >= 0 (got {seq!r})",
+                "queued calls return at once, so only the ticket says in which order they run",
+                "send queued calls through stream_exec.OpPipeline, which numbers them per batch"))
+        if self._ts_turn is None:
+            self._ts_turn = asyncio.Condition()
+        async with self._ts_turn:
+            try:
+                await asyncio.wait_for(self._ts_turn.wait_for(lambda: self._ts_next >= seq), QUEUE_WAIT_S)
+            except asyncio.TimeoutError:
+                raise StreamingStateError(rule_message(
+                    f"queued {call} #{seq} waited {QUEUE_WAIT_S:.0f}s for call #{self._ts_next}",
+                    "queued calls run in ticket order, so a fold never overtakes the backward that fills its bucket",
+                    "number queued calls 0, 1, 2... after each stream_begin_batch, without gaps")) from None
+            if self._ts_next != seq:
+                raise StreamingStateError(rule_message(
+                    f"queued {call} #{seq}: ticket already used (next is #{self._ts_next})",
+                    "each ticket runs exactly once", "restart numbering at 0 only after stream_begin_batch"))
+
+    async def _queued(self, seq, call: str, run):
+        """``run()`` in its turn, alone; the result carries the worker's start and end times."""
+        await self._await_turn(seq, call)
+        try:
+            with self._exclusive(call):
+                t0 = time.time()
+                return _timed(run(), t0)
+        finally:
+            async with self._ts_turn:
+                self._ts_next = seq + 1
+                self._ts_turn.notify_all()
 
     # ----- helpers ------------------------------------------------------------------------
     def _engine(self):
@@ -146,6 +190,7 @@ class StreamingActorWorker(_Base):
             self._engine().optimizer_zero_grad()
             local = [va.local_view(p) for p in self._params()]
             self._ts = _BatchState(local, settings.loss_agg_mode, meta)
+            self._ts_next = 0  # every call runs on the actor's one event loop thread
 
     @register(dispatch_mode=ACTOR_MESH)
     def stream_backward(self, chunk):
@@ -165,18 +210,37 @@ class StreamingActorWorker(_Base):
         teacher log-probs) instead of a per-row coefficient and loss_agg_mode weight.
         """
         with self._exclusive("stream_token_backward"):
-            _check_token_chunk(chunk)
-            keys = [k for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()]
-            finite = all(bool(torch.isfinite(chunk[k]).all()) for k in keys)
-            if not self._agree(finite):
-                raise StreamingInputError(
-                    rule_message(
-                        f"every {TOKEN_COEF_KEY} and {TEACHER_KEY} value of a chunk must be finite",
-                        "one NaN or inf coefficient poisons the whole batch gradient",
-                        "check the teacher's scores before planning the turn",
-                    )
+            return self._stream_token_backward(chunk)
+
+    @register(dispatch_mode=ACTOR_MESH, blocking=False)
+    async def stream_backward_queued(self, chunk):
+        """``stream_backward`` the caller does not wait for; runs after ticket ``chunk["ts_seq"] - 1``."""
+        return await self._queued(va.non_tensor(chunk, SEQ_KEY), "stream_backward", lambda: self._stream_backward(chunk))
+
+    @register(dispatch_mode=ACTOR_MESH, blocking=False)
+    async def stream_token_backward_queued(self, chunk):
+        """``stream_token_backward`` the caller does not wait for (ticket as above)."""
+        return await self._queued(va.non_tensor(chunk, SEQ_KEY), "stream_token_backward",
+                                  lambda: self._stream_token_backward(chunk))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def stream_fold_queued(self, folds: dict, seq: int):
+        """``stream_fold`` the caller does not wait for (ticket ``seq``)."""
+        return await self._queued(seq, "stream_fold", lambda: self._stream_fold(folds))
+
+    def _stream_token_backward(self, chunk):
+        _check_token_chunk(chunk)
+        keys = [k for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()]
+        finite = all(bool(torch.isfinite(chunk[k]).all()) for k in keys)
+        if not self._agree(finite):
+            raise StreamingInputError(
+                rule_message(
+                    f"every {TOKEN_COEF_KEY} and {TEACHER_KEY} value of a chunk must be finite",
+                    "one NaN or inf coefficient poisons the whole batch gradient",
+                    "check the teacher's scores before planning the turn",
                 )
-            return self._stream_backward(chunk, loss_fn=make_token_stream_loss())
+            )
+        return self._stream_backward(chunk, loss_fn=make_token_stream_loss())
 
     def _stream_backward(self, chunk, loss_fn=None):
         state = self._state("stream_backward")
@@ -419,6 +483,17 @@ def _flat(values) -> list[float]:
     return [float(values)]
 
 
+def _timed(result, t0: float):
+    """A queued call's result row with the worker's start and end time (the driver's timeline)."""
+    from tensordict import TensorDict
+
+    times = {"ts_t_start": torch.tensor([t0], dtype=torch.float64), "ts_t_end": torch.tensor([time.time()], dtype=torch.float64)}
+    if result is None:
+        return TensorDict(times, batch_size=[1])
+    result.update(times)
+    return result
+
+
 def _chunk_result(output, rows: int):
     """One row per rank: the chunk's loss and the checks its forward measured at θ_k (NaN: not measured)."""
     from tensordict import TensorDict
@@ -431,50 +506,3 @@ def _chunk_result(output, rows: int):
     values = {"ts_loss": loss, "ts_lp_diff_max": gap, "ts_kl_sum": kl_sum, "ts_kl_tokens": kl_tokens}
     out = {k: torch.tensor([v], dtype=torch.float64) for k, v in values.items()}
     return TensorDict({**out, "ts_rows": torch.tensor([rows])}, batch_size=[1])
-
-
-# ----- driver side ----------------------------------------------------------------------------
-class StreamingLearnerClient:
-    """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
-
-    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids[, response_mask]).
-    Every call waits for
-    its result: the worker is an asyncio actor whose plain methods may run concurrently, and a
-    fold must never overtake the backward that fills its bucket.
-    """
-
-    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
-        self.wg = worker_group
-        self.pad_token_id = int(pad_token_id)
-        self.temperature = float(temperature)
-        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
-
-    def begin_batch(self, meta: dict) -> None:
-        self.wg.stream_begin_batch(meta)
-
-    def run(self, ops, trajectories) -> list:
-        """Send ``ops`` (BackwardOp / FoldOp) in order; returns the backward results."""
-        results = []
-        for op in ops:
-            if isinstance(op, BackwardOp):
-                rows = [trajectories[item] for item in op.items]
-                masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
-                chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
-                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id,
-                                           temperature=self.temperature, response_masks=masks)
-                results.append(self.wg.stream_backward(chunk))
-            elif isinstance(op, FoldOp):
-                self.wg.stream_fold(op.folds)
-            else:
-                raise StreamingInputError(
-                    rule_message(
-                        f"unknown op {type(op).__name__}",
-                        "the worker executes backward chunks and folds; the barrier is finalize()",
-                        "pass the list returned by StreamPlanner.next_ops()",
-                    )
-                )
-        return results
-
-    def finalize(self, op: FinalizeOp) -> dict:
-        """The barrier; returns rank 0's metrics (grad_norm, lr, bucket memory)."""
-        return self.wg.finalize_step(op.scale)[0]

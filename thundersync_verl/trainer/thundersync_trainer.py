@@ -29,7 +29,7 @@ import ray
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.opd_trainer_step import OPDStreamStep, attach_teacher_clients, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
-from thundersync_verl.trainer.stream_exec import execute_op, fetch_rows
+from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
 from thundersync_verl.trainer.stream_loss import exact_micro_batch_size
 from thundersync_verl.trainer.stream_plan import BackwardOp, StreamPlanner, settings_from_verl_config
 from thundersync_verl.trainer.trajectory_source import TrajectorySource
@@ -62,8 +62,27 @@ def validate_thundersync_config(config) -> None:
             "naive copies weights inside the learner process (colocated rollout only)",
             "set actor_rollout_ref.rollout.checkpoint_engine.backend to nccl/nixl on GPUs or cpu_channel on CPUs"))
     learner_forward_of(config)
+    pipeline_depth_of(config)
     if opd_enabled(config):
         validate_opd_config(config)  # k1 policy gradient, no task rewards, one teacher
+
+
+def pipeline_depth_of(config) -> int:
+    """``thundersync.pipeline_depth``: learner calls in flight (1: wait for each; 2: the next one queued)."""
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.core.errors import rule_message
+
+    raw = (config.get("thundersync", {}) or {}).get("pipeline_depth", 2)
+    try:
+        depth = int(raw)
+    except (TypeError, ValueError):
+        depth = 0
+    if depth < 1 or str(raw).strip() != str(depth):
+        raise StreamingConfigError(rule_message(
+            f"thundersync.pipeline_depth must be an integer >= 1, got {raw!r}",
+            "it is how many backward/fold calls the driver keeps queued on the learner",
+            "set thundersync.pipeline_depth=2 (default; 1 waits for every call)"))
+    return depth
 
 
 LEARNER_FORWARDS = ("fused", "separate")
@@ -111,6 +130,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.trajectory_timeout_s = float(ts.get("trajectory_timeout_s", 600))
         self.learner_forward = learner_forward_of(config)
         self.poll_s = float(ts.get("poll_s", 0.01))  # TransferQueue listing interval while waiting for arrivals
+        self.pipeline_depth = pipeline_depth_of(config)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(ts.get("run_dir"), mode="thundersync", algo="opd" if self.opd_step else "grpo",
                                      n_rollout_slots=n_slots)
@@ -168,17 +188,19 @@ class ThunderSyncTrainer(api.PPOTrainer):
         source = TrajectorySource(api.tq.kv_list, self._batch_uids, n, timeout_s=self.trajectory_timeout_s, poll_s=self.poll_s)
         self.planner.begin_batch({uid: n for uid in self._batch_uids})
         self.actor_rollout_wg.stream_begin_batch({"loss_agg_mode": self.planner.loss_agg_mode})
+        pipe = self.op_pipeline(self._op_done)
         t_start, keys, tags = self.recorder.t_step_start, [], []
         self._rows: dict[str, dict] = {}
         self._forward_metrics: dict[str, float] = {}
         self._fused_gap: float | None = None
         with api.marked_timer("stream", timing_raw, color="red"):
             while not source.done or self.planner.ready:
-                arrived = source.wait_new(t_start)
+                arrived = source.wait_new(t_start, idle=pipe.collect)
                 self._admit(arrived, keys, tags)
                 for op in self.planner.next_ops():
-                    self._run(op)
+                    pipe.submit(op, self._rows)
             timing_raw["gen"] = max(source.arrival_time.values()) - t_start  # rollout makespan, verl's name
+            pipe.drain()
             final = self.planner.finalize()
             t0 = time.time()
             out = self.actor_rollout_wg.finalize_step(final.scale)
@@ -238,13 +260,17 @@ class ThunderSyncTrainer(api.PPOTrainer):
             else:
                 self._forward_metrics.setdefault(name, value)
 
-    def _run(self, op) -> None:
-        t0 = time.time()
-        gap = execute_op(self.actor_rollout_wg, op, self._rows, pad_token_id=self.tokenizer.pad_token_id,
-                         temperature=self.config.actor_rollout_ref.rollout.temperature).get("lp_gap")
+    def op_pipeline(self, on_done) -> OpPipeline:
+        """The learner queue of one batch (``thundersync.pipeline_depth`` ops in flight)."""
+        return OpPipeline(self.actor_rollout_wg, pad_token_id=self.tokenizer.pad_token_id,
+                          temperature=self.config.actor_rollout_ref.rollout.temperature, on_done=on_done,
+                          depth=self.pipeline_depth)
+
+    def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
+        gap = stats.get("lp_gap")
         if gap is not None:
             self._fused_gap = max(gap, self._fused_gap if self._fused_gap is not None else gap)
         kind = "backward" if isinstance(op, BackwardOp) else "fold"
         items = getattr(op, "items", ())
         tokens = sum(len(self._rows[k]["prompt"]) + len(self._rows[k]["response"]) for _, k in items)
-        self.recorder.learner_op(kind, t0, time.time(), items=items, tokens=tokens)
+        self.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens)

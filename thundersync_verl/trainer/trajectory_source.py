@@ -63,9 +63,14 @@ class TrajectorySource:
                 new.append((key, tag))
         return new
 
-    def wait_new(self, t_start: float) -> list[tuple[str, dict]]:
-        """Block until at least one new trajectory arrived (or the batch is complete)."""
+    def wait_new(self, t_start: float, idle: Callable[[], None] | None = None) -> list[tuple[str, dict]]:
+        """Block until at least one new trajectory arrived (or the batch is complete).
+
+        ``idle`` runs between polls (the trainer collects finished learner calls there).
+        """
         while not self.done:
+            if idle is not None:
+                idle()
             new = self.poll()
             if new:
                 return new
