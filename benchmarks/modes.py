@@ -40,7 +40,7 @@ LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # at several scales, the one whose learner wait share is nearest the published agentic trace's 49.5% is
 # kept, results in modes_calibration.json), never on ThunderSync's result; the share measured in each
 # comparison run is reported as sync_learner_wait_share.
-LATENCY_SCALE = 0.1  # --calibrate 1.0,0.5,0.3,0.2,0.1: Sync wait share 0.702, 0.615, 0.627, 0.590, 0.585 (flat below 0.3)
+LATENCY_SCALE = 0.2  # --calibrate 0.5,0.2,0.1 --steps 6: Sync wait share 0.535, 0.492, 0.476 (nearest 0.495: 0.2)
 BATCH_PROMPTS = 16  # prompts per step (x rollout.n = 4 trajectories each); one mini-batch, as ThunderSync requires
 MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
@@ -63,7 +63,8 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
-    traj_path.unlink(missing_ok=True)
+    for stale in run_dir.glob("*.jsonl"):  # trajectories, metrics, step traces: the recorders append
+        stale.unlink()
     extra = workload(latency_scale, mode) + list(extra or []) + [f"thundersync.env.trace_path={traj_path}",
                                                                  f"thundersync.run_dir={run_dir}"]
     cmd = verl_command(inputs, algo=algo, mode=mode, steps=steps, extra=extra)

@@ -186,6 +186,8 @@ def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, 
         raise ValueError(f"--mode must be one of {MODES} and --algo one of {ALGOS}, got {mode!r}, {algo!r}")
     work = Path(work_dir).resolve() / f"{algo}_{mode}"
     work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob("*.jsonl"):  # metrics and step traces of an earlier run: the recorders append
+        stale.unlink()
     print(f"[demo] preparing tiny models and data under {work}", flush=True)
     inputs = prepare_inputs(work.parent, variants=("student", "teacher") if algo == "opd" else ("student",))
     metrics_path = work / "metrics.jsonl"
