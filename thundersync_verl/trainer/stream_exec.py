@@ -95,7 +95,8 @@ def _stats(op, parts: list) -> dict:
 
 
 class OpPipeline:
-    """Planner ops queued on the learner, at most ``depth`` in flight, finished in order.
+    """Planner ops queued on the learner, at most ``depth`` in flight, finished in order; one per batch
+    (tickets start at 0, as the worker's do after ``stream_begin_batch``).
 
     ``on_done(op, stats, t_start, t_end)`` is called for each finished op, in submission order, with
     ``execute_op``'s stats and the worker's own start/end times of the call. ``depth=1`` sends each op
@@ -109,12 +110,6 @@ class OpPipeline:
         self.wg, self.pad_token_id, self.temperature = worker_group, pad_token_id, temperature
         self.on_done, self.depth = on_done, depth
         self._inflight: collections.deque = collections.deque()
-        self._seq = 0
-
-    def begin_batch(self) -> None:
-        """Tickets restart at 0 (call after the worker's ``stream_begin_batch``)."""
-        if self._inflight:
-            raise RuntimeError(f"{len(self._inflight)} op(s) of the previous batch still in flight: drain() first")
         self._seq = 0
 
     def submit(self, op, rows: dict) -> None:
