@@ -197,6 +197,33 @@ def test_failing_teacher_publishes_a_failure_and_raises(hang):
     assert "v_0_0_t0" in source.foreign  # another batch's (or validation's) turn is not this batch's failure
 
 
+def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
+    # The last scored turn's reply is kept for verl's whole-trajectory question, which a failed loop never asks.
+    from types import SimpleNamespace
+
+    from thundersync_verl.envs.agent_loop import DEFAULTS, ThunderSyncToolAgentLoop
+    from thundersync_verl.envs.latency import LatencyModel
+
+    model = _tiny_model(2)
+    teacher, _ = _publisher(_FakeTeacher(model), max_attempts=1)
+    asyncio.run(teacher.score_and_publish("u_0_0", 0, [4, 7], [20, 21], 0))  # turn 0 of trajectory uid u, sample 0
+    assert list(teacher.replies) == ["u_0_0"]
+
+    class _DeadServer:
+        async def generate(self, **_):
+            raise ConnectionError("rollout server gone")
+
+    async def _tokens(_messages):
+        return [4, 7]
+
+    loop = object.__new__(ThunderSyncToolAgentLoop)  # verl's base needs a live worker; the run needs none of it
+    loop.settings, loop.latency, loop.response_length = dict(DEFAULTS), LatencyModel.from_config(DEFAULTS["tool_latency"]), 16
+    loop.turn_teacher, loop.server_manager, loop.ct_build_initial_tokens = teacher, _DeadServer(), _tokens
+    with pytest.raises(ConnectionError):
+        asyncio.run(loop.run({}, raw_prompt=[], uid="u", session_id=0))
+    assert teacher.replies == {}
+
+
 class _FakeTQ:
     """The TransferQueue surface the OPD step uses; a record becomes visible at its ``poll`` number."""
 

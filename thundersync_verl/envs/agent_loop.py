@@ -75,6 +75,14 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
 
     async def run(self, sampling_params: dict[str, Any], **kwargs):
+        try:
+            return await self._run(sampling_params, **kwargs)
+        except BaseException:
+            if self.turn_teacher is not None:  # no whole-trajectory question will come for this one
+                self.turn_teacher.forget(trajectory_key(kwargs.get("uid"), kwargs.get("session_id")))
+            raise
+
+    async def _run(self, sampling_params: dict[str, Any], **kwargs):
         t_submit = time.time()
         messages = list(kwargs["raw_prompt"])
         prompt_ids = await self.ct_build_initial_tokens(messages)

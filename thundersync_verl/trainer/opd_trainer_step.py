@@ -138,6 +138,10 @@ class AgentTurnTeacher:
             return None
         return {"teacher_ids": torch.tensor(ids, dtype=torch.int32), "teacher_logprobs": torch.tensor(rows)}
 
+    def forget(self, traj_key: str) -> None:
+        """Drop a trajectory's kept reply: its agent loop failed, so no whole-trajectory question will come."""
+        self.replies.pop(traj_key, None)
+
     @classmethod
     def for_agent_loop(cls, config, rollout_client) -> "AgentTurnTeacher | None":
         """None unless the rollout client carries teacher clients (thundersync OPD runs)."""
