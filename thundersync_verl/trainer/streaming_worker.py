@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 import time
 
@@ -47,7 +46,6 @@ from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.stream_loss import (
     exact_micro_batch_size,
     COEF_KEY,
-    DEST_KEY,
     KL_SUM_METRIC,
     KL_TOKENS_METRIC,
     LP_DIFF_METRIC,
@@ -57,6 +55,7 @@ from thundersync_verl.trainer.stream_loss import (
     make_stream_loss,
     make_token_stream_loss,
 )
+from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.trainer.stream_plan import settings_from_verl_config
 
 DIRECT = "direct"
@@ -229,7 +228,7 @@ class StreamingActorWorker(_Base):
         return await self._queued(seq, "stream_fold", lambda: self._stream_fold(folds))
 
     def _stream_token_backward(self, chunk):
-        _check_token_chunk(chunk)
+        check_token_chunk(chunk)
         keys = [k for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()]
         finite = all(bool(torch.isfinite(chunk[k]).all()) for k in keys)
         if not self._agree(finite):
@@ -244,7 +243,7 @@ class StreamingActorWorker(_Base):
 
     def _stream_backward(self, chunk, loss_fn=None):
         state = self._state("stream_backward")
-        dest = _check_chunk(chunk)
+        dest = check_chunk(chunk)
         coefs = chunk[COEF_KEY]
         if not self._agree(bool(torch.isfinite(coefs).all())):
             raise StreamingInputError(
@@ -309,7 +308,7 @@ class StreamingActorWorker(_Base):
 
     def _stream_fold(self, folds: dict) -> None:
         state = self._state("stream_fold")
-        folds = _check_folds(folds, state)
+        folds = check_folds(folds, state.buckets)
         params = self._params()
         for p in params:
             if p.grad is None:
@@ -338,7 +337,7 @@ class StreamingActorWorker(_Base):
                     "FoldOp when each group closes), then call finalize_step again",
                 )
             )
-        scale = _check_scale(scale)
+        scale = check_scale(scale)
         engine = self._engine()
         for p in self._params():
             if p.grad is not None:
@@ -389,92 +388,6 @@ class StreamingActorWorker(_Base):
 
 
 _SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
-
-
-def _check_chunk(chunk) -> str:
-    """The chunk's destination, after checks that fail identically on every rank."""
-    dest = va.non_tensor(chunk, DEST_KEY)
-    if not isinstance(dest, str) or not dest:
-        raise StreamingInputError(
-            rule_message(
-                f"a chunk needs a non-tensor {DEST_KEY!r}: 'direct' or a bucket key string (got {dest!r})",
-                "the worker must know whether the gradient joins the batch now or waits for its group",
-                "build chunks with stream_loss.build_stream_chunk(..., dest=...)",
-            )
-        )
-    if COEF_KEY not in chunk.keys() or chunk[COEF_KEY].dim() != 1:
-        raise StreamingInputError(
-            rule_message(
-                f"a chunk needs a 1-D tensor {COEF_KEY!r} with one coefficient per row",
-                "each trajectory's gradient is weighted by its own coefficient (A_i, or 1 for a bucket)",
-                "build chunks with stream_loss.build_stream_chunk",
-            )
-        )
-    return dest
-
-
-def _check_token_chunk(chunk) -> None:
-    """A per-token chunk carries ts_token_coef [B, R] (and optionally teacher log-probs [B, R])."""
-    rows = int(chunk.batch_size[0])
-    shapes = {k: tuple(chunk[k].shape) for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()}
-    bad_shape = any(len(v) != 2 or v[0] != rows for v in shapes.values()) or len(set(shapes.values())) > 1
-    if TOKEN_COEF_KEY not in shapes or bad_shape:
-        raise StreamingInputError(
-            rule_message(
-                f"a per-token chunk needs a [B, R] tensor {TOKEN_COEF_KEY!r} (and {TEACHER_KEY!r} of the same "
-                f"shape, if any) with B = {rows} rows (got {shapes})",
-                "each response token is weighted by its own coefficient",
-                "build per-token chunks with stream_loss.build_token_chunk and send GRPO chunks to stream_backward",
-            )
-        )
-
-
-def _check_folds(folds, state: _BatchState) -> dict[str, float]:
-    if not isinstance(folds, dict):
-        raise StreamingInputError(
-            rule_message(
-                f"stream_fold needs a dict {{bucket_key: coefficient}} (got {type(folds).__name__})",
-                "each bucket is folded with its own group advantage",
-                "pass FoldOp.folds from the planner",
-            )
-        )
-    missing = sorted(k for k in folds if k not in state.buckets)
-    if missing:
-        raise StreamingInputError(
-            rule_message(
-                f"stream_fold names buckets {missing} that hold no gradient (open: {sorted(state.buckets)})",
-                "folding a bucket that was never filled or was already folded would count trajectories "
-                "zero or two times",
-                "fold exactly the buckets the planner's FoldOp lists, once",
-            )
-        )
-    out = {}
-    for key, coef in folds.items():
-        value = float(coef)
-        if not math.isfinite(value):
-            raise StreamingInputError(
-                rule_message(
-                    f"fold coefficient of bucket {key!r} is {coef!r}",
-                    "a non-finite coefficient poisons the batch gradient",
-                    "check the group's rewards and the estimator's epsilon",
-                )
-            )
-        out[key] = value
-    return out
-
-
-def _check_scale(scale) -> float:
-    value = float(scale)
-    if not (math.isfinite(value) and value > 0):
-        raise StreamingInputError(
-            rule_message(
-                f"finalize_step needs a finite positive scale (got {scale!r})",
-                "the scale is the deferred batch normaliser (e.g. 1/N_tokens); zero or NaN would "
-                "erase or poison the update",
-                "pass FinalizeOp.scale from the planner; a batch with no scored tokens cannot step",
-            )
-        )
-    return value
 
 
 def _flat(values) -> list[float]:
