@@ -34,6 +34,7 @@ def test_the_shipped_thundersync_recipe_is_valid():
         ("thundersync.learner_forward=twice", "thundersync.learner_forward"),
         ("thundersync.pipeline_depth=0", "thundersync.pipeline_depth"),
         ("thundersync.pipeline_depth=1.5", "thundersync.pipeline_depth"),
+        ("thundersync.coalesce=sometimes", "thundersync.coalesce"),
         ("actor_rollout_ref.rollout.calculate_log_probs=false", "calculate_log_probs"),
     ],
 )

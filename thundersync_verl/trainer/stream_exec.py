@@ -126,6 +126,11 @@ class OpPipeline:
         self._inflight.append((op, refs, time.time()))
         self.collect(keep=self.depth)
 
+    @property
+    def in_flight(self) -> int:
+        """Ops sent and not yet handed back."""
+        return len(self._inflight)
+
     def collect(self, keep: int | None = None) -> None:
         """Hand back every finished op at the head; with ``keep``, wait until at most ``keep`` are in flight."""
         while self._inflight:

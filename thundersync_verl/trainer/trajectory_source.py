@@ -63,14 +63,17 @@ class TrajectorySource:
                 new.append((key, tag))
         return new
 
-    def wait_new(self, t_start: float, idle: Callable[[], None] | None = None) -> list[tuple[str, dict]]:
-        """Block until at least one new trajectory arrived (or the batch is complete).
+    def wait_new(self, t_start: float, idle: Callable[[], None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[tuple[str, dict]]:
+        """Block until at least one new trajectory arrived (or the batch is complete, or ``stop()``).
 
         ``idle`` runs between polls (the trainer collects finished learner calls there).
         """
         while not self.done:
             if idle is not None:
                 idle()
+            if stop is not None and stop():
+                return []
             new = self.poll()
             if new:
                 return new
