@@ -15,32 +15,15 @@ import numpy as np
 import pytest
 
 from thundersync_verl.sim.calibrate import fit_turn_latency, turn_intervals, turn_polls
-from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig, lane_work, place_rollouts, simulate
-from thundersync_verl.sim.hardware import LearnerCosts
-from thundersync_verl.sim.trace import Trace, fit_learner_costs, records_recompute_prefix, replay
-from thundersync_verl.sim.tracegen import trace_records
-from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
+from thundersync_verl.sim.engine import lane_work, place_rollouts, simulate
+from thundersync_verl.sim.trace import fit_learner_costs, records_recompute_prefix, replay
+from synthetic_runs import as_trace, records
 
-WORK = WorkloadSpec(groups_per_step=4, group_size=4, turns=lognormal(3, 0.6), prompt_tokens=const(64),
-                    gen_tokens=lognormal(40, 0.5), obs_tokens=lognormal(30, 0.5), tool_s=lognormal(0.2, 0.5),
-                    reward_s=const(0.7))
-ROLL = RolloutSpec(slots=16, decode_s_per_token=0.004, prefill_s_per_token=1e-4, teacher_fixed_s=0.05,
-                   teacher_s_per_token=1e-4)
-COSTS = LearnerCosts(s_per_token=2e-4, chunk_overhead_s=0.05, optimizer_s=0.3, weight_sync_s=0.2)
 H, A, B, CAP = 0.3, 0.02, 1e-4, 8  # turn latency, per-record overhead, seconds per prefix token, rows per chunk
 
 
-def as_trace(recs) -> Trace:
-    kinds = {"trajectory": [], "learner": [], "step": []}
-    for r in recs:
-        kinds[r["kind"]].append(r)
-    return Trace("mem", kinds["trajectory"], kinds["learner"], kinds["step"])
-
-
 def simulated_records() -> list[dict]:
-    cfg = SimConfig(mode="thundersync", algo="opd", steps=8, rollout_slots=16, min_chunk=1)
-    return trace_records(cfg, SyntheticSource(WORK, ROLL, seed=4), COSTS)
+    return records("thundersync", algo="opd")
 
 
 def driver_records(recs: list[dict], poll_s: float = 0.05) -> list[dict]:
