@@ -139,7 +139,18 @@ def _prlimit() -> str | None:
     return shutil.which("prlimit")
 
 
-def _limit_prefix(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: int) -> tuple[str, ...]:
+def _rlimits(mem_mb: int, cpu_s: int) -> dict[str, tuple[int, int]]:
+    """Every sandbox's kernel limits, ``{RLIMIT_name: (soft, hard)}``, whichever way the call starts."""
+    mem = mem_mb << 20
+    return {"RLIMIT_AS": (mem, mem), "RLIMIT_CPU": (cpu_s, cpu_s + 1), "RLIMIT_NOFILE": (64, 64),
+            "RLIMIT_FSIZE": (1 << 20, 1 << 20), "RLIMIT_CORE": (0, 0)}
+
+
+_PRLIMIT_FLAGS = {"RLIMIT_AS": "--as", "RLIMIT_CPU": "--cpu", "RLIMIT_NOFILE": "--nofile", "RLIMIT_FSIZE": "--fsize",
+                  "RLIMIT_CORE": "--core"}
+
+
+def _limit_prefix(limits: dict[str, tuple[int, int]]) -> tuple[str, ...]:
     """``prlimit`` sets the limits on itself and execs the sandbox: no Python code between fork and exec.
 
     That matters for throughput: with a ``preexec_fn`` CPython must fork() the whole parent (page
@@ -147,19 +158,14 @@ def _limit_prefix(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: 
     loop ~30 ms per tool call; without one it uses vfork/posix_spawn (measured: 32 concurrent
     calls from a 0.4 GB process block the loop 0.92 s with preexec_fn, 0.13 s with prlimit).
     """
-    mem = mem_mb * 1024 * 1024
-    return (_prlimit(), f"--as={mem}", f"--cpu={cpu_s}:{cpu_s + 1}", f"--nofile={max_open_files}",
-            f"--fsize={max_file_bytes}", "--core=0", "--")
+    flags = tuple(f"{_PRLIMIT_FLAGS[name]}={soft}:{hard}" for name, (soft, hard) in limits.items())
+    return (_prlimit(), *flags, "--")
 
 
-def _limits(mem_mb: int, cpu_s: int, max_file_bytes: int, max_open_files: int) -> None:
+def _set_limits(limits: dict[str, tuple[int, int]]) -> None:
     """Fallback without ``prlimit``: runs in the child between fork and exec (the same limits)."""
-    mem = mem_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), value)
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -214,10 +220,9 @@ async def run_python_async(
         env["HOME"] = env["TMPDIR"] = workdir
         outcome = None
         if server is not None:
-            limits = {"RLIMIT_AS": (mem_mb << 20, mem_mb << 20), "RLIMIT_CPU": (cpu_s, cpu_s + 1),
-                      "RLIMIT_NOFILE": (64, 64), "RLIMIT_FSIZE": (1 << 20, 1 << 20), "RLIMIT_CORE": (0, 0)}
             try:
-                outcome = await _run_forked(server, workdir, stdin, env, limits, guard_network, max_output_bytes, timeout_s)
+                outcome = await _run_forked(server, workdir, stdin, env, _rlimits(mem_mb, cpu_s), guard_network,
+                                            max_output_bytes, timeout_s)
             except forkserver.ForkServerError as exc:
                 logger.warning("%s; running this call in a fresh interpreter", exc)
         if outcome is None:
@@ -308,11 +313,11 @@ async def _run_spawned(prefix, workdir, stdin, env, mem_mb, cpu_s, guard, cap, t
     """One call in a fresh interpreter (``prlimit`` or a ``preexec_fn`` sets the limits)."""
     mode = "guard" if guard else "open"
     if _prlimit() is not None:
-        cmd = [*_limit_prefix(mem_mb, cpu_s, 1 << 20, 64), *prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
+        cmd = [*_limit_prefix(_rlimits(mem_mb, cpu_s)), *prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
         limits = None
     else:
         cmd = [*prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
-        limits = functools.partial(_limits, mem_mb, cpu_s, 1 << 20, 64)
+        limits = functools.partial(_set_limits, _rlimits(mem_mb, cpu_s))
     start = time.perf_counter()
     try:
         proc = await asyncio.create_subprocess_exec(
