@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import shutil
@@ -100,7 +99,7 @@ def _tiny_model(seed: int, layers: int = 2, vocab: int = 64):
 
 def test_hf_cpu_teacher_prompt_logprobs_match_an_hf_forward():
     from thundersync_verl.backends.cpu.rollout import prompt_logprob_fields
-    from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer
+    from thundersync_harness.teacher import HFTeacherScorer
 
     model, ids = _tiny_model(1), [5, 9, 17, 3, 40, 22, 8]
     reply = prompt_logprob_fields(model, ids, 0)
@@ -133,8 +132,8 @@ class _FakeTeacher:
 
 
 def _publisher(client, **policy):
-    from thundersync_verl.trainer.opd_trainer_step import AgentTurnTeacher
-    from thundersync_verl.trainer.teacher_scoring import TeacherRetryPolicy
+    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher
+    from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy
 
     puts = []
 
@@ -148,7 +147,7 @@ def _publisher(client, **policy):
 
 
 def test_turn_is_scored_on_its_prefix_and_published_after_a_retry():
-    from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer
+    from thundersync_harness.teacher import HFTeacherScorer
 
     model = _tiny_model(2)
     teacher, puts = _publisher(_FakeTeacher(model, fail_first=1), max_attempts=2)
@@ -168,7 +167,7 @@ def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teache
     from omegaconf import OmegaConf
 
     from thundersync_verl.core import StreamingConfigError
-    from thundersync_verl.trainer.opd_trainer_step import AgentTurnTeacher, attach_teacher_clients
+    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher, attach_teacher_clients
 
     config = OmegaConf.create({"thundersync": {"opd": {"teacher_max_attempts": 2, "teacher_timeout_s": 5}}})
     assert AgentTurnTeacher.for_agent_loop(config, SimpleNamespace()) is None  # GRPO and verl's own modes
@@ -180,8 +179,9 @@ def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teache
 
 @pytest.mark.parametrize("hang", [False, True])
 def test_failing_teacher_publishes_a_failure_and_raises(hang):
-    from thundersync_verl.trainer.opd_trainer_step import TURN_PARTITION, TurnSource
-    from thundersync_verl.trainer.teacher_scoring import TeacherScoringError
+    from thundersync_verl.agent.turn_teacher import TURN_PARTITION
+    from thundersync_verl.trainer.opd_trainer_step import TurnSource
+    from thundersync_verl.agent.turn_teacher import TeacherScoringError
 
     teacher, puts = _publisher(_FakeTeacher(_tiny_model(3), fail_first=99, hang=hang), max_attempts=3, timeout_s=0.05)
     with pytest.raises(TeacherScoringError, match="turn 0 of trajectory u_1_0 after 3 attempt"):
@@ -270,26 +270,20 @@ class _FakeLearner:
 
 
 def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
-    from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
-
     from thundersync_verl.trainer.opd_stream import OPDTurnPlanner
-    from thundersync_verl.trainer.opd_trainer_step import OPDStreamStep
+    from thundersync_verl.trainer.opd_trainer_step import OPDArrivals
     from thundersync_verl.trainer.step_record import StepRecorder
     from thundersync_verl.trainer.stream_exec import OpPipeline
+    from thundersync_verl.trainer.streamed_step import StepContext, StreamedStep
 
     learner = _FakeLearner(tq)
-    trainer = SimpleNamespace(
-        config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": n, "temperature": 1.0}}}),
-        _batch_uids=uids, trajectory_timeout_s=30.0, recorder=StepRecorder(None, mode="thundersync", algo="opd"),
-        learner_forward="separate",  # the fake learner returns no per-chunk measurements: verl's forward path
-        actor_rollout_wg=learner, tokenizer=SimpleNamespace(pad_token_id=0),
+    ctx = StepContext(
+        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync", algo="opd"),
         # the fake learner has only the blocking calls: one call per op (thundersync.pipeline_depth=1)
-        op_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
-        _forward_at_theta_k=lambda keys, tags: None, _compute_advantage=lambda batch, metrics: batch)
-    api = SimpleNamespace(tq=tq, marked_timer=lambda *a, **k: contextlib.nullcontext(), KVBatchMeta=SimpleNamespace)
-    return OPDStreamStep(trainer, OPDTurnPlanner(max_chunk_size=2), api=api, poll_s=0.001), trainer
+        make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
+        forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=30.0, poll_s=0.001, coalesce=True,
+        fused_forward=False)  # the fake learner returns no per-chunk measurements: verl's forward path
+    return StreamedStep(ctx, OPDArrivals(OPDTurnPlanner(max_chunk_size=2))), learner
 
 
 def _traj(tq: _FakeTQ, key: str, turns: list[tuple[list[int], list[int]]], *, publish: bool, visible_at: int,
@@ -330,13 +324,12 @@ def test_opd_step_backpropagates_every_turn_once_then_steps(publish):
         for s in range(2):
             n_tok, t_sum = _traj(tq, f"{uid}_{s}_0", TWO_TURNS, publish=publish, visible_at=3 + s)
             tokens, teacher = tokens + n_tok, teacher + t_sum
-    step, trainer = _opd_step(tq, ["a", "b"], n=2)
-    metrics = {}
-    step.run(metrics, {})
-    chunks = trainer.actor_rollout_wg.chunks
+    step, learner = _opd_step(tq, ["a", "b"], n=2)
+    metrics = step.metrics(step.run()[0])
+    chunks = learner.chunks
     assert sum(c["tokens"] for c in chunks) == tokens == 20  # every action token once, observations never
     assert sum(c["teacher_sum"] for c in chunks) == pytest.approx(teacher, abs=1e-5)  # the right teacher values
-    assert trainer.actor_rollout_wg.steps == [pytest.approx(1 / tokens)]  # one step, token-mean normaliser
+    assert learner.steps == [pytest.approx(1 / tokens)]  # one step, token-mean normaliser
     assert metrics["thundersync/opd/turns"] == 8 and metrics["thundersync/opd/teacher_prefix_gap_max"] < 1e-6
     assert metrics["thundersync/opd/turns_from_trajectory_end"] == (0 if publish else 8)
     if publish:  # every turn was backpropagated before its trajectory landed (trajectories appear at poll 3)
@@ -351,10 +344,10 @@ def test_opd_step_refuses_to_step_without_a_dropped_turn():
     tq = _FakeTQ()
     _traj(tq, "a_0_0", TWO_TURNS, publish=True, visible_at=1)
     _traj(tq, "a_1_0", TWO_TURNS, publish=True, visible_at=1, drop_turn=1)
-    step, trainer = _opd_step(tq, ["a"], n=2)
+    step, learner = _opd_step(tq, ["a"], n=2)
     with pytest.raises(StreamingStateError, match=r"a_1_0: 1/2 turns"):
-        step.run({}, {})
-    assert trainer.actor_rollout_wg.steps == []  # no optimizer step
+        step.run()
+    assert learner.steps == []  # no optimizer step
 
 
 # ----- 3. two real steps ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@
    in ``extra_fields``; trainers use it for timelines and staleness.
 4. ThunderSync OPD runs (the rollout client carries the teacher clients): each finished
    turn is scored by the teacher and published while the next tool call runs
-   (``trainer/opd_trainer_step.py``); the trajectory returns only after all its turns
+   (``agent/turn_teacher.py``); the trajectory returns only after all its turns
    are published, and says how many there are. Other runs are unaffected.
 """
 
@@ -25,27 +25,11 @@ import uuid
 from typing import Any
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.envs import protocol
-from thundersync_verl.envs.latency import LatencyModel
 from thundersync_verl.envs.sandbox import run_python_async
-from thundersync_verl.trainer.opd_trainer_step import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
+from thundersync_verl.agent.turn_teacher import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
 from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
-
-DEFAULTS = {"max_tool_turns": 4, "tool_timeout_s": 5.0, "retry_prob": 0.2, "tool_latency": {"kind": "constant", "median_s": 0.0}}
-
-
-def env_settings(config) -> dict[str, Any]:
-    """The ``thundersync.env`` section of the trainer config, over the defaults."""
-    section = {}
-    try:
-        section = dict(config.get("thundersync", {}).get("env", {}) or {})
-    except AttributeError:
-        pass
-    merged = {**DEFAULTS, **section}
-    if merged.get("tool_latency") is not None and not isinstance(merged["tool_latency"], dict):
-        merged["tool_latency"] = dict(merged["tool_latency"])
-    return merged
-
 
 def _append_trace(path, record: dict) -> None:
     """One JSON line per finished trajectory (timings for timelines and the simulator); no-op without a path."""
@@ -68,8 +52,8 @@ async def _settle(tasks: list) -> None:
 class ThunderSyncToolAgentLoop(va.agent_loop_base()):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.settings = env_settings(self.config)
-        self.latency = LatencyModel.from_config(self.settings["tool_latency"])
+        self.settings = ThunderSyncConfig.from_verl(self.config).env  # thundersync.env, typed and checked
+        self.latency = self.settings.tool_latency
         self.response_length = self.rollout_config.response_length
         self.tool_rng = random.Random()
         self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
@@ -93,7 +77,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         versions: list[int] = []
         request_id = uuid.uuid4().hex
         scoring: list[asyncio.Task] = []  # OPD: one teacher call per finished turn, overlapping the tools
-        for _ in range(int(self.settings["max_tool_turns"]) + 1):
+        for _ in range(self.settings.max_tool_turns + 1):
             budget = self.response_length - len(response_ids)
             if budget <= 0:
                 break
@@ -131,7 +115,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         record = {"t_submit": t_submit, "t_done": time.time(), "turns": turns, "response_tokens": len(response_ids),
                   "prompt_tokens": len(prompt_ids), "policy_version": min(versions) if versions else 0,
                   "uid": kwargs.get("uid"), "session_id": kwargs.get("session_id")}
-        _append_trace(self.settings.get("trace_path"), record)
+        _append_trace(self.settings.trace_path, record)
         n = self.response_length
         metrics = {"generate_sequences": sum(t["gen_s"] for t in turns), "tool_calls": sum(t["tool_s"] for t in turns), "num_preempted": -1}
         extra = {
@@ -163,13 +147,13 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         """The tool turn as text (chat markup included): error text for bad calls, never an exception."""
         if isinstance(call, protocol.ToolCallError):
             body = protocol.tool_response_text(call)
-        elif self.tool_rng.random() < float(self.settings["retry_prob"]):
+        elif self.tool_rng.random() < self.settings.retry_prob:
             await asyncio.sleep(self.latency.sample(self.tool_rng))  # a busy sandbox still costs a round trip
             body = protocol.tool_response_text(protocol.RETRY_ERROR_TEXT)
         else:
             result = await run_python_async(
                 call.code,
-                timeout_s=float(self.settings["tool_timeout_s"]),
+                timeout_s=self.settings.tool_timeout_s,
                 extra_latency_s=self.latency.sample(self.tool_rng),
             )
             body = protocol.tool_response_text(result)

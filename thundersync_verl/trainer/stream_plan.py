@@ -176,6 +176,11 @@ class StreamPlanner:
         """Arrived trajectories whose backward has not been planned yet."""
         return list(self._ready)
 
+    @property
+    def ready_count(self) -> int:
+        """How many arrived trajectories wait for their backward (the step's planner interface)."""
+        return len(self._ready)
+
     def rank_ready(self) -> ScheduleHint:
         """The core's ranking of the ready trajectories: closed groups first, then open ones,
         new groups only while the memory budget allows (``wait`` holds the rest)."""

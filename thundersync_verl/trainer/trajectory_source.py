@@ -7,8 +7,9 @@
    never come, so the source raises (naming the prompt) instead of waiting forever; a
    trajectory that does not land within ``timeout_s`` raises too. Either way the caller has
    not stepped the optimizer: nothing is half-applied.
-3. Polling is a short sleep between ``kv_list`` calls (a controller RPC); the agent loop
-   exposes no push channel through verl's public surface.
+3. The source only polls (one ``kv_list`` call, a controller RPC); waiting, its interval and the
+   timeout belong to the one streamed step (``streamed_step.py``): the agent loop exposes no push
+   channel through verl's public surface.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ class TrajectoryNeverArrived(RuntimeError):
 
 class TrajectorySource:
     def __init__(self, kv_list: Callable[[str], dict], uids: list[str], n_per_prompt: int, *, partition: str = "train",
-                 poll_s: float = 0.01, timeout_s: float = 600.0):
+                 timeout_s: float = 600.0):
         self.kv_list = kv_list
         self.uids = set(uids)
         self.expected = len(uids) * n_per_prompt
         self.partition = partition
-        self.poll_s = poll_s
         self.timeout_s = timeout_s
         self.seen: dict[str, dict] = {}
         self.arrival_time: dict[str, float] = {}
@@ -62,27 +62,3 @@ class TrajectorySource:
                 self.arrival_time[key] = time.time()
                 new.append((key, tag))
         return new
-
-    def wait_new(self, t_start: float, idle: Callable[[], None] | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[tuple[str, dict]]:
-        """Block until at least one new trajectory arrived (or the batch is complete, or ``stop()``).
-
-        ``idle`` runs between polls (the trainer collects finished learner calls there).
-        """
-        while not self.done:
-            if idle is not None:
-                idle()
-            if stop is not None and stop():
-                return []
-            new = self.poll()
-            if new:
-                return new
-            if time.time() - t_start > self.timeout_s:
-                missing = sorted(self.uids - {k.split("_")[0] for k in self.seen})
-                raise TrajectoryNeverArrived(
-                    f"{self.expected - len(self.seen)} trajectories of this batch did not arrive within {self.timeout_s:.0f}s "
-                    f"(prompts still open: {missing[:5]}...). The optimizer step was NOT taken. Raise "
-                    "thundersync.trajectory_timeout_s if your tools are that slow, or check the rollout servers."
-                )
-            time.sleep(self.poll_s)
-        return []

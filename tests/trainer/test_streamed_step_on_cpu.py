@@ -1,0 +1,146 @@
+"""The one streamed step (``trainer/streamed_step.py``) on GRPO, without Ray.
+
+The TransferQueue is a small in-memory stand-in whose records become visible at a given poll; the
+learner records what each call received. What is under test is the real step: arrival polling, the
+real ``StreamPlanner`` (buckets, folds, the deferred normaliser), the real ``OpPipeline`` and chunk
+building, the timeout and the failure paths (no optimizer step on part of a batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thundersync_verl.trainer.step_record import StepRecorder
+from thundersync_verl.trainer.stream_exec import OpPipeline
+from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY
+from thundersync_verl.trainer.stream_plan import StreamPlanner
+from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
+from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived
+
+
+class _TQ:
+    """The TransferQueue surface the step uses; a record is listed from its ``visible_at`` poll on."""
+
+    def __init__(self):
+        self.records: dict[str, tuple[int, dict, dict]] = {}
+        self.polls = 0
+
+    def add(self, key: str, reward: float, visible_at: int, *, status: str = "success", is_prompt: bool = False):
+        fields = {"prompts": torch.tensor([1, 2]), "responses": torch.tensor([3, 4, 5]),
+                  "response_mask": torch.tensor([1, 1, 0]), "rm_scores": torch.tensor([0.0, 0.0, reward]),
+                  "extra_fields": {}, "rollout_log_probs": torch.tensor([-0.5, -0.5, -0.5])}
+        self.records[key] = (visible_at, fields, {"status": status, "is_prompt": is_prompt})
+
+    def kv_list(self, partition):
+        self.polls += 1
+        return {partition: {k: t for k, (v, _, t) in self.records.items() if v <= self.polls}}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return {f: [self.records[k][1][f] for k in keys] for f in select_fields}
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        for f, values in fields.items():
+            for k, v in zip(keys, values):
+                self.records[k][1][f] = v
+
+
+class _Learner:
+    """The streaming worker group, one rank: records every chunk, fold and step."""
+
+    world_size = 1
+
+    def __init__(self, fail_on_chunk: int | None = None):
+        self.calls, self.steps, self.fail_on_chunk = [], [], fail_on_chunk
+
+    def stream_begin_batch(self, meta):
+        self.calls.append(("begin", meta["loss_agg_mode"]))
+
+    def stream_backward(self, chunk):
+        if self.fail_on_chunk is not None and sum(c[0] == "backward" for c in self.calls) == self.fail_on_chunk:
+            raise RuntimeError("learner refused the chunk")
+        coefs = chunk[COEF_KEY].tolist()
+        self.calls.append(("backward", chunk[DEST_KEY], [c for c in coefs if c != 0.0]))
+
+    def stream_fold(self, folds):
+        self.calls.append(("fold", dict(folds)))
+
+    def finalize_step(self, scale):
+        self.steps.append(scale)
+        return [{"grad_norm": 1.0, "lr": 1e-3}]
+
+
+def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True):
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4)
+    ctx = StepContext(
+        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
+        make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
+        forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=timeout_s, poll_s=0.001,
+        coalesce=coalesce, fused_forward=True)
+    return StreamedStep(ctx, GRPOArrivals(planner))
+
+
+REWARDS = {"a": [1.0, 0.0, 1.0], "b": [0.0, 0.0, 1.0]}
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce):
+    tq, learner = _TQ(), _Learner()
+    for uid, rewards in REWARDS.items():
+        for s, r in enumerate(rewards):
+            tq.add(f"{uid}_{s}_0", r, visible_at=1 + 2 * s + (uid == "b"))  # the groups' members land interleaved
+    step = _step(tq, learner, ["a", "b"], 3, coalesce=coalesce)
+    out, state = step.run()
+    metrics = step.metrics(out)
+    assert sorted(state.keys) == sorted(f"{u}_{s}_0" for u in REWARDS for s in range(3))
+    # each trajectory's effective coefficient: a direct row carries A_i; a bucket row carries 1 and its
+    # bucket is folded with A(r) when the group closes
+    effective, bucket_rows = [], {}
+    for call in learner.calls:
+        if call[0] == "backward" and call[1] == "direct":
+            effective += call[2]
+        elif call[0] == "backward":
+            assert call[2] == [1.0] * len(call[2])
+            bucket_rows[call[1]] = bucket_rows.get(call[1], 0) + len(call[2])
+        elif call[0] == "fold":
+            for key, coef in call[1].items():
+                effective += [coef] * bucket_rows.pop(key)
+    assert bucket_rows == {} and any(c[0] == "fold" for c in learner.calls)  # buckets were used, all folded
+    expected = []
+    for rewards in REWARDS.values():  # verl's GRPO advantage: (r - mean) / (unbiased std + eps)
+        r = torch.tensor(rewards)
+        expected += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+    assert sorted(effective) == pytest.approx(sorted(expected), abs=1e-6)  # every trajectory once, right weight
+    assert learner.steps == [pytest.approx(1 / 6)]  # seq-mean-token-sum: one step, divided by the 6 sequences
+    assert learner.calls[0] == ("begin", "seq-mean-token-sum")
+    assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
+    assert state.rows["a_0_0"]["rollout_lp"] == [-0.5, -0.5, -0.5]  # fused: the chunk carries the rollout's
+    assert torch.equal(tq.records["a_0_0"][1]["old_log_probs"], torch.tensor([-0.5, -0.5, -0.5]))
+
+
+def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():
+    tq, learner = _TQ(), _Learner()
+    tq.add("a_0_0", 1.0, visible_at=1)  # a_1_0 never comes
+    step = _step(tq, learner, ["a"], 2, timeout_s=0.2)
+    with pytest.raises(TrajectoryNeverArrived, match=r"1 trajectories of this batch did not arrive within 0s.*"
+                                                     r"optimizer step was NOT taken.*trajectory_timeout_s"):
+        step.run()
+    assert learner.steps == []
+
+
+def test_a_failed_agent_loop_fails_the_step_naming_the_prompt():
+    tq, learner = _TQ(), _Learner()
+    tq.add("a_0_0", 1.0, visible_at=1)
+    tq.add("a", 0.0, visible_at=2, status="failure", is_prompt=True)
+    with pytest.raises(TrajectoryNeverArrived, match=r"prompt a: its agent loop failed"):
+        _step(tq, learner, ["a"], 2).run()
+    assert learner.steps == []
+
+
+def test_a_refused_backward_fails_the_step_before_the_optimizer():
+    tq, learner = _TQ(), _Learner(fail_on_chunk=1)
+    for s, r in enumerate([1.0, 0.0, 1.0, 0.0]):
+        tq.add(f"a_{s}_0", r, visible_at=1 + 3 * s)  # four separate arrivals, four chunks
+    with pytest.raises(RuntimeError, match="learner refused the chunk"):
+        _step(tq, learner, ["a"], 4).run()
+    assert learner.steps == []

@@ -1,0 +1,1 @@
+"""Rollout-side pieces that agent loops use (no trainer imports)."""

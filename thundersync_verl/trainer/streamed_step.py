@@ -1,0 +1,260 @@
+"""One streamed step for every algorithm: arrivals in, planned backwards out, one optimizer step.
+
+Why:
+1. GRPO and OPD stream the same way: poll what landed in verl's TransferQueue, hand it to a
+   planner, send the planner's ops to the learner (queued, ``OpPipeline``), and take ONE optimizer
+   step once the batch is complete. Only what "landed" means differs (whole trajectories, or scored
+   turns plus finished trajectories) and which planner turns it into ops. So there is one loop here
+   (``StreamedStep.run``), one timeout, one polling interval and one coalescing rule, and a small
+   algorithm object per algorithm (``GRPOArrivals`` below, ``OPDArrivals`` in ``opd_trainer_step.py``).
+2. Per-step state lives in one ``StepState``; the step reads what it needs from ``StepContext``
+   (given by the trainer) and writes nothing back onto the trainer.
+3. Stages, each in one file: arrival (``trajectory_source.py``, ``opd_trainer_step.TurnSource``) ->
+   plan (``stream_plan.py`` / ``opd_stream.py``) -> backward/fold (``stream_exec.py`` -> the learner's
+   ``streaming_worker.py``) -> barrier (the planner's ``finalize``) -> step (``finalize_step``) -> push
+   (the trainer's ``on_step_end``).
+4. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
+   raises before ``finalize_step``, so the optimizer never steps on part of a batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from thundersync_verl.trainer.step_record import StepRecorder
+from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
+from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
+from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
+
+
+class Planner(Protocol):
+    """What the step asks of a planner (``StreamPlanner``, ``OPDTurnPlanner``)."""
+
+    loss_agg_mode: str
+    max_chunk_size: int
+
+    @property
+    def ready_count(self) -> int: ...  # arrivals whose backward is not planned yet
+
+    def next_ops(self) -> list: ...
+
+    def finalize(self) -> FinalizeOp: ...
+
+    def memory(self) -> dict: ...
+
+
+@dataclass
+class StepContext:
+    """What a streamed step needs from the trainer (read only)."""
+
+    worker_group: Any  # the streaming learner (``streaming_worker.StreamingActorWorker`` group)
+    tq: Any  # verl's TransferQueue client module
+    recorder: StepRecorder
+    make_pipeline: Callable[[Callable], OpPipeline]  # on_done -> the batch's learner queue
+    forward_at_theta_k: Callable[[list, list], dict]  # learner_forward=separate: verl's forward, its metrics
+    uids: list[str]  # the batch's prompts
+    n: int  # trajectories per prompt
+    timeout_s: float  # thundersync.trajectory_timeout_s
+    poll_s: float  # thundersync.poll_s
+    coalesce: bool  # thundersync.coalesce
+    fused_forward: bool  # thundersync.learner_forward == "fused"
+
+
+@dataclass
+class StepState:
+    """Everything one streamed step has seen and measured."""
+
+    t_start: float
+    rows: dict = field(default_factory=dict)  # trajectory key -> row (stream_exec.fetch_rows)
+    keys: list = field(default_factory=list)  # landed trajectories, in arrival order
+    tags: list = field(default_factory=list)
+    forward_metrics: dict = field(default_factory=dict)  # learner_forward=separate
+    lp_gap: float = float("-inf")  # max |log p_rollout - log p_learner| measured by the backwards
+    kl_sum: float = 0.0  # OPD: log pi - log p_teacher summed over scored tokens, from the backwards
+    kl_tokens: float = 0.0
+    rollout_makespan_s: float = 0.0
+
+
+@dataclass
+class Arrivals:
+    trajectories: list = field(default_factory=list)  # (key, tag)
+    turns: list = field(default_factory=list)  # (OPDTurn, tag), OPD only
+
+    def __bool__(self) -> bool:
+        return bool(self.trajectories or self.turns)
+
+
+class ArrivalSource:
+    """The batch's trajectories and, for OPD, its scored turns, as they land (one poll, one timeout).
+
+    ``done`` turns true once a poll STARTS with every trajectory landed: an agent loop publishes a
+    trajectory's turns before the trajectory, so that poll still collects the last turns.
+    """
+
+    def __init__(self, trajectories: TrajectorySource, turns=None):
+        self.trajectories, self.turns = trajectories, turns
+        self.done = False
+
+    def poll(self) -> Arrivals:
+        landed_before = self.trajectories.done
+        turns = self.turns.poll() if self.turns is not None else []
+        trajs = [] if landed_before else self.trajectories.poll()
+        self.done = landed_before if self.turns is not None else self.trajectories.done
+        return Arrivals(trajs, turns)
+
+    def never_arrived(self) -> TrajectoryNeverArrived:
+        src = self.trajectories
+        missing = sorted(src.uids - {k.split("_")[0] for k in src.seen})
+        return TrajectoryNeverArrived(
+            f"{src.expected - len(src.seen)} trajectories of this batch did not arrive within {src.timeout_s:.0f}s "
+            f"(prompts still open: {missing[:5]}). The optimizer step was NOT taken. Raise "
+            "thundersync.trajectory_timeout_s if your tools or teacher are that slow, or check the rollout servers.")
+
+
+class StreamedStep:
+    """The streamed step of one batch (module docstring). ``algo``: ``GRPOArrivals`` / ``OPDArrivals``."""
+
+    def __init__(self, ctx: StepContext, algo):
+        self.ctx, self.algo, self.planner = ctx, algo, algo.planner
+        self.state = StepState(t_start=ctx.recorder.t_step_start)
+        trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
+        self.source = ArrivalSource(trajectories, algo.begin(ctx))
+        self.pipe = ctx.make_pipeline(self._op_done)
+
+    def run(self) -> tuple[dict, StepState]:
+        """Stream the batch and step once; returns the learner's step metrics and the step's state."""
+        ctx, planner = self.ctx, self.planner
+        ctx.worker_group.stream_begin_batch({"loss_agg_mode": planner.loss_agg_mode})
+        try:
+            while not self.source.done or planner.ready_count:
+                self._admit(self._wait())
+                if ctx.coalesce and not self._plan_now():
+                    continue
+                ops = planner.next_ops()
+                for op in ops:
+                    self.pipe.submit(op, self.state.rows)
+                if not ops and self.source.done:
+                    time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
+            times = self.source.trajectories.arrival_time.values()
+            self.state.rollout_makespan_s = max(times, default=self.state.t_start) - self.state.t_start
+            self.pipe.drain()
+            self.algo.check_complete(self.state)
+            final = planner.finalize()
+            t0 = time.time()
+            out = ctx.worker_group.finalize_step(final.scale)
+            ctx.recorder.learner_op("optimizer", t0, time.time())
+        finally:
+            self.algo.close()
+        return out, self.state
+
+    def metrics(self, out) -> dict:
+        """verl's and ThunderSync's metrics of the finished step."""
+        state = self.state
+        metrics = dict(state.forward_metrics)
+        if math.isfinite(state.lp_gap):
+            metrics["training/rollout_logprob_diff_max"] = state.lp_gap
+        metrics.update(self.ctx.recorder.finish_step(out, self.planner.memory()))
+        metrics.update(self.algo.metrics(self.state, self.ctx))
+        return metrics
+
+    # ----- stages ---------------------------------------------------------------------------
+    def _plan_now(self) -> bool:
+        """Plan while the learner is idle, for a full chunk, or at the end; else arrivals share the next chunk."""
+        ready = self.planner.ready_count
+        return ready > 0 and (self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done)
+
+    def _wait(self) -> Arrivals:
+        """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go."""
+        while True:
+            self.pipe.collect()
+            if self.ctx.coalesce and self._plan_now():
+                return Arrivals()
+            arrivals = self.source.poll()
+            if arrivals or self.source.done:
+                return arrivals
+            if time.time() - self.state.t_start > self.ctx.timeout_s:
+                raise self.source.never_arrived()
+            time.sleep(self.ctx.poll_s)
+
+    def _admit(self, arrivals: Arrivals) -> None:
+        t_seen, state = time.time(), self.state
+        for turn, tag in arrivals.turns:
+            self.algo.admit_turn(turn, tag, state, t_seen)
+        if not arrivals.trajectories:
+            return
+        keys = [k for k, _ in arrivals.trajectories]
+        rows = fetch_rows(self.ctx.tq, keys)
+        state.rows.update(rows)
+        for key, tag in arrivals.trajectories:
+            self.algo.admit_trajectory(key, rows[key], state, t_seen)
+            self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
+            state.keys.append(key)
+            state.tags.append(tag)
+        if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
+            for key, lp in self._old_log_probs_from_rollout(keys).items():
+                rows[key]["rollout_lp"] = lp
+        else:
+            t0 = time.time()
+            part = self.ctx.forward_at_theta_k(keys, [t for _, t in arrivals.trajectories])
+            tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+            self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+            for name, value in part.items():
+                if name.endswith("_max"):
+                    state.forward_metrics[name] = max(state.forward_metrics.get(name, float("-inf")), value)
+                else:
+                    state.forward_metrics.setdefault(name, value)
+
+    def _old_log_probs_from_rollout(self, keys: list) -> dict[str, list[float]]:
+        """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode).
+
+        Returns the rollout log-probs per key (one TransferQueue read serves both).
+        """
+        tq = self.ctx.tq
+        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+        lps = {key: data["rollout_log_probs"][i].tolist() for i, key in enumerate(keys)}
+        data["old_log_probs"] = data.pop("rollout_log_probs")
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
+        return lps
+
+    def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
+        state = self.state
+        if "lp_gap" in stats:
+            state.lp_gap = max(state.lp_gap, stats["lp_gap"])
+        state.kl_sum += stats.get("kl_sum", 0.0)
+        state.kl_tokens += stats.get("kl_tokens", 0.0)
+        kind, items, tokens = self.algo.describe_op(op, state, t0)
+        self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens)
+
+
+class GRPOArrivals:
+    """GRPO: a landed trajectory is one arrival of its group (``StreamPlanner.arrive``)."""
+
+    def __init__(self, planner: StreamPlanner):
+        self.planner = planner
+
+    def begin(self, ctx: StepContext):
+        self.planner.begin_batch({uid: ctx.n for uid in ctx.uids})
+        return None  # no turn source
+
+    def admit_turn(self, turn, tag, state: StepState, t_seen: float) -> None:
+        raise TypeError("GRPO streams whole trajectories; a scored turn arrived")
+
+    def admit_trajectory(self, key: str, row: dict, state: StepState, t_seen: float) -> None:
+        self.planner.arrive(key.split("_")[0], key, row["reward"], row["num_tokens"])
+
+    def describe_op(self, op, state: StepState, t0: float) -> tuple[str, tuple, int]:
+        items = getattr(op, "items", ())
+        tokens = sum(len(state.rows[k]["prompt"]) + len(state.rows[k]["response"]) for _, k in items)
+        return ("backward" if isinstance(op, BackwardOp) else "fold"), items, tokens
+
+    def check_complete(self, state: StepState) -> None:
+        return None  # the planner's finalize refuses an incomplete batch
+
+    def metrics(self, state: StepState, ctx: StepContext) -> dict:
+        return {}
+
+    def close(self) -> None:
+        return None
