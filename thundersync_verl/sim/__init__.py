@@ -9,8 +9,9 @@ Why this package exists:
 3. It depends on numpy, matplotlib and the standard library only, so it runs anywhere.
 """
 
+from .config import ALGOS, GRANULARITIES, MODES, SimConfig
 from .dists import Dist, const, lognormal, mixture, pareto
-from .engine import ALGOS, GRANULARITIES, MODES, SimConfig, simulate
+from .engine import simulate
 from .hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, SharedCores
 from .metrics import SimResult, comparison_table
 from .trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay, replay_config

@@ -14,8 +14,9 @@ import json
 import sys
 from dataclasses import replace
 
+from .config import ALGOS, GRANULARITIES, MODES, SimConfig
 from .dists import lognormal, pareto
-from .engine import ALGOS, GRANULARITIES, MODES, SimConfig, simulate
+from .engine import simulate
 from .hardware import B200, H100, ClusterSpec, ModelSpec, learner_costs_from_hardware, weight_sync_seconds
 from .metrics import comparison_table
 from .planner import plan

@@ -27,7 +27,8 @@ from collections import Counter, deque
 
 import numpy as np
 
-from .engine import SimConfig, landing_delay
+from .config import SimConfig
+from .events import landing_delay
 from .hardware import LearnerCosts
 from .metrics import Ledger, SimResult, clip_sum
 

@@ -66,7 +66,7 @@ class LaneRun:
     idle_spans: list = field(default_factory=list)  # (t0, t1, reason) when recorded
 
 
-class _Pending:
+class PendingUnits:
     """Ready-but-untrained units bucketed by the state of their group (O(1) counters)."""
 
     def __init__(self, n_groups: int):
@@ -178,7 +178,7 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
     fwd = work.forward.tolist() if work.forward is not None else [False] * n
     close = work.close.tolist()
     close_order = np.argsort(work.close, kind="stable").tolist()
-    pend = _Pending(len(close))
+    pend = PendingUnits(len(close))
     min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
     run = LaneRun(start=t_free, finish=t_free)
     t, i, j, done = t_free, 0, 0, 0

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engine import SimConfig, simulate
+from .config import SimConfig
+from .engine import simulate
 from .hardware import accumulator_bytes_per_rank, open_groups_within
 from .metrics import format_table
 from .presets import Setting

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .config import SimConfig
 from .dists import lognormal, pareto
-from .engine import SimConfig
 from .hardware import (B200, ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, learner_costs_from_hardware,
                        TRAIN_STATE_BYTES_PER_PARAM, open_groups_within, training_state_fits, weight_sync_seconds)
 from .workload import RolloutSpec, WorkloadSpec

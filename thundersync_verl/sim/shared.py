@@ -21,10 +21,10 @@ import heapq
 
 import numpy as np
 
-from .engine import (Placement, SimConfig, _count_tokens, _Recorder, landing_delay, lane_policy, lane_work,
-                     one_step_off)
+from .config import SimConfig
+from .events import Placement, Recorder, count_tokens, landing_delay, lane_policy, lane_work, one_step_off
 from .hardware import LearnerCosts
-from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LaneRun, LaneWork, _Pending, chunk_seconds
+from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LaneRun, LaneWork, PendingUnits, chunk_seconds
 from .workload import Batch
 
 
@@ -113,7 +113,7 @@ class _Lane:
         n_groups = len(work.close)
         self.budget = policy.budget_groups if (policy.budget_groups is not None
                                                and policy.budget_groups < n_groups) else None
-        self.pend = _Pending(n_groups)
+        self.pend = PendingUnits(n_groups)
         self.min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
         self.arrived = self.trained = self.closed = 0
         self.n, self.n_groups = work.size, n_groups
@@ -291,12 +291,12 @@ def simulate_shared(cfg: SimConfig, source, costs: LearnerCosts):
             return cosimulate(cfg, costs, nxt, t_roll, work, True, t_learn, policy, "batch", record=cfg.record_timeline)
 
         return one_step_off(cfg, source, costs, first_rollout, overlap)
-    rec = _Recorder(cfg)
+    rec = Recorder(cfg)
     starts, ends = [], []
     t = 0.0
     for k in range(cfg.steps):
         batch = source.batch(k)
-        # the units and their costs, as engine.lane_work builds them (ready times come from events here)
+        # the units and their costs, as events.lane_work builds them (ready times come from events here)
         dummy = Placement(np.zeros(batch.size), np.zeros(batch.size), np.zeros(batch.size, dtype=np.int64))
         work, computed = lane_work(batch, dummy, cfg.algo, gran, costs)
         place, run, t_opt, _ = cosimulate(cfg, costs, batch, t, work, False, t, policy, gran,
@@ -305,7 +305,7 @@ def simulate_shared(cfg: SimConfig, source, costs: LearnerCosts):
         rec.learner_run(k, run, t_opt, t_opt, t_end, costs)
         rec.rollout(k, k, place, t, t_end)
         rec.trained(k, batch.size, k)
-        _count_tokens(rec, batch, run, computed)
+        count_tokens(rec, batch, run, computed)
         starts.append(t)
         ends.append(t_end)
         t = t_end + costs.step_gap_s

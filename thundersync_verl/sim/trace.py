@@ -42,7 +42,7 @@ import numpy as np
 
 from .calibrate import (Calibration, calibrate, decode_scale, fit_line, op_overlap, push_intervals,
                         slot_residual)
-from .engine import MODES, SimConfig
+from .config import MODES, SimConfig
 from .hardware import LearnerCosts, SharedCores
 from .workload import Batch, batch_from_turns
 

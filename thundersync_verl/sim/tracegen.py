@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .engine import SimConfig, simulate
+from .config import SimConfig
+from .engine import simulate
 from .hardware import LearnerCosts
 from .trace import write_trace
 
