@@ -23,6 +23,15 @@ def check_verl_version() -> str:
     return verl.__version__
 
 
+# -- config --------------------------------------------------------------------------
+def base_config_cls():
+    """verl's dataclass config base (read-only after construction, readable as a Mapping), as verl's
+    own ``McoreActorConfig`` uses; ``thundersync_verl.config`` builds the ``thundersync`` keys on it."""
+    from verl.base_config import BaseConfig
+
+    return BaseConfig
+
+
 # -- platform ------------------------------------------------------------------------
 def platform_registry():
     from verl.plugin.platform import PlatformRegistry
