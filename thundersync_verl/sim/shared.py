@@ -178,6 +178,62 @@ class _Feed:
                 self.lane.close(g)
 
 
+class _LearnerSide:
+    """The learner's side of a cosimulation: its task (a chunk or the optimizer) on the learner clock, its waits."""
+
+    def __init__(self, ln: _Lane, clock: _Clock, t_learn: float, record: bool):
+        self.ln, self.clock, self.t_learn, self.record = ln, clock, t_learn, record
+        self.run = LaneRun(start=t_learn, finish=t_learn)
+        self.task = None  # (learner-clock end, kind, start, overhead share, chunk)
+        self.opt_done = np.nan
+        self.idle_since, self.idle_reason = t_learn, IDLE_ROLLOUT
+
+    @property
+    def optimized(self) -> bool:
+        return not np.isnan(self.opt_done)
+
+    def finish_task(self, t: float, tol: float) -> None:
+        """Account the task that ends by t: a chunk's compute, overhead and tokens, or the optimizer's end."""
+        if self.task is not None and self.clock.wall(self.task[0]) <= t + tol:
+            _, kind, t0, share, chunk = self.task
+            self.task = None
+            if kind == "opt":
+                self.opt_done = t
+                return
+            run = self.run
+            tokens = self.ln.chunk_work(chunk)[2]
+            run.chunks.append((t0, t, len(chunk), tokens))
+            run.overhead_s += (t - t0) * share
+            run.compute_s += (t - t0) * (1.0 - share)
+            run.tokens += tokens
+            self.ln.trained += len(chunk)
+            self.idle_since = t
+
+    def start_task(self, t: float, costs: LearnerCosts) -> None:
+        """When idle: the optimizer once every unit is trained, else the lane's next chunk, else note why it waits."""
+        if self.task is not None or self.optimized or t < self.t_learn:
+            return
+        ln, run = self.ln, self.run
+        if ln.trained == ln.n:  # every unit trained: the step's fixed work and optimizer step
+            run.finish = t
+            self.task = (self.clock.v + costs.step_overhead_s + costs.optimizer_s, "opt", t, 0.0, None)
+            _idle(run, self.idle_since, t, self.idle_reason, self.record)
+            return
+        chunk, reason = ln.decide()
+        if chunk is not None:
+            _idle(run, self.idle_since, t, self.idle_reason, self.record)
+            run.peak_open_groups = max(run.peak_open_groups, ln.pend.open_count)
+            over, compute, _ = ln.chunk_work(chunk)
+            share = over / (over + compute) if over + compute else 0.0
+            self.task = (self.clock.v + over + compute, "chunk", t, share, chunk)
+        elif reason != self.idle_reason:
+            _idle(run, self.idle_since, t, self.idle_reason, self.record)
+            self.idle_since, self.idle_reason = t, reason
+
+    def next_time(self) -> float:
+        return self.clock.wall(self.task[0]) if self.task is not None else np.inf
+
+
 def cosimulate(cfg: SimConfig, costs: LearnerCosts, rollout: Batch | None, t_roll: float, lane: LaneWork,
                fixed: bool, t_learn: float, policy, gran: str, record: bool = False
                ) -> tuple[Placement | None, LaneRun, float, float]:
@@ -191,7 +247,8 @@ def cosimulate(cfg: SimConfig, costs: LearnerCosts, rollout: Batch | None, t_rol
     roll = _Rollout(rollout, t_roll, cfg.rollout_slots, cfg.algo)
     ln = _Lane(lane, policy)
     t = min(t_roll, t_learn)
-    rclock, lclock = _Clock(t), _Clock(t)
+    rclock = _Clock(t)
+    learner = _LearnerSide(ln, _Clock(t), t_learn, record)
     arrivals: list = []  # (wall time, kind, index): 0 unit ready, 1 group closed, 2 turn scored, 3 trajectory landed
     feed = None
     if fixed:
@@ -201,10 +258,6 @@ def cosimulate(cfg: SimConfig, costs: LearnerCosts, rollout: Batch | None, t_rol
     else:
         feed = _Feed(rollout, cfg.algo, gran, lane, ln)
     handle = {0: ln.arrive, 1: ln.close, **({2: feed.turn_scored, 3: feed.landed_traj} if feed else {})}
-    run = LaneRun(start=t_learn, finish=t_learn)
-    task = None  # (learner-clock end, kind, start, overhead share, chunk)
-    opt_done = np.nan
-    idle_since, idle_reason = t_learn, IDLE_ROLLOUT
     while True:
         tol = 1e-12 * max(1.0, abs(t))
         for t_ev, kind, idx in roll.pop(t, rclock, tol) if rollout is not None else []:
@@ -215,46 +268,20 @@ def cosimulate(cfg: SimConfig, costs: LearnerCosts, rollout: Batch | None, t_rol
         while arrivals and arrivals[0][0] <= t + tol:
             _, kind, idx = heapq.heappop(arrivals)
             handle[kind](idx)
-        if task is not None and lclock.wall(task[0]) <= t + tol:
-            _, kind, t0, share, chunk = task
-            task = None
-            if kind == "opt":
-                opt_done = t
-            else:
-                tokens = ln.chunk_work(chunk)[2]
-                run.chunks.append((t0, t, len(chunk), tokens))
-                run.overhead_s += (t - t0) * share
-                run.compute_s += (t - t0) * (1.0 - share)
-                run.tokens += tokens
-                ln.trained += len(chunk)
-                idle_since = t
+        learner.finish_task(t, tol)
         if rollout is not None:
             roll.start_ready(t, rclock)
-        if task is None and np.isnan(opt_done) and t >= t_learn:
-            if ln.trained == ln.n:  # every unit trained: the step's fixed work and optimizer step
-                run.finish = t
-                task = (lclock.v + costs.step_overhead_s + costs.optimizer_s, "opt", t, 0.0, None)
-                _idle(run, idle_since, t, idle_reason, record)
-            else:
-                chunk, reason = ln.decide()
-                if chunk is not None:
-                    _idle(run, idle_since, t, idle_reason, record)
-                    run.peak_open_groups = max(run.peak_open_groups, ln.pend.open_count)
-                    over, compute, _ = ln.chunk_work(chunk)
-                    share = over / (over + compute) if over + compute else 0.0
-                    task = (lclock.v + over + compute, "chunk", t, share, chunk)
-                elif reason != idle_reason:
-                    _idle(run, idle_since, t, idle_reason, record)
-                    idle_since, idle_reason = t, reason
-        if not np.isnan(opt_done) and (rollout is None or roll.all_done):
+        learner.start_task(t, costs)
+        if learner.optimized and (rollout is None or roll.all_done):
             break
         # who computes decides both clocks' rates until the next event
-        rclock.advance(t, 1.0 / slow.rollout_slowdown if task is not None else 1.0)
+        lclock = learner.clock
+        rclock.advance(t, 1.0 / slow.rollout_slowdown if learner.task is not None else 1.0)
         lclock.advance(t, 1.0 / slow.learner_slowdown if roll.decoding else 1.0)
         waiting = rollout is not None and roll.free and roll.next_traj < len(roll.start) and roll.free[0][0] > t
         t_next = min(roll.next_time(rclock) if rollout is not None else np.inf,
                      arrivals[0][0] if arrivals else np.inf,
-                     lclock.wall(task[0]) if task is not None else np.inf,
+                     learner.next_time(),
                      t_learn if t < t_learn else np.inf,
                      roll.free[0][0] if waiting else np.inf)
         if t_next == np.inf:
@@ -262,10 +289,10 @@ def cosimulate(cfg: SimConfig, costs: LearnerCosts, rollout: Batch | None, t_rol
         rclock.advance(t_next, rclock.rate)
         lclock.advance(t_next, lclock.rate)
         t = t_next
-    run.units = ln.trained
+    learner.run.units = ln.trained
     place = roll.placement() if rollout is not None else None
     t_roll_end = float(np.max(roll.done)) if rollout is not None and roll.done.size else t_roll
-    return place, run, float(opt_done), t_roll_end
+    return place, learner.run, float(learner.opt_done), t_roll_end
 
 
 def _idle(run: LaneRun, a: float, b: float, reason: str, record: bool) -> None:
