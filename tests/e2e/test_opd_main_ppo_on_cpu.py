@@ -201,8 +201,8 @@ def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
     # The last scored turn's reply is kept for verl's whole-trajectory question, which a failed loop never asks.
     from types import SimpleNamespace
 
-    from thundersync_verl.envs.agent_loop import DEFAULTS, ThunderSyncToolAgentLoop
-    from thundersync_verl.envs.latency import LatencyModel
+    from thundersync_verl.config import EnvConfig
+    from thundersync_verl.envs.agent_loop import ThunderSyncToolAgentLoop
 
     model = _tiny_model(2)
     teacher, _ = _publisher(_FakeTeacher(model), max_attempts=1)
@@ -217,7 +217,8 @@ def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
         return [4, 7]
 
     loop = object.__new__(ThunderSyncToolAgentLoop)  # verl's base needs a live worker; the run needs none of it
-    loop.settings, loop.latency, loop.response_length = dict(DEFAULTS), LatencyModel.from_config(DEFAULTS["tool_latency"]), 16
+    loop.settings, loop.response_length = EnvConfig(), 16
+    loop.latency = loop.settings.tool_latency
     loop.turn_teacher, loop.server_manager, loop.ct_build_initial_tokens = teacher, _DeadServer(), _tokens
     with pytest.raises(ConnectionError):
         asyncio.run(loop.run({}, raw_prompt=[], uid="u", session_id=0))

@@ -73,12 +73,12 @@ def turn_key(traj_key: str, turn: int) -> str:
 
 
 def retry_policy_from_config(config) -> TeacherRetryPolicy:
-    """``thundersync.opd.teacher_{max_attempts,timeout_s,backoff_s}`` as a retry policy (validated)."""
-    opd = (config.get("thundersync", {}) or {}).get("opd", {}) or {}
-    timeout = opd.get("teacher_timeout_s", 120)
-    return TeacherRetryPolicy(max_attempts=int(opd.get("teacher_max_attempts", 3)),
-                              timeout_s=None if timeout is None else float(timeout),
-                              backoff_s=float(opd.get("teacher_backoff_s", 0.5)))
+    """``thundersync.opd.teacher_{max_attempts,timeout_s,backoff_s}`` as a retry policy (checked in config.py)."""
+    from thundersync_verl.config import ThunderSyncConfig  # imports verl: only when a run's config is read
+
+    opd = ThunderSyncConfig.from_verl(config).opd
+    return TeacherRetryPolicy(max_attempts=opd.teacher_max_attempts, timeout_s=opd.teacher_timeout_s,
+                              backoff_s=opd.teacher_backoff_s)
 
 
 # ----- agent-loop side ------------------------------------------------------------------------
