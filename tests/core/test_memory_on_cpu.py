@@ -35,15 +35,8 @@ def _grad(seed: int, dtype=torch.float32):
 
 
 def _allocated_bytes(acc) -> int:
-    """Bytes of every tensor the accumulator holds, found by walking its state."""
-    tensors = list(acc._direct or [])
-    for g in acc._groups.values():
-        for buf in [g.s0, g.s1, *g.buckets.values()]:
-            tensors += list(buf or [])
-        for t in g.trajs.values():
-            for buf in list((t.pending or {}).values()) + list(t.stored.values()):
-                tensors += list(buf)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of every tensor the accumulator holds, found by walking its gradient buffers."""
+    return sum(t.numel() * t.element_size() for t in acc.buffers.tensors())
 
 
 def test_exact_accounting_on_the_affine_path():
@@ -97,7 +90,7 @@ def test_full_budget_makes_new_groups_wait_and_rank_ready_orders():
     acc.report_reward("d", 0, 1.0)  # d closed before any gradient
     with pytest.raises(AccumulatorBudgetError, match="must wait|let this trajectory wait"):
         acc.add_policy_grad("c", 0, _grad(2), 2, reward=1.0)
-    assert acc.open_groups == 2 and "c" not in [g for g, s in acc._groups.items() if s.trajs]
+    assert acc.open_groups == 2 and "c" not in [g for g, s in acc.ledger.groups.items() if s.trajs]
     acc.report_reward("c", 1, 0.0)
     acc.report_reward("b", 1, 1.0)
     hint = acc.rank_ready([("c", 0), ("b", 2), ("b", 1), ("d", 0), ("c", 1)])
@@ -119,7 +112,7 @@ def test_host_storage_gives_the_same_result():
         for tid, r in enumerate([1.0, 0.0, 1.0]):
             acc.add_policy_grad("a", tid, _grad(tid, torch.float64), 3, reward=r)
         results.append(acc.compute_batch_gradient())
-        assert not acc.pool.pinned or torch.cuda.is_available()
+        assert not acc.buffers.pinned or torch.cuda.is_available()
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 

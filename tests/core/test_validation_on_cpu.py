@@ -35,9 +35,9 @@ def _grad(v=1.0):
 def _snapshot(acc):
     groups = {
         gid: (g.closed, sorted((repr(t), s.reward, s.processed, s.independent) for t, s in g.trajs.items()))
-        for gid, g in acc._groups.items()
+        for gid, g in acc.ledger.groups.items()
     }
-    direct = [d.clone() for d in acc._direct] if acc._direct is not None else None
+    direct = [d.clone() for d in acc.buffers.batch] if acc.buffers.batch is not None else None
     return acc.bytes_in_use, acc.reserved_bytes, acc.counts, groups, direct
 
 

@@ -6,13 +6,15 @@ Why:
    trajectory i finishes; only scalars wait (the group's advantages, the batch normaliser).
 2. This package holds that math and nothing else: it imports torch and the standard library
    only (a test enforces it), so it runs and is tested on any CPU without verl or Ray.
-3. Entry points: ``StreamingGradientAccumulator`` (buffers, folding, barrier),
+3. Entry points: ``StreamingGradientAccumulator`` (a facade over ``BatchLedger``, the
+   tensor-free bookkeeping and memory budget, and ``GradientBuffers``, the tensors),
    ``validate_streaming_config`` (refuses verl settings that break exactness), the
    estimators, normalisers, corrections and objectives it relies on. See README.md.
 """
 
-from .accumulator import ChunkPlan, StreamingGradientAccumulator
+from .accumulator import StreamingGradientAccumulator
 from .barrier import BarrierReport
+from .budget import MemoryBudget
 from .buffers import BufferPool, GradLayout
 from .config_validation import StreamingSettings, validate_streaming_config
 from .corrections import (
@@ -30,7 +32,9 @@ from .errors import (
     StreamingStateError,
 )
 from .estimators import FunctionEstimator, GroupEstimator, GRPOEstimator, RLOOEstimator, estimator_from_verl
+from .gradients import GradientBuffers
 from .groups import ANY, NEG, POS
+from .ledger import BatchLedger
 from .normalizers import LOSS_AGG_MODES, BatchCounts, batch_scale, token_weight, token_weights
 from .objectives import (
     check_opd_turn_mode,
@@ -40,7 +44,7 @@ from .objectives import (
     opd_turn_loss,
     policy_surrogate,
 )
-from .scheduling import ScheduleHint
+from .scheduling import ChunkPlan, ScheduleHint
 
 __all__ = [
     "ANY",
@@ -50,12 +54,15 @@ __all__ = [
     "AccumulatorBudgetError",
     "BarrierReport",
     "BatchCounts",
+    "BatchLedger",
     "BufferPool",
     "ChunkPlan",
     "FunctionEstimator",
     "GRPOEstimator",
     "GradLayout",
+    "GradientBuffers",
     "GroupEstimator",
+    "MemoryBudget",
     "RLOOEstimator",
     "ScheduleHint",
     "StreamingConfigError",

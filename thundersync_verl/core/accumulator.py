@@ -26,41 +26,63 @@ Why:
 5. Every public method validates everything before it mutates anything: on an exception the
    accumulator is exactly as before the call. The barrier (barrier.py) refuses to step while a
    group is open or a local trajectory is unprocessed.
+6. The class is a facade over two parts: ``BatchLedger`` (ledger.py: groups, counts,
+   reservations, buffer keys; no tensors) and ``GradientBuffers`` (gradients.py: the tensors).
+   folding.py turns ledger decisions into buffer arithmetic; scheduling.py and chunks.py plan
+   and add shared backwards; barrier.py steps. None of them imports this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from operator import attrgetter
 from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from . import barrier as _barrier
-from . import folding as _folding
-from . import scheduling as _scheduling
-from .buffers import BufferPool, GradLayout, axpy_, copy_into_
-from .errors import StreamingConfigError, StreamingInputError, StreamingStateError, rule_message
-from .estimators import GroupEstimator
-from .groups import ANY, NEG, POS, GroupState, TrajectoryState, canonical_sorted, check_group_sizes
-from .groups import check_reward, check_same_reward, variant_of
-from .normalizers import BatchCounts, check_count, check_loss_agg_mode
+from .barrier import BarrierReport, compute_batch_gradient, finish_batch
+from .buffers import GradLayout
+from .chunks import add_chunk_grad
+from .errors import StreamingConfigError, StreamingInputError, rule_message
+from .folding import advance_commits, close_group, route, route_pending, store_independent
+from .gradients import GradientBuffers
+from .groups import ANY, NEG, POS, TrajectoryState, check_reward, check_same_reward, variant_of
+from .ledger import PATHS, BatchLedger
+from .normalizers import check_count
+from .scheduling import ChunkPlan, ScheduleHint, plan_chunk, rank_ready, split_into_chunks
 
-PATHS = ("auto", "affine", "buckets")
-_BATCH_OWNER = ("batch",)
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Trajectories that can share one backward: sum_i loss_weights[i] * sum_t w log pi."""
-
-    batch_serial: int
-    items: tuple[tuple[Hashable, Hashable], ...]
-    loss_weights: tuple[float, ...]
-    sign_classes: tuple[str | None, ...]  # per item, for sign buckets in closed groups
-    destination: str  # "direct" (closed groups) or "bucket" (one open group, one reward)
-    reward: float | None = None
+__all__ = ["PATHS", "ChunkPlan", "StreamingGradientAccumulator"]
 
 
+class _Owned:
+    """A read-only attribute of the accumulator, read from the part that owns it."""
+
+    def __init__(self, part: str, name: str):
+        self.part, self.name = part, name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(attrgetter(self.part)(obj), self.name)
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"{self.name} is read-only here: it belongs to the accumulator's {self.part}")
+
+
+def _reads_from(part: str, *names: str):
+    """Class decorator: read-only attributes ``names``, each read from the instance's ``part``."""
+
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, _Owned(part, name))
+        return cls
+
+    return decorate
+
+
+# settings and accounting figures, read-only: the ledger and its budget own them
+@_reads_from(
+    "ledger", "estimator", "loss_agg_mode", "loss_scale_factor", "path", "canonical_order", "sign_buckets",
+    "independent_terms", "max_distinct_rewards", "variants", "batch_open", "counts",
+)
+@_reads_from("ledger.budget", "bytes_in_use", "peak_bytes", "reserved_bytes", "open_groups", "peak_open_groups")
 class StreamingGradientAccumulator:
     """Accumulates streamed per-trajectory gradients into the exact batch gradient."""
 
@@ -68,226 +90,64 @@ class StreamingGradientAccumulator:
         self,
         params: Sequence[torch.Tensor],
         *,
-        estimator: GroupEstimator,
-        loss_agg_mode: str = "token-mean",
-        loss_scale_factor: float | None = None,
-        path: str = "auto",
-        canonical_order: bool = False,
-        sign_buckets: bool = False,
-        independent_terms: bool = False,
-        budget_bytes: int | None = None,
         storage: str = "device",
         accum_dtype: torch.dtype | None = None,
-        max_distinct_rewards: int | None = None,
+        **settings,
     ):
-        check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
-        self.estimator = estimator
-        self.loss_agg_mode = loss_agg_mode
-        self.loss_scale_factor = loss_scale_factor
-        self.canonical_order = bool(canonical_order)
-        self.sign_buckets = bool(sign_buckets)
-        self.independent_terms = bool(independent_terms)
-        self.path = self._choose_path(path)
-        bad = isinstance(max_distinct_rewards, bool) or not isinstance(max_distinct_rewards, int)
-        if max_distinct_rewards is not None and (bad or max_distinct_rewards < 1):
-            raise StreamingConfigError(
-                rule_message(
-                    f"max_distinct_rewards must be a positive int or None (got {max_distinct_rewards!r})",
-                    "it sizes the reward buckets reserved per open group",
-                    "pass 2 for binary rewards, or None to reserve one bucket per member",
-                )
-            )
-        self.max_distinct_rewards = max_distinct_rewards
-        self.variants = (POS, NEG) if self.sign_buckets else (ANY,)
+        """``params``: the local parameter shards (their shapes, devices and dtypes fix the layout).
+
+        ``storage`` ("device" or "host") places the open-group buffers; ``accum_dtype`` is the
+        dtype they sum in. ``settings`` go to ``BatchLedger``: ``estimator`` (required),
+        ``loss_agg_mode``, ``loss_scale_factor``, ``path`` ("auto", "affine", "buckets"),
+        ``canonical_order``, ``sign_buckets``, ``independent_terms``, ``budget_bytes`` and
+        ``max_distinct_rewards``.
+        """
         self.layout = GradLayout.from_tensors(list(params), accum_dtype)
-        self.pool = BufferPool(self.layout, storage=storage, budget_bytes=budget_bytes)
-        self._groups: dict[Hashable, GroupState] = {}
-        self._order: list[Hashable] = []
-        self._commit_pos = 0
-        self._direct: list[torch.Tensor] | None = None
-        self._counts = BatchCounts()
-        self._serial = 0
-
-    def _choose_path(self, path: str) -> str:
-        if path not in PATHS:
-            raise StreamingConfigError(
-                rule_message(f"path={path!r} is unknown", "it selects how open groups are buffered", f"use one of {PATHS}")
-            )
-        if self.canonical_order:
-            return "canonical"
-        affine_ok = self.estimator.is_affine and not self.sign_buckets
-        if path == "affine" and not affine_ok:
-            raise StreamingConfigError(
-                rule_message(
-                    f"path='affine' needs an affine estimator without sign buckets (estimator "
-                    f"{self.estimator.name!r}, sign_buckets={self.sign_buckets})",
-                    "the two-buffer fold relies on A = alpha_g * r + beta_g with one gradient per member",
-                    "use path='buckets' or path='auto'",
-                )
-            )
-        return "affine" if (path == "affine" or (path == "auto" and affine_ok)) else "buckets"
-
-    # ----- accounting ---------------------------------------------------------------------
-    @property
-    def batch_open(self) -> bool:
-        return self._direct is not None
-
-    @property
-    def bytes_in_use(self) -> int:
-        return self.pool.bytes_in_use
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.pool.peak_bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.pool.reserved_bytes
-
-    @property
-    def open_groups(self) -> int:
-        return self.pool.open_groups
-
-    @property
-    def peak_open_groups(self) -> int:
-        return self.pool.peak_open_groups
-
-    @property
-    def counts(self) -> BatchCounts:
-        return BatchCounts(self._counts.num_tokens, self._counts.num_sequences)
+        self.buffers = GradientBuffers(self.layout, storage=storage)
+        self.ledger = BatchLedger(buffer_bytes=self.layout.buffer_bytes, **settings)
 
     def reset_peaks(self) -> None:
         """Restart peak_bytes / peak_open_groups from the current usage (e.g. per batch)."""
-        self.pool.peak_bytes = self.pool.bytes_in_use
-        self.pool.peak_open_groups = self.pool.open_groups
+        self.ledger.budget.reset_peaks()
 
     def group_reservation(self, gid: Hashable) -> int:
         """Buffers a group reserves when it first needs memory (its worst case)."""
-        return _scheduling.group_reservation(self, self._group(gid))
+        return self.ledger.group_reservation(self.ledger.group(gid))
 
     # ----- batch lifecycle ----------------------------------------------------------------
     def begin_batch(
         self, group_sizes: Mapping[Hashable, int], local_members: Mapping[Hashable, Sequence[Hashable]] | None = None
     ) -> None:
         """Declare the groups of a new batch: {group_id: n}, and optionally this rank's members."""
-        if self.batch_open:
-            raise StreamingStateError(
-                rule_message(
-                    "begin_batch called while a batch is open",
-                    "each batch ends with exactly one optimizer step; mixing two batches would "
-                    "sum gradients taken at different weights",
-                    "call finish_batch (or abort_batch) first",
-                )
-            )
-        spec = check_group_sizes(group_sizes, local_members)
-        groups = {gid: GroupState(gid, size, local) for gid, (size, local) in spec.items()}
-        self._groups, self._order = groups, canonical_sorted(groups)
-        worst = max((self.group_reservation(gid) for gid in groups), default=0)
-        need = (1 + worst) * self.pool.buffer_bytes
-        if self.pool.budget_bytes is not None and need > self.pool.budget_bytes:
-            self._groups, self._order = {}, []
-            raise StreamingConfigError(
-                rule_message(
-                    f"budget_bytes={self.pool.budget_bytes} cannot hold even one open group: the batch "
-                    f"buffer plus {worst} group buffer(s) of {self.pool.buffer_bytes} bytes need {need}",
-                    "a group keeps its members' gradients until its last reward is known; with no "
-                    "room for one group streaming cannot make progress",
-                    f"raise budget_bytes to at least {need}, use an affine estimator (2 buffers per "
-                    "group), set max_distinct_rewards (e.g. 2 for binary rewards), or shard the "
-                    "parameters over more ranks",
-                )
-            )
-        self._serial += 1
-        self._commit_pos = 0
-        self._counts = BatchCounts()
-        self.pool.reserve(_BATCH_OWNER, 1, is_group=False)
-        self._direct = self.pool.allocate(_BATCH_OWNER, on_param_device=True)
+        self.ledger.begin(group_sizes, local_members)
+        self.buffers.open_batch()
 
     def abort_batch(self) -> None:
         """Drop the current batch without stepping (e.g. after a failed rollout)."""
-        self._end_batch()
-
-    def _end_batch(self) -> None:
-        self.pool.release_all()
-        self._groups, self._order, self._direct = {}, [], None
-        self._commit_pos = 0
-
-    def _require_batch(self) -> None:
-        if not self.batch_open:
-            raise StreamingStateError(
-                rule_message(
-                    "no batch is open",
-                    "gradients and rewards belong to one batch sampled at one set of weights",
-                    "call begin_batch({group_id: n, ...}) first",
-                )
-            )
-
-    def _group(self, gid: Hashable) -> GroupState:
-        g = self._groups.get(gid)
-        if g is None:
-            raise StreamingInputError(
-                rule_message(
-                    f"group {gid!r} is not part of the current batch",
-                    "only declared groups have a known size, and so a defined closing point",
-                    "declare it in begin_batch, or check the group id",
-                )
-            )
-        return g
+        self.ledger.end()
+        self.buffers.close_batch()
 
     # ----- rewards ------------------------------------------------------------------------
     def report_reward(self, gid: Hashable, tid: Hashable, reward: float) -> None:
         """Record a trajectory's reward; the last reward of a group closes and folds it."""
-        self._require_batch()
-        g = self._group(gid)
+        self.ledger.require_batch()
+        g = self.ledger.group(gid)
         g.check_member(tid, for_gradient=False)
         r = check_reward(gid, tid, reward)
         traj = g.trajs.get(tid)
         if traj is not None and traj.reward is not None:
             check_same_reward(gid, tid, traj.reward, r)
             return
-        coefs = self._coefs_if_closing(g, tid, r)
-        if coefs is None and traj is not None and traj.pending is not None:
-            self._check_bucket_room(g, r)
+        coefs = self.ledger.coefs_if_closing(g, tid, r)
+        if coefs is None and traj is not None and traj.pending:
+            self.ledger.check_bucket_room(g, r)
         traj = g.trajs.setdefault(tid, TrajectoryState())
         traj.reward = r
         if coefs is not None:
-            _folding.close_group(self, g, coefs)
-        elif traj.pending is not None:
-            _folding.route_open(self, g, traj.pending, r)
-            traj.pending = None
-            self.pool.release(("pending", gid, tid))
-        _folding.advance_commits(self)
-
-    def _coefs_if_closing(self, g: GroupState, tid: Hashable, r: float) -> dict | None:
-        """The group's coefficients if recording reward ``r`` for ``tid`` closes it, else None."""
-        has = tid in g.trajs and g.trajs[tid].reward is not None
-        if g.closed or has or g.num_rewards + 1 < g.size:
-            return None
-        saved = g.trajs.get(tid)
-        probe = TrajectoryState(reward=r) if saved is None else TrajectoryState(reward=r, processed=saved.processed)
-        g.trajs[tid] = probe
-        try:
-            return g.compute_coefficients(self.estimator)
-        finally:
-            if saved is None:
-                del g.trajs[tid]
-            else:
-                g.trajs[tid] = saved
-
-    def _check_bucket_room(self, g: GroupState, r: float) -> None:
-        if self.path != "buckets" or self.max_distinct_rewards is None:
-            return
-        distinct = g.distinct_rewards()
-        if r not in distinct and len(distinct) + 1 > self.max_distinct_rewards:
-            raise StreamingInputError(
-                rule_message(
-                    f"group {g.gid!r} would hold {len(distinct) + 1} distinct rewards, more than "
-                    f"max_distinct_rewards={self.max_distinct_rewards}",
-                    "each distinct reward of an open group needs its own buffer and the group "
-                    "reserved only max_distinct_rewards of them",
-                    "raise max_distinct_rewards (or leave it None), or use an affine estimator",
-                )
-            )
+            close_group(self.ledger, self.buffers, g, coefs)
+        elif traj.pending:
+            route_pending(self.ledger, self.buffers, g, tid)
+        advance_commits(self.ledger, self.buffers)
 
     # ----- policy gradients ---------------------------------------------------------------
     def required_variants(self, gid: Hashable, tid: Hashable) -> tuple[str, ...]:
@@ -296,8 +156,8 @@ class StreamingGradientAccumulator:
         (ANY,) without sign buckets; with sign buckets (POS, NEG) while the group is open, the
         one sign class of its advantage once closed, and () when that advantage is 0.
         """
-        self._require_batch()
-        g = self._group(gid)
+        self.ledger.require_batch()
+        g = self.ledger.group(gid)
         if not self.sign_buckets:
             return (ANY,)
         if not g.closed or self.path == "canonical":
@@ -320,40 +180,29 @@ class StreamingGradientAccumulator:
         accumulator applies -A_i. With sign buckets ``grads`` uses the A > 0 token weights and
         ``grads_negative`` the A < 0 ones (see ``required_variants``).
         """
-        self._require_batch()
-        g = self._group(gid)
-        g.check_member(tid, for_gradient=True)
-        traj = g.trajs.get(tid)
-        if traj is not None and traj.processed:
-            raise StreamingInputError(
-                rule_message(
-                    f"trajectory ({gid!r}, {tid!r}) was already added",
-                    "adding a gradient twice counts the trajectory twice in the batch gradient",
-                    "add each trajectory once; use a fresh id for a new sample",
-                )
-            )
+        ledger = self.ledger
+        ledger.require_batch()
+        g, traj = ledger.unprocessed((gid, tid))
         check_count("num_tokens", num_tokens)
         known = traj.reward if traj is not None else None
         r = None if reward is None else check_reward(gid, tid, reward)
         if r is not None and known is not None:
             check_same_reward(gid, tid, known, r)
         eff = known if known is not None else r
-        coefs = None if (r is None or known is not None) else self._coefs_if_closing(g, tid, r)
+        coefs = None if (r is None or known is not None) else ledger.coefs_if_closing(g, tid, r)
         closed_after = g.closed or coefs is not None
         variants = self._variant_grads(g, tid, closed_after, coefs, grads, grads_negative)
         pending = eff is None and not closed_after and self.path != "canonical"
         if eff is not None and not closed_after:
-            self._check_bucket_room(g, eff)
-        _scheduling.reserve(self, g, need_group=not closed_after or self.path == "canonical", pending=pending, tid=tid)
-        traj = g.trajs.setdefault(tid, TrajectoryState())
-        traj.processed = True
-        self._counts.add(num_tokens, 1 if num_tokens > 0 else 0)
+            ledger.check_bucket_room(g, eff)
+        ledger.reserve(g, need_group=not closed_after or self.path == "canonical", pending=pending, tid=tid)
+        traj = ledger.mark_processed(g, tid, num_tokens)
         if r is not None and known is None:
             traj.reward = r
         if coefs is not None:
-            _folding.close_group(self, g, coefs)
-        _folding.route(self, g, tid, traj, variants, pending)
-        _folding.advance_commits(self)
+            close_group(ledger, self.buffers, g, coefs)
+        route(ledger, self.buffers, g, tid, traj, variants, pending)
+        advance_commits(ledger, self.buffers)
 
     def add_policy_grad_from_params(
         self, params: Sequence[torch.Tensor], gid: Hashable, tid: Hashable, num_tokens: int, reward: float | None = None
@@ -411,13 +260,14 @@ class StreamingGradientAccumulator:
         trajectory was already counted by add_policy_grad). ``key`` ties it to a trajectory;
         canonical order needs it (and ``independent_terms=True``).
         """
-        self._require_batch()
+        ledger = self.ledger
+        ledger.require_batch()
         self.layout.check(grads)
         check_count("num_tokens", num_tokens)
         check_count("num_sequences", num_sequences)
         g = traj = None
         if key is not None:
-            g = self._group(key[0])
+            g = ledger.group(key[0])
             g.check_member(key[1], for_gradient=True)
             traj = g.trajs.get(key[1])
             if traj is not None and traj.independent:
@@ -439,18 +289,16 @@ class StreamingGradientAccumulator:
                 )
             )
         if self.path == "canonical":
-            _scheduling.reserve(self, g, need_group=True, pending=False, tid=None)
+            ledger.reserve(g, need_group=True, pending=False, tid=None)
         if g is not None:
             traj = g.trajs.setdefault(key[1], TrajectoryState())  # type: ignore[index]
             traj.independent = True
         if self.path == "canonical":
-            buf = self.pool.allocate(("group", g.gid))  # type: ignore[union-attr]
-            copy_into_(buf, grads)
-            traj.stored["independent"] = buf  # type: ignore[union-attr]
+            store_independent(ledger, self.buffers, g, key[1], grads)  # type: ignore[arg-type,index]
         else:
-            axpy_(self._direct, grads, 1.0)  # type: ignore[arg-type]
-        self._counts.add(num_tokens, num_sequences)
-        _folding.advance_commits(self)
+            self.buffers.add_to_batch(grads, 1.0)
+        ledger.count(num_tokens, num_sequences)
+        advance_commits(ledger, self.buffers)
 
     def add_independent_grad_from_params(self, params: Sequence[torch.Tensor], **kwargs) -> None:
         """Harvest ``p.grad`` as a reward-independent gradient, then zero it."""
@@ -460,31 +308,31 @@ class StreamingGradientAccumulator:
     # ----- chunks, scheduling, barrier (thin wrappers; see those modules) -------------------
     def plan_chunk(self, items: Sequence[tuple[Hashable, Hashable]]) -> ChunkPlan:
         """Loss weights letting ``items`` share one backward (scheduling.plan_chunk)."""
-        return _scheduling.plan_chunk(self, items)
+        return plan_chunk(self.ledger, items)
 
     def add_chunk_grad(self, plan: ChunkPlan, grads, num_tokens: Sequence[int], grads_negative=None) -> None:
-        """Add the gradient of a planned chunk (scheduling.add_chunk_grad)."""
-        _scheduling.add_chunk_grad(self, plan, grads, num_tokens, grads_negative)
+        """Add the gradient of a planned chunk (chunks.add_chunk_grad)."""
+        add_chunk_grad(self.ledger, self.buffers, plan, grads, num_tokens, grads_negative)
 
-    def rank_ready(self, items: Sequence[tuple[Hashable, Hashable]]) -> "_scheduling.ScheduleHint":
+    def rank_ready(self, items: Sequence[tuple[Hashable, Hashable]]) -> ScheduleHint:
         """Ready trajectories ordered to bound open groups, plus those that must wait."""
-        return _scheduling.rank_ready(self, items)
+        return rank_ready(self.ledger, items)
 
     def split_into_chunks(self, items, max_chunk_size: int, min_open_chunk: int = 1):
         """Ranked ready trajectories grouped into valid chunks, plus the waiting ones."""
-        return _scheduling.split_into_chunks(self, items, max_chunk_size, min_open_chunk)
+        return split_into_chunks(self.ledger, items, max_chunk_size, min_open_chunk)
 
     def pending_work(self) -> list[str]:
         """What still blocks the barrier (empty when the step may run)."""
-        return _barrier.pending_work(self)
+        return self.ledger.pending_work()
 
     def compute_batch_gradient(self, **normaliser) -> list[torch.Tensor]:
         """A normalised copy of the batch gradient; the batch stays open."""
-        return _barrier.compute_batch_gradient(self, **normaliser)
+        return compute_batch_gradient(self.ledger, self.buffers, **normaliser)
 
-    def finish_batch(self, params=None, **kwargs) -> "_barrier.BarrierReport":
+    def finish_batch(self, params=None, **kwargs) -> BarrierReport:
         """The barrier: normalise, write, reduce, clip, step, schedule, zero (barrier.py)."""
-        return _barrier.finish_batch(self, params, **kwargs)
+        return finish_batch(self.ledger, self.buffers, params, **kwargs)
 
 
 def _zero_grads(params: Sequence[torch.Tensor]) -> None:

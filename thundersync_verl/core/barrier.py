@@ -5,7 +5,7 @@ Why:
    data-parallel reduce -> clip the grad norm -> optimizer.step -> lr_scheduler.step -> zero.
    Clipping per chunk changes the update (a norm of partial sums is not the norm of the sum);
    reducing across data-parallel ranks per chunk double-counts with accumulating buffers.
-2. Folding happens when each group closes (accumulator.py); the barrier only checks that
+2. Folding happens when each group closes (folding.py); the barrier only checks that
    nothing is left: it REFUSES to step while any group is open or any local trajectory is
    unprocessed, and it refuses before touching any state, so the caller can finish the work
    and call again.
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .errors import StreamingConfigError, StreamingStateError, rule_message
+from .gradients import GradientBuffers
+from .ledger import BatchLedger
 from .normalizers import batch_scale
-
-if TYPE_CHECKING:
-    from .accumulator import StreamingGradientAccumulator
 
 
 @dataclass(frozen=True)
@@ -46,23 +45,8 @@ class BarrierReport:
     num_sequences: int
 
 
-def pending_work(acc: "StreamingGradientAccumulator") -> list[str]:
-    """Everything that still blocks the barrier, one line per group."""
-    if not acc.batch_open:
-        return ["no batch is open"]
-    out = []
-    for gid in acc._order:
-        g = acc._groups[gid]
-        if not g.closed:
-            out.append(f"group {gid!r} is open: {g.num_rewards}/{g.size} rewards known")
-        missing = g.missing_local(acc.independent_terms)
-        if missing:
-            out.append(f"group {gid!r} misses " + ", ".join(missing))
-    return out
-
-
-def _guard(acc: "StreamingGradientAccumulator") -> None:
-    work = pending_work(acc)
+def _guard(ledger: BatchLedger) -> None:
+    work = ledger.pending_work()
     if work:
         shown = "; ".join(work[:6]) + (f"; ... ({len(work) - 6} more)" if len(work) > 6 else "")
         raise StreamingStateError(
@@ -75,27 +59,28 @@ def _guard(acc: "StreamingGradientAccumulator") -> None:
         )
 
 
-def _scale(acc, dp_size: int, global_num_tokens: int | None, global_num_sequences: int | None) -> float | None:
-    counts = acc._counts
+def _scale(ledger: BatchLedger, dp_size: int, global_tokens: int | None, global_sequences: int | None) -> float | None:
+    counts = ledger.counts
     return batch_scale(
-        acc.loss_agg_mode,
-        num_tokens=counts.num_tokens if global_num_tokens is None else int(global_num_tokens),
-        num_sequences=counts.num_sequences if global_num_sequences is None else int(global_num_sequences),
+        ledger.loss_agg_mode,
+        num_tokens=counts.num_tokens if global_tokens is None else int(global_tokens),
+        num_sequences=counts.num_sequences if global_sequences is None else int(global_sequences),
         dp_size=dp_size,
-        loss_scale_factor=acc.loss_scale_factor,
+        loss_scale_factor=ledger.loss_scale_factor,
     )
 
 
 def compute_batch_gradient(
-    acc: "StreamingGradientAccumulator",
+    ledger: BatchLedger,
+    bufs: GradientBuffers,
     *,
     dp_size: int = 1,
     global_num_tokens: int | None = None,
     global_num_sequences: int | None = None,
 ) -> list[torch.Tensor]:
     """A normalised COPY of the batch gradient; the batch stays open (for checks and tests)."""
-    _guard(acc)
-    scale = _scale(acc, dp_size, global_num_tokens, global_num_sequences)
+    _guard(ledger)
+    scale = _scale(ledger, dp_size, global_num_tokens, global_num_sequences)
     if scale is None:
         raise StreamingStateError(
             rule_message(
@@ -104,7 +89,7 @@ def compute_batch_gradient(
                 "add trajectories with num_tokens > 0",
             )
         )
-    return [d * scale for d in acc._direct]  # type: ignore[union-attr]
+    return [d * scale for d in bufs.batch]  # type: ignore[union-attr]
 
 
 def _write_param_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,7 +104,7 @@ def _write_param_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
     return out
 
 
-def _check_args(acc, params, write_grads, clip_grad, max_grad_norm) -> None:
+def _check_args(bufs: GradientBuffers, params, write_grads, clip_grad, max_grad_norm) -> None:
     if params is None and write_grads is None:
         raise StreamingConfigError(
             rule_message(
@@ -128,10 +113,10 @@ def _check_args(acc, params, write_grads, clip_grad, max_grad_norm) -> None:
                 "pass the parameter list, or write_grads=lambda grads: [...] for sharded params",
             )
         )
-    if params is not None and len(params) != len(acc.layout.shapes):
+    if params is not None and len(params) != len(bufs.layout.shapes):
         raise StreamingConfigError(
             rule_message(
-                f"finish_batch got {len(params)} params, the accumulator holds {len(acc.layout.shapes)} shards",
+                f"finish_batch got {len(params)} params, the accumulator holds {len(bufs.layout.shapes)} shards",
                 "the batch gradient is written back shard by shard, in construction order",
                 "pass the same parameter list as at construction",
             )
@@ -155,7 +140,8 @@ def _check_args(acc, params, write_grads, clip_grad, max_grad_norm) -> None:
 
 
 def finish_batch(
-    acc: "StreamingGradientAccumulator",
+    ledger: BatchLedger,
+    bufs: GradientBuffers,
     params: Sequence[torch.Tensor] | None = None,
     *,
     optimizer=None,
@@ -172,18 +158,18 @@ def finish_batch(
 
     Without an optimizer the normalised gradient is left in the written ``.grad`` tensors.
     """
-    _check_args(acc, params, write_grads, clip_grad, max_grad_norm)
-    _guard(acc)  # 1. every group folded and every local trajectory processed
-    scale = _scale(acc, dp_size, global_num_tokens, global_num_sequences)
-    counts = acc.counts
-    direct = acc._direct
+    _check_args(bufs, params, write_grads, clip_grad, max_grad_norm)
+    _guard(ledger)  # 1. every group folded and every local trajectory processed
+    scale = _scale(ledger, dp_size, global_num_tokens, global_num_sequences)
+    counts = ledger.counts
+    direct = bufs.batch
     assert direct is not None
     if scale is None:
         if optimizer is not None:
             optimizer.zero_grad()
         if lr_scheduler is not None:
             lr_scheduler.step()
-        acc._end_batch()
+        _end_batch(ledger, bufs)
         return BarrierReport(None, None, False, "no scored tokens", counts.num_tokens, counts.num_sequences)
     for d in direct:  # 2. the deferred normaliser, once
         d.mul_(scale)
@@ -207,6 +193,11 @@ def finish_batch(
         lr_scheduler.step()
     if optimizer is not None:  # 7. zero
         optimizer.zero_grad()
-    acc._end_batch()
+    _end_batch(ledger, bufs)
     reason = None if (finite or optimizer is None) else f"non-finite grad norm {norm}"
     return BarrierReport(scale, norm, stepped, reason, counts.num_tokens, counts.num_sequences)
+
+
+def _end_batch(ledger: BatchLedger, bufs: GradientBuffers) -> None:
+    ledger.end()
+    bufs.close_batch()

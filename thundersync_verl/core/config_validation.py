@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import StreamingConfigError, rule_message
+from .errors import StreamingConfigError, int_at_least, rule_message
 from .estimators import GroupEstimator, estimator_from_verl
 from .normalizers import check_loss_agg_mode
 from .objectives import KL_KINDS
@@ -44,7 +44,7 @@ def _fail(rule: str, reason: str, fix: str) -> None:
 
 
 def _positive_int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not int_at_least(value, 1):
         _fail(f"{key}={value!r} must be a positive int", "it counts samples or steps", f"set {key} to a positive int")
     return value  # type: ignore[return-value]
 

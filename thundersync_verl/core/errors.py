@@ -12,6 +12,8 @@ Why:
    that already catches those keeps working.
 4. Every method that raises promises that no accumulator state changed: the failed call can
    be corrected and repeated.
+5. Counts and sizes are checked by one predicate (``int_at_least``), so a bool or a float
+   never passes for a count anywhere in the core.
 """
 
 from __future__ import annotations
@@ -44,3 +46,8 @@ class AccumulatorBudgetError(StreamingStateError):
 def rule_message(rule: str, reason: str, fix: str) -> str:
     """Format an error as three labelled lines: the rule, why it exists, how to fix it."""
     return f"{rule}\n  why: {reason}\n  fix: {fix}"
+
+
+def int_at_least(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an int (a bool is not) no smaller than ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -1,9 +1,10 @@
-"""Per-group bookkeeping of the streaming accumulator: rewards, processed members, buffers.
+"""Per-group bookkeeping of the streaming accumulator: rewards, processed members, coefficients.
 
 Why:
 1. A group is OPEN until all of its n rewards are known; only then are its statistics (and so
    every member's coefficient) fixed. The group is the unit of buffering, budgeting and
-   folding, so its state lives in one small object that the accumulator drives.
+   folding, so its state lives in one small object that the ledger drives. It holds no
+   tensor: the gradient buffers are keyed by owner and name elsewhere (gradients.py).
 2. Trajectories are identified by (group_id, traj_id). The caller declares each group's size
    per batch and, on a data-parallel rank that processes only some members, which members are
    local; rewards of remote members still count towards closing the group.
@@ -15,12 +16,10 @@ Why:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
-import torch
-
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
 from .estimators import GroupEstimator
 
 POS, NEG, ANY = "pos", "neg", "any"  # gradient variants: sign classes, or the single one
@@ -71,8 +70,7 @@ class TrajectoryState:
     reward: float | None = None
     processed: bool = False
     independent: bool = False
-    pending: dict[str, list[torch.Tensor]] | None = None  # reward unknown, group open
-    stored: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # canonical order
+    pending: bool = False  # its gradient waits in a pending buffer: reward unknown, group open
 
 
 class GroupState:
@@ -87,9 +85,6 @@ class GroupState:
         self.committed = False
         self.coefs: dict[Hashable, float] = {}
         self.r_ref: float | None = None  # affine path: reward shift of the first member
-        self.s0: list[torch.Tensor] | None = None  # affine path: sum_i H_i
-        self.s1: list[torch.Tensor] | None = None  # affine path: sum_i (r_i - r_ref) H_i
-        self.buckets: dict[tuple[float, str], list[torch.Tensor]] = {}
 
     # ----- counts -----------------------------------------------------------------------
     @property
@@ -205,7 +200,7 @@ def check_group_sizes(group_sizes: object, local_members: object) -> dict:
         )
     out = {}
     for gid, size in group_sizes.items():  # type: ignore[union-attr]
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not int_at_least(size, 1):
             raise StreamingInputError(
                 rule_message(
                     f"group {gid!r} has size {size!r}",

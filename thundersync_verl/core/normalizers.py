@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -102,7 +102,7 @@ class BatchCounts:
 
 def check_count(name: str, value: object) -> int:
     """Validate a token or sequence count given by the caller."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not int_at_least(value, 0):
         raise StreamingInputError(
             rule_message(
                 f"{name} must be a non-negative int (got {value!r})",
@@ -123,7 +123,7 @@ def batch_scale(
 ) -> float | None:
     """c_batch for the mode; ``None`` when the denominator is zero (verl would produce NaN)."""
     check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+    if not int_at_least(dp_size, 1):
         raise StreamingInputError(
             rule_message(
                 f"dp_size must be a positive int (got {dp_size!r})",
