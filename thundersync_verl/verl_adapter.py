@@ -12,17 +12,6 @@ from __future__ import annotations
 VERL_VERSION = "0.9.1"
 
 
-def check_verl_version() -> str:
-    import verl
-
-    if verl.__version__ != VERL_VERSION:
-        raise RuntimeError(
-            f"thundersync_verl is built against verl=={VERL_VERSION} but verl {verl.__version__} is installed; "
-            f"install the pinned version: pip install verl=={VERL_VERSION}"
-        )
-    return verl.__version__
-
-
 # -- config --------------------------------------------------------------------------
 def base_config_cls():
     """verl's dataclass config base (read-only after construction, readable as a Mapping), as verl's
@@ -30,13 +19,6 @@ def base_config_cls():
     from verl.base_config import BaseConfig
 
     return BaseConfig
-
-
-# -- platform ------------------------------------------------------------------------
-def platform_registry():
-    from verl.plugin.platform import PlatformRegistry
-
-    return PlatformRegistry
 
 
 # -- rollout -------------------------------------------------------------------------
@@ -65,12 +47,6 @@ def register_rollout(name: str, replica_loader, adapter_fqn: str) -> None:
 
     RolloutReplicaRegistry.register(name, replica_loader)
     rollout_base._ROLLOUT_REGISTRY[(name, "async")] = adapter_fqn
-
-
-def known_rollouts() -> list[str]:
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    return sorted(RolloutReplicaRegistry._registry)
 
 
 # -- engines -------------------------------------------------------------------------
@@ -133,9 +109,7 @@ def to_no_padding(td):
 
 def response_log_probs(model_output, data):
     """The engine's per-token log-probs of a micro-batch as a padded [B, T_response] tensor."""
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    return no_padding_2_padding(model_output["log_probs"], data)
+    return unpad_response(model_output["log_probs"], data)
 
 
 def padded_fields(data, *keys):
@@ -223,17 +197,6 @@ def compose_ppo_config(overrides: list[str]):
         return compose(config_name="ppo_trainer", overrides=list(overrides))
 
 
-def ray_worker_group(worker_cls, *, config, role: str, n_workers: int, name_prefix: str | None = None):
-    """A RayWorkerGroup of ``n_workers`` (one logical device slot each) running ``worker_cls``."""
-    import ray
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.utils.device import get_device_name
-
-    pool = RayResourcePool([n_workers], use_gpu=True, max_colocate_count=1, name_prefix=name_prefix)
-    cls = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=config, role=role)
-    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=get_device_name(), name_prefix=name_prefix)
-
-
 def data_proto_cls():
     from verl import DataProto
 
@@ -296,7 +259,8 @@ def registration_of(method) -> dict | None:
 # -- on-policy distillation (OPD) ------------------------------------------------------------
 def ray_worker_group_with(worker_cls, *, config, role: str, n_workers: int, name_prefix: str | None = None,
                           **init_kwargs):
-    """``ray_worker_group`` whose workers also receive ``init_kwargs`` (e.g. ``distillation_config``).
+    """A RayWorkerGroup of ``n_workers`` (one logical device slot each) running ``worker_cls``; every
+    worker also receives ``init_kwargs`` (e.g. ``distillation_config``).
 
     verl's trainer builds its actor with ``distillation_config=config.distillation``; that is what
     switches the actor's loss to verl's distillation loss.
