@@ -18,7 +18,10 @@ setup(
     name="thundersync_verl",
     version="0.1.0",
     description="Zero-staleness streaming GRPO/OPD for verl: start each backward as soon as its inputs are fixed",
-    packages=find_packages(include=["thundersync_verl", "thundersync_verl.*"]),
+    # thundersync_harness: the reference code tests and benchmarks share (tests/harness/), kept out
+    # of thundersync_verl; the editable install makes it importable from pytest and benchmarks/*.py.
+    packages=find_packages(include=["thundersync_verl", "thundersync_verl.*"]) + ["thundersync_harness"],
+    package_dir={"thundersync_harness": "tests/harness"},
     package_data={"thundersync_verl": ["**/*.yaml", "**/*.md"]},
     python_requires=">=3.10",
     install_requires=[

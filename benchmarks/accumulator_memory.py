@@ -25,16 +25,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-
-from thundersync_verl.core import GRPOEstimator, StreamingGradientAccumulator  # noqa: E402
+from thundersync_verl.core import GRPOEstimator, StreamingGradientAccumulator
+from thundersync_verl.results import add_results_dir_argument, write_result
 
 
 @dataclass(frozen=True)
@@ -120,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds")
     parser.add_argument("--numel", type=int, default=1 << 16, help="float32 values per buffer (P)")
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     groups, n = 32, 8
@@ -146,13 +143,14 @@ def main() -> None:
                 if (kind, load, policy, b) == ("lognormal", 0.9, "ranked+budget", 4):
                     headline = worst
     assert headline is not None
-    C.write_result(
+    write_result(
         "accumulator_memory",
         {
             "peak_open_groups": headline.peak_open_groups,
             "peak_bytes": headline.peak_bytes,
             "budget_bytes": headline.budget_bytes,
         },
+        args.results_dir,
     )
 
 

@@ -20,34 +20,28 @@ Why:
    precision names through ``PrecisionType.to_dtype``, which has no 64-bit entry: the run says so.
 6. ``--algo opd``: replayed trajectories of 2-4 action turns separated by masked observation
    tokens; a second tiny model is the teacher. Streamed: each turn scored on its causal prefix
-   (``TurnScorer``, KV-cache sessions) and backpropagated as a prefix row (``OPDTurnPlanner`` +
+   (the harness's ``TurnScorer``, KV-cache sessions) and backpropagated as a prefix row (``OPDTurnPlanner`` +
    ``stream_token_backward``), turns of all trajectories in a random order. Synchronous: verl's
    OWN ``update_actor`` running verl's distillation loss (worker built with
    ``distillation_config`` as verl's trainer does; k1, use_policy_gradient, no task rewards); its
    learner side needs no teacher server, only the teacher log-probs in the batch (verl's layout).
    Both get the same per-turn scores, so the gap is the learner's; the teacher's own fp32
    prefix-vs-whole difference is printed apart (max |diff| and its effect on verl's update).
-The engine setup and both update paths live in ``thundersync_verl.trainer.equivalence_setup`` and
-``equivalence_steps`` (the engine tests use them too); this script runs and reports the comparison.
-Run: python benchmarks/equivalence.py [--algo grpo|opd] [--dp 1|2] [--quick]
+The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
+``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
+the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--dp 1|2] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from thundersync_verl import verl_adapter as va  # noqa: E402
-from thundersync_verl.trainer.equivalence_setup import (  # noqa: E402
+from thundersync_harness.engine_setup import (
     build_teacher,
     build_tiny_model,
     make_trajectories,
@@ -58,7 +52,7 @@ from thundersync_verl.trainer.equivalence_setup import (  # noqa: E402
     turn_arrival,
     verl_config,
 )
-from thundersync_verl.trainer.equivalence_steps import (  # noqa: E402
+from thundersync_harness.engine_steps import (
     relative_gap,
     stream_opd_step,
     stream_step,
@@ -66,6 +60,8 @@ from thundersync_verl.trainer.equivalence_steps import (  # noqa: E402
     sync_step,
     train,
 )
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 
 # ----- comparison ----------------------------------------------------------------------------
@@ -118,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--groups", type=int, default=None, help="prompt groups per step (quick: 4, full: 8)")
     parser.add_argument("--optimizer", default="SGD", choices=["SGD", "AdamW"])
     parser.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
+    add_results_dir_argument(parser)
     args = parser.parse_args(argv)
+    args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
     groups = args.groups or (4 if args.quick else 8)
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="ts_equivalence_"))
@@ -169,8 +167,6 @@ def _report_opd_teacher(runs: dict, extra: dict) -> None:
 
 
 def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
-    from thundersync_verl.results import write_result
-
     extra = extra or {}
     (da, info_a), (db, _), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
     print(f"\nequivalence: {args.algo}, dp={args.dp}, optimizer={args.optimizer}, fp32 (float64 possible: {fp64_probe()})")
@@ -192,7 +188,7 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
-    write_result(name if args.dp == 1 else f"{name}_dp{args.dp}", result)
+    write_result(name if args.dp == 1 else f"{name}_dp{args.dp}", result, args.results_dir)
     return result
 
 

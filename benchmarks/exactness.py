@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+from thundersync_harness import tiny_lm as C
+from thundersync_verl.results import add_results_dir_argument, write_result
 
 ESTIMATORS = ("grpo", "grpo_no_std", "rloo")
 AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -87,6 +85,7 @@ def canonical_bitwise(permutations: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a representative subset of the grid")
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     estimators = ("grpo", "rloo") if args.quick else ESTIMATORS
@@ -106,7 +105,7 @@ def main() -> None:
     bitwise = canonical_bitwise(perms)
     print(f"\ncanonical order, {perms} random arrival orders, float32: bitwise identical = {bitwise}")
     print(f"max relative error: fp32 {worst['fp32']:.2e} (target <= 1e-6), fp64 {worst['fp64']:.2e} (target <= 1e-12)")
-    C.write_result(
+    write_result(
         "exactness",
         {
             "max_rel_err_fp32": float(f"{worst['fp32']:.3e}"),
@@ -114,6 +113,7 @@ def main() -> None:
             "canonical_bitwise": bitwise,
             "cases": cases,
         },
+        args.results_dir,
     )
 
 

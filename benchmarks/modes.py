@@ -7,7 +7,7 @@ versions, verl's own ``training/off_policy/*`` metrics), final reward. Also: the
 step the learner waits for the last reward, and ThunderSync against its lower bound (rollout
 makespan + one trajectory's learner work + optimizer step + weight push).
 
-Traces in the simulator's schema go to ``benchmarks/results/traces/<algo>_<mode>.jsonl``.
+Traces in the simulator's schema go to ``benchmarks/results/traces/<algo>_<mode>.jsonl`` (``--results-dir``).
 
 ``--algo opd`` runs the ``opd`` recipe (on-policy distillation from the tiny teacher; thundersync
 streams agent turns) and adds the student's reverse KL to the teacher over the run (verl's
@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from thundersync_verl.demo import prepare_inputs, reverse_kl, run_env, run_verl, verl_command  # noqa: E402
-from thundersync_verl.results import RESULTS_DIR, write_result  # noqa: E402
+from thundersync_verl.demo import prepare_inputs, reverse_kl, run_env, run_verl, verl_command
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 MODES = ("sync", "async", "fully_async", "thundersync")
 LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
@@ -180,7 +176,7 @@ def headline(rows: dict, runs: dict, steps: int, algo: str) -> dict:
     return result
 
 
-def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, algo: str) -> dict:
+def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, algo: str, results_dir: Path) -> dict:
     """Sync alone at each latency scale: its learner wait share; the scale nearest the published 49.5%."""
     shares = {}
     for scale in scales:
@@ -190,7 +186,7 @@ def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, algo: s
         print(f"[calibrate] scale {scale}: Sync learner wait share {row['wait_share']:.3f}, step {row['step_time_s']:.2f}s", flush=True)
     chosen = min(shares, key=lambda k: abs(shares[k]["sync_learner_wait_share"] - TARGET_WAIT_SHARE))
     result = {"algo": algo, "steps": steps, "target_wait_share": TARGET_WAIT_SHARE, "scales": shares, "chosen_scale": float(chosen)}
-    write_result("modes_calibration" if algo == "grpo" else "modes_calibration_opd", result)
+    write_result("modes_calibration" if algo == "grpo" else "modes_calibration_opd", result, results_dir)
     return result
 
 
@@ -211,7 +207,9 @@ def main(argv=None) -> dict:
                     help="an extra hydra override for every mode (repeatable), e.g. thundersync.chunk_size=4")
     ap.add_argument("--calibrate", default=None, metavar="S1,S2,...",
                     help="run Sync alone at each latency scale and report its learner wait share (modes_calibration.json)")
+    add_results_dir_argument(ap)
     args = ap.parse_args(argv)
+    results_dir = find_results_dir(args.results_dir)  # refuse before the runs, not after
     if args.algo == "opd" and args.model and not args.teacher:
         ap.error("--algo opd --model needs --teacher too: distilling a model into itself has nothing to learn")
     steps = 4 if args.quick else args.steps
@@ -221,10 +219,10 @@ def main(argv=None) -> dict:
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
     if args.calibrate:
-        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, args.algo)
+        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, args.algo, results_dir)
     scale = LATENCY_SCALE if args.latency_scale is None else args.latency_scale
     runs, rows = {}, {}
-    traces = RESULTS_DIR / "traces"
+    traces = results_dir / "traces"
     for mode in modes:
         runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale,
                               extra=([f"thundersync.opd.granularity={args.opd_granularity}"] if args.opd_granularity else [])
@@ -244,7 +242,7 @@ def main(argv=None) -> dict:
     if args.algo == "opd":
         result["opd_granularity"] = args.opd_granularity or "turn"
     name = "modes" if args.algo == "grpo" else "modes_opd"
-    write_result(name + (f"_{args.opd_granularity}" if args.opd_granularity else ""), result)
+    write_result(name + (f"_{args.opd_granularity}" if args.opd_granularity else ""), result, results_dir)
     return result
 
 

@@ -21,19 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from thundersync_verl.backends.cpu.engine import HFGenerationEngine  # noqa: E402
-from thundersync_verl.backends.cpu.rollout import eos_ids_of, load_hf_model  # noqa: E402
-from thundersync_verl.results import write_result  # noqa: E402
+from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+from thundersync_verl.backends.cpu.rollout import eos_ids_of, load_hf_model
+from thundersync_verl.results import add_results_dir_argument, write_result
 
 
 def prompts_of_task(tokenizer, n: int) -> list[list[int]]:
@@ -58,6 +53,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 6")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (verl: batch x rollout.n)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from thundersync_verl.models import ensure_tiny_models
@@ -86,7 +82,7 @@ def main() -> None:
         "request_s_per_token_serial": round(statistics.mean(s_per_token["serial"]), 5),
         "request_s_per_token_batched": round(statistics.mean(s_per_token["batched"]), 5),
     }
-    write_result(Path(__file__).stem, result)
+    write_result(Path(__file__).stem, result, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,11 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from thundersync_verl.envs import sandbox  # noqa: E402
-from thundersync_verl.results import write_result  # noqa: E402
+from thundersync_verl.envs import sandbox
+from thundersync_verl.results import add_results_dir_argument, write_result
 
 
 def _busy_ticks() -> int:
@@ -66,6 +61,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--parent-mb", type=int, default=400, help="memory the calling process holds (a worker's)")
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     if sandbox._prlimit() is None:
         raise SystemExit("prlimit (util-linux) is not installed: only the preexec_fn path exists here")
@@ -89,7 +85,7 @@ def main() -> None:
     result = {"concurrency": args.concurrency, "parent_mb": args.parent_mb}
     for key, name, digits in (("wall", "wall_s", 3), ("stall", "loop_stall_s", 3), ("cpu_ms", "cpu_ms_per_call", 2)):
         result.update({f"{name}_{p}": round(med[p][key], digits) for p in paths})
-    write_result(Path(__file__).stem, result)
+    write_result(Path(__file__).stem, result, args.results_dir)
 
 
 if __name__ == "__main__":

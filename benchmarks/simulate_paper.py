@@ -16,16 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from thundersync_verl.sim import presets  # noqa: E402
-from thundersync_verl.sim.engine import simulate  # noqa: E402
-from thundersync_verl.sim.metrics import comparison_table, format_table  # noqa: E402
-from thundersync_verl.sim.plot import plot_timelines  # noqa: E402
-from thundersync_verl.sim.workload import SyntheticSource  # noqa: E402
-from thundersync_verl.results import write_result  # noqa: E402
+from thundersync_verl.sim import presets
+from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.metrics import comparison_table, format_table
+from thundersync_verl.sim.plot import plot_timelines
+from thundersync_verl.sim.workload import SyntheticSource
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
 MODES = ("sync", "async", "fully_async", "thundersync")
@@ -42,7 +38,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"200 steps instead of {presets.PAPER_STEPS}")
     ap.add_argument("--seed", type=int, default=0)
+    add_results_dir_argument(ap)
     args = ap.parse_args(argv)
+    results_dir = find_results_dir(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)  # the plot goes there too
     steps = 200 if args.quick else presets.PAPER_STEPS
     setting = presets.paper_setting()
 
@@ -82,13 +81,13 @@ def main(argv=None) -> int:
     traced = [simulate(timeline_setting.sim_config(m, "grpo", 5, record_timeline=True),
                        SyntheticSource(setting.workload, setting.rollout, seed=args.seed), setting.costs)
               for m in MODES]
-    png = plot_timelines(traced, REPO_ROOT / "benchmarks" / "results" / f"{SCRIPT}_timeline.png")
+    png = plot_timelines(traced, results_dir / f"{SCRIPT}_timeline.png")
     print(f"timeline: {png}")
 
     out = {algo: {f"{m}_s": round(r.step_time_s, 1) for m, r in by_mode.items()} for algo, by_mode in results.items()}
     out["sync_learner_wait_share"] = round(wait, 4)
     out["max_rel_err_vs_published"] = round(max(errors), 4)
-    write_result(SCRIPT, out)
+    write_result(SCRIPT, out, results_dir)
     return 0
 
 

@@ -16,16 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from thundersync_verl.sim import presets  # noqa: E402
-from thundersync_verl.sim.engine import simulate  # noqa: E402
-from thundersync_verl.sim.metrics import format_table  # noqa: E402
-from thundersync_verl.sim.plot import plot_scale  # noqa: E402
-from thundersync_verl.sim.workload import SyntheticSource  # noqa: E402
-from thundersync_verl.results import write_result  # noqa: E402
+from thundersync_verl.sim import presets
+from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.metrics import format_table
+from thundersync_verl.sim.plot import plot_scale
+from thundersync_verl.sim.workload import SyntheticSource
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
 GPU_COUNTS = (8, 64, 512, 4096)
@@ -70,7 +66,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 steps per deployment instead of 24")
     ap.add_argument("--seed", type=int, default=0)
+    add_results_dir_argument(ap)
     args = ap.parse_args(argv)
+    results_dir = find_results_dir(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)  # the plot goes there too
     steps = 8 if args.quick else 24
     rows, skipped = [], []
     for gpus in GPU_COUNTS:
@@ -92,7 +91,7 @@ def main(argv=None) -> int:
                                "accum_GB/rank", "budget_GB/rank", "unbounded_GB/rank", "unbounded_x_sync"]))
     for s in skipped:
         print("skipped:", s)
-    png = plot_scale(rows, REPO_ROOT / "benchmarks" / "results" / f"{SCRIPT}.png")
+    png = plot_scale(rows, results_dir / f"{SCRIPT}.png")
     print(f"plot: {png}")
 
     timing = time_4096(1000, args.seed)
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         if r["mode"] == "thundersync":
             out["accum_gb_per_rank"][key(r)] = round(r["accum_gb_per_rank"], 1)
             out["budget_gb_per_rank"][key(r)] = round(r["budget_gb_per_rank"], 1)
-    write_result(SCRIPT, out)
+    write_result(SCRIPT, out, results_dir)
     return 0
 
 

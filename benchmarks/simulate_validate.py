@@ -13,7 +13,7 @@ Why:
    same breakdown of each steady step: seconds with only rollouts in flight, only the
    learner working, both, and neither (handoffs, gaps).
 3. Traces are <mode>.jsonl or <algo>_<mode>.jsonl files written by the trainer
-   (`python benchmarks/modes.py` writes them to benchmarks/results/traces/).
+   (`python benchmarks/modes.py` writes them to benchmarks/results/traces/, the default --trace-dir).
 4. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
    replay machinery is exact; it writes no result file.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
@@ -27,20 +27,15 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from thundersync_verl.sim.engine import simulate  # noqa: E402
-from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table  # noqa: E402
-from thundersync_verl.sim.trace import (find_traces, load_trace, measured_step_time, replay,  # noqa: E402
+from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table
+from thundersync_verl.sim.trace import (find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration)
-from thundersync_verl.results import write_result  # noqa: E402
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
-DEFAULT_DIR = REPO_ROOT / "benchmarks" / "results" / "traces"
 PRODUCER = "python benchmarks/modes.py"
 
 
@@ -129,17 +124,19 @@ def write_self_test_traces(directory: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace-dir", default=str(DEFAULT_DIR))
+    ap.add_argument("--trace-dir", default=None, help="default: traces/ in the results folder (--results-dir)")
     ap.add_argument("--quick", action="store_true", help="same replay (it is already fast); kept for uniformity")
     ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
+    add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     tmp = None
-    trace_dir = Path(args.trace_dir)
     if args.self_test:
         tmp = tempfile.TemporaryDirectory()
         trace_dir = Path(tmp.name)
         write_self_test_traces(trace_dir)
         print("SELF-TEST: synthetic traces, not measurements.")
+    else:
+        trace_dir = Path(args.trace_dir) if args.trace_dir else find_results_dir(args.results_dir) / "traces"
     files = find_traces(trace_dir)
     if not files:
         print(f"No traces in {trace_dir}: record real runs first with `{PRODUCER}` (it writes <mode>.jsonl or "
@@ -162,7 +159,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         tmp.cleanup()
         return 0
-    write_result(SCRIPT, out)
+    write_result(SCRIPT, out, args.results_dir)
     return 0
 
 

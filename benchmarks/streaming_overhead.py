@@ -23,16 +23,13 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-
-from thundersync_verl.core import GRPOEstimator, token_weights  # noqa: E402
+from thundersync_harness import tiny_lm as C
+from thundersync_verl.core import GRPOEstimator, token_weights
+from thundersync_verl.results import add_results_dir_argument, write_result
 
 HEADLINE = "chunks k=8 min4"
 
@@ -137,6 +134,7 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 9
@@ -148,7 +146,7 @@ def main() -> None:
     ratios = run_setting(model, spec, equal, repeats, "equal-length responses (64 tokens)")
     run_setting(model, spec, varied, repeats, "variable-length responses (16-112 tokens, batched pads)")
     print(f"\nheadline: '{HEADLINE}' on equal-length responses")
-    C.write_result("streaming_overhead", {"throughput_ratio": round(ratios[HEADLINE], 3)})
+    write_result("streaming_overhead", {"throughput_ratio": round(ratios[HEADLINE], 3)}, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Why:
    exact only if the teacher's log-probs of a turn do not depend on the tokens after it: true
    for a causal model, up to kernel numerics. This measures the numerics: max |diff| against
    one whole-sequence forward, for per-turn prefix recompute (one forward per turn) and for
-   incremental scoring (``IncrementalTeacherSession``: one KV cache per trajectory). fp32 must
+   incremental scoring (``thundersync_harness.teacher``'s sessions: one KV cache per trajectory). fp32 must
    stay below 1e-5; bf16 is printed for information (the gap a bf16 teacher would add).
 2. Trajectories of the embedded arithmetic tool task: protocol transcripts whose tool fails
    transiently (retry_prob 0.5), so 2-5 assistant turns separated by tool observations,
@@ -23,18 +23,13 @@ Run: python benchmarks/teacher_prefix.py [--quick]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from thundersync_verl.trainer.opd_stream import turns_of_trajectory  # noqa: E402
-from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer  # noqa: E402
+from thundersync_harness.teacher import HFTeacherScorer
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.trainer.opd_stream import turns_of_trajectory
 
 FP32_LIMIT = 1e-5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -148,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="12 trajectories instead of 48")
     parser.add_argument("--trajectories", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    add_results_dir_argument(parser)
     args = parser.parse_args(argv)
+    results_dir = find_results_dir(args.results_dir)
     torch.set_num_threads(1)
     n = args.trajectories or (12 if args.quick else 48)
     teacher, student, tokenizer, source = load_models()
@@ -175,10 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"learner, recompute-the-prefix on the student (fwd+bwd, 4 rows a call): {cost['rows'][0]} turn rows vs "
           f"{cost['rows'][1]} trajectories: {cost['tokens_ratio']:.2f}x tokens, {cost['seconds'][0]:.2f} s vs "
           f"{cost['seconds'][1]:.2f} s = {cost['time_ratio']:.2f}x time")
-    from thundersync_verl.results import write_result
-
     result = {"teacher_prefix_max_diff": worst}
-    write_result("teacher_prefix", result)
+    write_result("teacher_prefix", result, results_dir)
     return result
 
 

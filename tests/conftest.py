@@ -1,16 +1,15 @@
-"""Shared fixtures. Every test here runs on a CPU (files are named *_on_cpu.py); none needs a GPU."""
+"""Shared fixtures. Every test here runs on a CPU (files are named *_on_cpu.py); none needs a GPU.
+
+``thundersync_verl`` and the shared harness ``thundersync_harness`` (tests/harness/) are imported
+from the editable install (``make install``), not through path edits.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

@@ -13,7 +13,8 @@ import sys
 def _demo(args) -> int:
     from thundersync_verl.demo import run_demo
 
-    run_demo(algo=args.algo, mode=args.mode, steps=args.steps, work_dir=args.work_dir, extra=args.overrides)
+    run_demo(algo=args.algo, mode=args.mode, steps=args.steps, work_dir=args.work_dir, extra=args.overrides,
+             results_dir=args.results_dir)
     return 0
 
 
@@ -33,6 +34,8 @@ def _sim(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from thundersync_verl.results import add_results_dir_argument
+
     parser = argparse.ArgumentParser(prog="thundersync", description="Zero-staleness streaming RL for verl")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run stock verl.trainer.main_ppo on the embedded CPU task")
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", default="thundersync", choices=["sync", "async", "fully_async", "thundersync"])
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--work-dir", default="runs/demo")
+    add_results_dir_argument(demo)
     demo.add_argument("overrides", nargs="*", help="extra hydra overrides passed to verl, e.g. data.train_batch_size=16")
     demo.set_defaults(func=_demo)
     build = sub.add_parser("build-model", help="build the tiny student/teacher models (offline, deterministic)")

@@ -5,8 +5,8 @@
    of verl's training loop is re-implemented here.
 2. Streams verl's console metrics into one progress line per step (reward and the
    ``timing_s/*`` breakdown), keeps verl's JSONL metrics file, draws the reward curve.
-3. Ends with one JSON line of headline figures (also written to
-   ``benchmarks/results/demo.json``).
+3. Ends with one JSON line of headline figures (also written to ``demo.json`` in the results
+   folder: ``--results-dir``, else ``benchmarks/results/`` of the checkout, see ``results.py``).
 4. ``--algo opd`` runs the ``opd`` recipe (on-policy distillation from the tiny teacher) with the
    same mode flag; its headline adds the student's reverse KL to the teacher.
 """
@@ -181,9 +181,13 @@ def summarise(per_step: dict[int, dict[str, float]], *, algo: str, mode: str, se
     }
 
 
-def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, work_dir: str | Path = "runs/demo", extra: list[str] | None = None) -> dict:
+def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, work_dir: str | Path = "runs/demo",
+             extra: list[str] | None = None, results_dir: str | Path | None = None) -> dict:
+    from thundersync_verl.results import find_results_dir, write_result
+
     if mode not in MODES or algo not in ALGOS:
         raise ValueError(f"--mode must be one of {MODES} and --algo one of {ALGOS}, got {mode!r}, {algo!r}")
+    results_dir = find_results_dir(results_dir)  # refuse before the run, not after it
     work = Path(work_dir).resolve() / f"{algo}_{mode}"
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("*.jsonl"):  # metrics and step traces of an earlier run: the recorders append
@@ -205,7 +209,5 @@ def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, 
     timelines = sorted((work / "timelines").glob("*.png"))
     if timelines:
         print(f"[demo] timeline of the last step: {timelines[-1]} ({len(timelines)} in {timelines[-1].parent})", flush=True)
-    from thundersync_verl.results import write_result
-
-    write_result("demo", result)
+    write_result("demo", result, results_dir)
     return result

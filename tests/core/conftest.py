@@ -1,31 +1,23 @@
 """Shared fixtures for the exactness-core tests (CPU only, no GPU needed).
 
-The tiny-transformer harness and the verl oracle live in benchmarks/_common.py so that the
-benchmarks print figures produced by exactly the code these tests check.
+The tiny-transformer harness and the verl oracle live in ``thundersync_harness.tiny_lm``
+(tests/harness/) so that the benchmarks print figures produced by exactly the code these tests check.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
 def harness():
-    """The benchmarks' tiny-LM harness module (tiny Qwen2, verl oracle, streaming driver)."""
-    import _common
+    """The tiny-LM harness module the benchmarks use (tiny Qwen2, verl oracle, streaming driver)."""
+    from thundersync_harness import tiny_lm
 
-    return _common
+    return tiny_lm
 
 
 class LinearLogProbs(torch.nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import runpy
 import subprocess
 import sys
 from dataclasses import replace
@@ -106,8 +107,8 @@ def test_planner_respects_host_memory():
 
 
 def test_validate_benchmark_explains_how_to_get_traces(tmp_path, capsys):
-    sys.path.insert(0, str(SIM_DIR.parents[1]))
-    from benchmarks.simulate_validate import main as validate
+    script = SIM_DIR.parents[1] / "benchmarks" / "simulate_validate.py"  # a script, not a package
+    validate = runpy.run_path(str(script))["main"]
 
     assert validate(["--trace-dir", str(tmp_path)]) == 2
     assert "python benchmarks/modes.py" in capsys.readouterr().err

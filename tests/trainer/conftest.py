@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thundersync_verl.trainer import equivalence_setup as setup
+from thundersync_harness import engine_setup as setup
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from thundersync_harness.engine_setup import make_turn_trajectories, score_turns, turn_arrival
+from thundersync_harness.engine_steps import relative_gap, stream_opd_step, sync_opd_step, train
 from thundersync_verl.core import StreamingInputError
-from thundersync_verl.trainer.equivalence_setup import make_turn_trajectories, score_turns, turn_arrival
-from thundersync_verl.trainer.equivalence_steps import relative_gap, stream_opd_step, sync_opd_step, train
 from thundersync_verl.trainer.stream_loss import TEACHER_KEY, build_stream_chunk, build_token_chunk
 
 GROUPS = 2

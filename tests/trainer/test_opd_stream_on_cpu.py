@@ -13,14 +13,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+from thundersync_harness.engine_setup import opd_overrides
+from thundersync_harness.teacher import TurnScorer, score_turn
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.trainer.opd_stream import (
     OPDTurn,
     OPDTurnPlanner,
     TurnBackwardOp,
     opd_planner_from_verl_config,
-    score_turn,
     turns_of_trajectory,
 )
 from thundersync_verl.trainer.stream_loss import (
@@ -31,7 +33,6 @@ from thundersync_verl.trainer.stream_loss import (
     build_token_chunk,
     stream_token_loss,
 )
-from thundersync_verl.trainer.teacher_scoring import TeacherRetryPolicy, TeacherScoringError, TurnScorer
 
 PAD = 0
 PROMPT = (5, 6, 7)
@@ -342,8 +343,6 @@ def test_the_opd_clamp_bounds_the_advantage_like_verls_loss_max_clamp(model64):
 
 
 def test_planner_from_verl_config_checks_the_distillation_settings():
-    from thundersync_verl.trainer.equivalence_setup import opd_overrides
-
     base = ["actor_rollout_ref.model.path=/tmp/student"]
     good = base + opd_overrides("/tmp/teacher")
     planner = opd_planner_from_verl_config(va.compose_ppo_config(good + ["distillation.distillation_loss.loss_max_clamp=3.0"]))

@@ -8,13 +8,9 @@ import time
 import pytest
 import torch
 
+from thundersync_harness.teacher import HFTeacherScorer, TurnScorer
+from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.core import StreamingInputError
-from thundersync_verl.trainer.teacher_scoring import (
-    HFTeacherScorer,
-    TeacherRetryPolicy,
-    TeacherScoringError,
-    TurnScorer,
-)
 
 VOCAB = 128
 # prompt 0..9, turn 0 = 10..17, observation 18..23, turn 1 = 24..31, observation 32..35, turn 2 = 36..43

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from thundersync_harness.engine_setup import make_trajectories
+from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
-from thundersync_verl.trainer.equivalence_setup import make_trajectories
-from thundersync_verl.trainer.equivalence_steps import relative_gap, stream_step, sync_step, train
 from thundersync_verl.trainer.stream_loss import build_stream_chunk
 
 GROUPS = 2

@@ -2,7 +2,7 @@
 
 Why:
 1. OPD's per-token advantage A_t = -(log pi_student(a_t) - log p_teacher(a_t)) is detached and
-   has no group statistic: once the teacher has scored a turn (``teacher_scoring.py``), every
+   has no group statistic: once the teacher has scored a turn (``agent/turn_teacher.py``), every
    coefficient of that turn is fixed. With one optimizer step per batch the PPO ratio is 1 and
    verl's vanilla clip is inactive, so the batch gradient is
        g = c_batch * sum_{turns j} grad( -sum_{t in j} A_t log pi(a_t) )
@@ -45,7 +45,7 @@ Flow (see ``OPDTurnPlanner``): begin_batch(traj_ids) -> add_turn(OPDTurn) as eac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError, batch_scale
@@ -181,7 +181,7 @@ def _check_turn(turn: OPDTurn) -> None:
     if len(values) != turn.num_tokens or not all(math.isfinite(v) for v in values):
         _fail(f"turn {turn.turn} of {turn.traj_id!r} needs {turn.num_tokens} finite teacher log-probs "
               f"(got {len(values)})", "each action token's advantage needs the teacher's log-prob of it",
-              "score the turn with opd_stream.score_turn (a TurnScorer) and add the turn it returns")
+              "score the turn with the teacher (agent/turn_teacher.py) and add it with those log-probs")
 
 
 def _check_pair(a: OPDTurn, b: OPDTurn) -> None:
@@ -320,7 +320,7 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
     """Split a trajectory into its turns (maximal runs of mask-1 tokens), e.g. to replay it.
 
     ``teacher_log_probs`` is aligned with ``response`` (values off the mask are ignored); without
-    it the turns carry no teacher values yet (``score_turn`` adds them).
+    it the turns carry no teacher values yet (the teacher's scores of each turn fill them).
     """
     teacher = [0.0] * len(response) if teacher_log_probs is None else list(teacher_log_probs)
     if not (len(response) == len(response_mask) == len(teacher)):
@@ -338,18 +338,6 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
         turns.append(OPDTurn(traj_id, j, tuple(prompt), tuple(response[:end]), t, values))
         j, t = j + 1, end
     return turns
-
-
-def score_turn(scorer, turn: OPDTurn) -> OPDTurn:
-    """``turn`` with the teacher's log-probs of its action tokens, scored on its causal prefix.
-
-    ``scorer`` is a ``teacher_scoring.TurnScorer`` (retries, one KV-cache session per
-    trajectory); its ``TeacherScoringError`` propagates and the turn is not added anywhere.
-    """
-    p = len(turn.prompt)
-    values = scorer.score_turn(turn.traj_id, turn.turn, turn.prompt + turn.response,
-                               (p + turn.action_start, p + len(turn.response)))
-    return replace(turn, teacher_log_probs=tuple(float(v) for v in values.tolist()))
 
 
 # ----- config ---------------------------------------------------------------------------------

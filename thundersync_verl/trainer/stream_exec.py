@@ -10,7 +10,6 @@
    calls, numbered per batch): with one blocking call at a time the learner sat idle while the driver
    admitted arrivals, built the next chunk and verl dispatched it. Results come back in order; the first
    failure is raised after the calls already sent have finished, so nothing of the batch is left running.
-5. ``StreamingLearnerClient`` is the blocking form for tests and the equivalence benchmark.
 """
 
 from __future__ import annotations
@@ -23,11 +22,9 @@ from typing import Callable
 import ray
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingInputError
-from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
 from thundersync_verl.trainer.stream_loss import SEQ_KEY, build_stream_chunk
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
+from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
 
@@ -181,48 +178,3 @@ def _stat(parts: list, key: str, reduce) -> float:
     values = [v for v in values if not math.isnan(v)]
     return float(reduce(values)) if values else float("nan")
 
-
-class StreamingLearnerClient:
-    """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
-
-    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids[, response_mask]).
-    Every call waits for
-    its result: the worker is an asyncio actor whose plain methods may run concurrently, and a
-    fold must never overtake the backward that fills its bucket.
-    """
-
-    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
-        self.wg = worker_group
-        self.pad_token_id = int(pad_token_id)
-        self.temperature = float(temperature)
-        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
-
-    def begin_batch(self, meta: dict) -> None:
-        self.wg.stream_begin_batch(meta)
-
-    def run(self, ops, trajectories) -> list:
-        """Send ``ops`` (BackwardOp / FoldOp) in order; returns the backward results."""
-        results = []
-        for op in ops:
-            if isinstance(op, BackwardOp):
-                rows = [trajectories[item] for item in op.items]
-                masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
-                chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
-                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id,
-                                           temperature=self.temperature, response_masks=masks)
-                results.append(self.wg.stream_backward(chunk))
-            elif isinstance(op, FoldOp):
-                self.wg.stream_fold(op.folds)
-            else:
-                raise StreamingInputError(
-                    rule_message(
-                        f"unknown op {type(op).__name__}",
-                        "the worker executes backward chunks and folds; the barrier is finalize()",
-                        "pass the list returned by StreamPlanner.next_ops()",
-                    )
-                )
-        return results
-
-    def finalize(self, op: FinalizeOp) -> dict:
-        """The barrier; returns rank 0's metrics (grad_norm, lr, bucket memory)."""
-        return self.wg.finalize_step(op.scale)[0]

@@ -266,7 +266,7 @@ def _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp) -> N
                 "token coefficients and teacher log-probs must be finite, opd_clamp positive or None "
                 f"(got {opd_clamp!r})",
                 "one NaN poisons the batch gradient",
-                "check the teacher's scores (TurnScorer validates them) before building the chunk",
+                "check the teacher's scores (the turn teacher validates them) before building the chunk",
             )
         )
 

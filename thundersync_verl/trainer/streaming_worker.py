@@ -97,7 +97,7 @@ class StreamingActorWorker(_Base):
                 rule_message(
                     f"{call} called while another streaming call is still running on this worker",
                     "backward, fold and step of one batch must run in the order the planner emitted them",
-                    "wait for each call's result before sending the next (StreamingLearnerClient does)",
+                    "wait for each call's result, or send queued calls in order (stream_exec.OpPipeline does)",
                 )
             )
         try:

@@ -196,8 +196,8 @@ def score_turns(teacher_path: Path, trajs: list[TurnTraj], seed: int) -> tuple[d
     """
     from transformers import AutoModelForCausalLM
 
-    from thundersync_verl.trainer.opd_stream import score_turn, turns_of_trajectory
-    from thundersync_verl.trainer.teacher_scoring import HFTeacherScorer, TurnScorer
+    from thundersync_harness.teacher import HFTeacherScorer, TurnScorer, score_turn
+    from thundersync_verl.trainer.opd_stream import turns_of_trajectory
 
     model = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32, attn_implementation="sdpa")
     hf = HFTeacherScorer(model)

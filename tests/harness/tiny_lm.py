@@ -1,37 +1,21 @@
-"""Shared helpers for the benchmarks: the JSON result line, and a tiny-LM exactness harness.
+"""A tiny-transformer exactness harness: verl's batch-synchronous loss vs the streamed accumulator.
 
 Why:
-1. Every benchmark ends with ONE line of JSON (its headline figures) and writes the same object
-   to benchmarks/results/<script>.json; ``write_result`` is the single place that does it.
-2. The exactness benchmarks and the core's tests compare the streamed gradient with the
+1. The exactness benchmarks and the core's tests compare the streamed gradient with the
    batch-synchronous gradient that verl's OWN functions produce (advantage estimators,
    ``agg_loss``, the vanilla policy loss, ``kl_penalty``) on a real tiny transformer. One
    harness serves both, so the figures printed are produced by the code the tests check.
-3. Heavy imports (transformers, verl) happen inside the functions that need them: importing
-   this module for ``write_result`` costs nothing.
+2. The streamed side is the caller flow a learner backend runs: per-trajectory backward, then
+   ``StreamingGradientAccumulator`` (affine path, buckets, pending rewards, chunks, canonical order).
+3. Heavy imports (transformers, verl) happen inside the functions that need them.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-
-def write_result(script_name: str, obj: dict) -> None:
-    """Print ``obj`` as the LAST line of output and write it to results/<script_name>.json."""
-    from thundersync_verl.results import write_result as _write
-
-    _write(script_name, obj, RESULTS_DIR)
 
 
 # ----- tiny transformer and data -----------------------------------------------------------

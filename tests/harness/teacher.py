@@ -1,12 +1,11 @@
-"""Teacher log-probs of each agent turn, scored as soon as the turn ends.
+"""A reference OPD teacher: HF model log-probs of each agent turn, with KV-cache sessions and retries.
 
 Why:
-1. On-policy distillation (OPD) needs log p_teacher(a_t | h_t) for every action token a_t. The
-   teacher is causal: a token's log-prob depends only on the tokens before it. Scoring the
-   causal PREFIX of turn j (prompt + earlier turns and observations + turn j) therefore gives
-   the same values as scoring the finished trajectory, up to kernel numerics
-   (``benchmarks/teacher_prefix.py`` measures the difference; fp32 < 1e-5). So a turn can be
-   scored, and then backpropagated, while the next tool call runs.
+1. Training runs score turns with verl's teacher server (``thundersync_verl.agent.turn_teacher``).
+   The tests and benchmarks need a teacher they can run in-process and compare exactly: an HF
+   causal LM scoring a turn's causal PREFIX (prompt + earlier turns and observations + turn j).
+   The teacher is causal, so this gives the whole trajectory's values up to kernel numerics
+   (``benchmarks/teacher_prefix.py`` measures the difference; fp32 < 1e-5).
 2. Convention: the value for position p of ``prefix_ids`` is log softmax(logits_{p-1} / T)[x_p],
    the log-prob of token p given tokens < p, which is what verl's teacher server returns
    (``prompt_logprobs``, shifted) and what ``no_padding_2_padding`` slices for the response.
@@ -14,15 +13,15 @@ Why:
 3. Incremental scoring: one KV-cache session per trajectory feeds only the tokens a turn adds
    (its observation and its action), so scoring every turn of a trajectory costs about one
    forward of the whole trajectory instead of one forward per prefix (quadratic in turns).
-4. Failures are loud, never silent. A teacher call that raises, returns the wrong number of
-   values, returns non-finite or positive log-probs, or exceeds ``timeout_s`` is retried up to
-   ``max_attempts`` times, each retry with a FRESH session (a failed call may have half-updated
-   its KV cache, which is therefore dropped). After the last attempt ``TeacherScoringError``
-   names the trajectory and the turn, and the turn stays in ``pending()``: the OPD planner's
-   barrier refuses to step while a trajectory lacks one of its turns.
-The teacher backend is anything with ``score(prefix_ids, action_span)`` (and optionally
-``session()`` returning an object with the same ``score``): ``HFTeacherScorer`` runs an HF
-transformers model in-process, e.g. the ``hf_cpu`` engine's model (``from_engine``).
+4. Failures are loud: a call that raises, returns the wrong number of values, non-finite or
+   positive log-probs, or exceeds ``timeout_s`` is retried under the package's
+   ``TeacherRetryPolicy``, each retry with a FRESH session (a failed call may have half-updated
+   its KV cache). After the last attempt ``TeacherScoringError`` names the trajectory and turn,
+   and the turn stays in ``pending()``.
+5. ``score_turn`` fills an ``OPDTurn``'s teacher log-probs, so replayed trajectories can feed
+   the OPD planner (``thundersync_verl.trainer.opd_stream``).
+The backend is anything with ``score(prefix_ids, action_span)`` (and optionally ``session()``
+returning an object with the same ``score``): ``HFTeacherScorer`` runs an HF transformers model.
 """
 
 from __future__ import annotations
@@ -31,20 +30,19 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from thundersync_verl.core import StreamingInputError, StreamingStateError
+from thundersync_verl.agent.turn_teacher import LOG_PROB_TOLERANCE, TeacherRetryPolicy, TeacherScoringError
+from thundersync_verl.core import StreamingInputError
 from thundersync_verl.core.errors import rule_message
 
+if TYPE_CHECKING:
+    from thundersync_verl.trainer.opd_stream import OPDTurn
+
 logger = logging.getLogger(__name__)
-LOG_PROB_TOLERANCE = 1e-4  # a log-prob above this is not a log-prob: the backend is broken
-
-
-class TeacherScoringError(StreamingStateError):
-    """The teacher could not score a turn after every configured attempt."""
 
 
 def check_span(prefix_ids: Sequence[int], action_span: tuple[int, int]) -> tuple[int, int]:
@@ -179,28 +177,6 @@ class IncrementalTeacherSession:
         return every[start - 1 : end - 1].clone()
 
 
-# ----- retries and timeouts ------------------------------------------------------------------
-@dataclass(frozen=True)
-class TeacherRetryPolicy:
-    """How hard to try before a turn's scoring is reported as failed."""
-
-    max_attempts: int = 3
-    timeout_s: float | None = None  # per attempt; None waits for ever (no worker thread)
-    backoff_s: float = 0.0  # sleep before attempt k+1: backoff_s * k
-
-    def __post_init__(self):
-        bad_timeout = self.timeout_s is not None and not float(self.timeout_s) > 0
-        if int(self.max_attempts) < 1 or bad_timeout or float(self.backoff_s) < 0:
-            raise StreamingInputError(
-                rule_message(
-                    f"teacher retry policy needs max_attempts >= 1, timeout_s > 0 or None, backoff_s >= 0 "
-                    f"(got {self.max_attempts!r}, {self.timeout_s!r}, {self.backoff_s!r})",
-                    "zero attempts would drop every turn; a zero timeout would fail every call",
-                    "use e.g. TeacherRetryPolicy(max_attempts=3, timeout_s=30.0)",
-                )
-            )
-
-
 @dataclass
 class ScoringStats:
     calls: int = 0
@@ -308,3 +284,15 @@ def _check_values(values, n: int) -> torch.Tensor:
     if bool((out > LOG_PROB_TOLERANCE).any()):
         raise ValueError(f"teacher returned log-probs above 0 (max {float(out.max()):.3g})")
     return out
+
+
+def score_turn(scorer: TurnScorer, turn: OPDTurn) -> OPDTurn:
+    """``turn`` with the teacher's log-probs of its action tokens, scored on its causal prefix.
+
+    ``scorer`` retries and keeps one KV-cache session per trajectory; its ``TeacherScoringError``
+    propagates and the turn is not added anywhere.
+    """
+    p = len(turn.prompt)
+    values = scorer.score_turn(turn.traj_id, turn.turn, turn.prompt + turn.response,
+                               (p + turn.action_start, p + len(turn.response)))
+    return replace(turn, teacher_log_probs=tuple(float(v) for v in values.tolist()))

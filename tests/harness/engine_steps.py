@@ -10,6 +10,8 @@ Why:
 3. ``train`` resets the actor and records each step's dθ, so two paths compare from the same
    weights; ``relative_gap`` is the yardstick. Used by ``benchmarks/equivalence.py`` and the
    engine tests.
+4. ``StreamingLearnerClient`` sends the planner's ops one blocking call at a time (the trainer
+   queues them through ``stream_exec.OpPipeline``): the simplest driver, for tests and comparisons.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ import time
 
 import torch
 
+from thundersync_harness.engine_setup import GROUP_SIZE, Traj, TurnTraj
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.trainer.equivalence_setup import GROUP_SIZE, Traj, TurnTraj
+from thundersync_verl.core import StreamingInputError
+from thundersync_verl.core.errors import rule_message
+from thundersync_verl.trainer.stream_loss import build_stream_chunk
+from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 
 # ----- the batch-synchronous path: verl's own functions --------------------------------------
@@ -88,6 +94,50 @@ def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id:
 
 
 # ----- the streamed paths: planners + streaming worker ---------------------------------------
+class StreamingLearnerClient:
+    """Executes the planner's ops on a worker group of ``StreamingActorWorker``, in order.
+
+    ``trajectories`` maps (group_id, traj_id) to (prompt_ids, response_ids[, response_mask]).
+    Every call waits for its result: the worker is an asyncio actor whose plain methods may run
+    concurrently, and a fold must never overtake the backward that fills its bucket.
+    """
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
+        self.wg = worker_group
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
+
+    def begin_batch(self, meta: dict) -> None:
+        self.wg.stream_begin_batch(meta)
+
+    def run(self, ops, trajectories) -> list:
+        """Send ``ops`` (BackwardOp / FoldOp) in order; returns the backward results."""
+        results = []
+        for op in ops:
+            if isinstance(op, BackwardOp):
+                rows = [trajectories[item] for item in op.items]
+                masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
+                chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
+                                           dp_size=self.dp_size, pad_token_id=self.pad_token_id,
+                                           temperature=self.temperature, response_masks=masks)
+                results.append(self.wg.stream_backward(chunk))
+            elif isinstance(op, FoldOp):
+                self.wg.stream_fold(op.folds)
+            else:
+                raise StreamingInputError(
+                    rule_message(
+                        f"unknown op {type(op).__name__}",
+                        "the worker executes backward chunks and folds; the barrier is finalize()",
+                        "pass the list returned by StreamPlanner.next_ops()",
+                    )
+                )
+        return results
+
+    def finalize(self, op: FinalizeOp) -> dict:
+        """The barrier; returns rank 0's metrics (grad_norm, lr, bucket memory)."""
+        return self.wg.finalize_step(op.scale)[0]
+
 def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, every: int = 2,
                 max_chunk: int = 4, loss_agg_mode: str = "token-mean", pipeline: int | None = None,
                 finished: list | None = None) -> dict:
@@ -96,8 +146,8 @@ def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *,
     ``pipeline``: send them through ``OpPipeline`` with that depth (queued calls) instead of one
     blocking call each; ``finished`` then receives ``(op, t_start, t_end)`` per op, in order.
     """
-    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
-    from thundersync_verl.trainer.stream_exec import OpPipeline, StreamingLearnerClient
+    from thundersync_verl.trainer.stream_exec import OpPipeline
+    from thundersync_verl.trainer.stream_plan import StreamPlanner
 
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, max_chunk_size=max_chunk)
     client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
