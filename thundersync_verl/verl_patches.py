@@ -1,19 +1,27 @@
 """Every runtime patch thundersync_verl applies to verl or torch, in one place.
 
-Each patch is listed, with the reason it exists, in ``patches/README.md``. They
-apply only on the CPU platform and never change behaviour on GPUs.
+Each patch is listed, with the reason it exists and the upstream fix that would remove it, in
+``patches/README.md``; ``APPLIED`` records which ones ran in a process. Where they apply:
+- CPU platform only (1, 2): ``apply_cpu_patches``, which the plugin calls only when the CPU
+  platform is active; a GPU machine never runs them.
+- Every platform (3, 4): the plugin applies them unconditionally. Neither changes what verl
+  computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds.
 
-1. ``gloo_backend_string``: verl builds ``cpu:gloo,{device}:{backend}``; with the
+1. ``gloo_backend_string`` (CPU only): verl builds ``cpu:gloo,{device}:{backend}``; with the
    CPU platform that is ``cpu:gloo,cpu:gloo``, which torch rejects. Collapse a
    backend string whose entries all name the same backend to that backend.
-2. ``fsdp_engines_on_cpu``: verl registers its FSDP engines for cuda/npu only;
+2. ``fsdp_engines_on_cpu`` (CPU only): verl registers its FSDP engines for cuda/npu only;
    register the same classes for ``cpu`` right after verl's engine module is
    imported (a post-import hook: the module must be imported by verl itself, after
    the platform is known, because it caches the device name at import).
-3. ``logprob_diff_metric``: verl reports the rollout-vs-learner gap in probability
+3. ``logprob_diff_metric`` (every platform): verl reports the rollout-vs-learner gap in probability
    space only; add ``training/rollout_logprob_diff_max`` (max |log p_rollout - log p_learner|
    over response tokens), the figure that shows rollout and learner hold the same weights.
-   Metric only: it reads the batch and changes nothing. Applied on every platform.
+   Metric only: it reads the batch and changes nothing.
+4. ``reuse_turn_teacher_scores`` (every platform): in ThunderSync OPD the agent loop already holds
+   verl's teacher reply for the whole trajectory (its last turn's prefix), so verl's
+   ``AgentLoopWorker._compute_teacher_logprobs`` is skipped for the outputs our agent loop flags;
+   every other output (other agent loops, validation) goes through verl unchanged.
 """
 
 from __future__ import annotations
