@@ -17,6 +17,8 @@ from .hardware import SharedCores
 MODES = ("sync", "async", "fully_async", "thundersync")
 ALGOS = ("grpo", "opd")
 GRANULARITIES = ("turn", "trajectory", "group", "batch")
+BUFFERS_PER_OPEN_GROUP = 2  # GRPO: G1 = sum r_i H_i and G2 = sum H_i of the landed trajectories
+VERIFY_OVERLAP_BUFFERS_PER_OPEN_GROUP = 3  # plus the sum of the trajectories trained before their reward
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class SimConfig:
     bytes_per_buffer: float = 0.0  # fp32 accumulator bytes per learner rank (4 P / shards)
     record_timeline: bool = False
     shared_cores: SharedCores | None = None  # rollout and learner on the same cores (CPU); None on GPUs
+    verify_overlap: bool = False  # thundersync GRPO: start a backward at completion, before the reward
+    verify_second_cost: float = 1.0  # verify_overlap: a second backward's cost / the first's (full recompute)
+
+    @property
+    def buffers_per_open_group(self) -> int:
+        """fp32 accumulator buffers an open GRPO group holds."""
+        return VERIFY_OVERLAP_BUFFERS_PER_OPEN_GROUP if self.verify_overlap else BUFFERS_PER_OPEN_GROUP
 
     def resolved_granularity(self) -> str:
         if self.mode in ("sync", "async"):
@@ -63,3 +72,18 @@ class SimConfig:
                              "not representative of the steady state")
         if self.rollout_slots < 1 or batch_size < 1:
             raise ValueError("rollout_slots and the batch size must be >= 1")
+        if self.verify_overlap:
+            self._validate_verify_overlap()
+
+    def _validate_verify_overlap(self) -> None:
+        if self.mode != "thundersync" or self.algo != "grpo" or self.resolved_granularity() != "trajectory":
+            raise ValueError(f"verify_overlap is a ThunderSync GRPO policy at trajectory granularity (got mode "
+                             f"{self.mode!r}, algo {self.algo!r}, granularity {self.resolved_granularity()!r}): it "
+                             "splits a trajectory's backward around its binary reward; use mode='thundersync', "
+                             "algo='grpo', granularity='trajectory'")
+        if self.shared_cores is not None and self.shared_cores.active:
+            raise ValueError("verify_overlap is simulated on dedicated rollout and learner devices only: the "
+                             "shared-cores schedule does not model its second backwards; drop shared_cores")
+        if self.verify_second_cost < 0:
+            raise ValueError(f"verify_second_cost={self.verify_second_cost} must be >= 0: it is the second "
+                             "backward's cost relative to the first (1.0 = a full forward + backward again)")

@@ -15,8 +15,9 @@ Why this module exists:
    otherwise earliest-free slot first); the learner is one lane (lane.py). Those events, the
    step recorder and the one-step-off schedule are events.py's, shared with shared.py.
 3. Batch k comes from the source by index only, so every mode trains the same data.
-4. `simulate` is the one entry point: it dispatches to fully_async.py (streaming) and to
-   shared.py (rollout and learner on the same cores); neither imports this module back.
+4. `simulate` is the one entry point: it dispatches to fully_async.py (streaming), to
+   verify_overlap.py (ThunderSync training trajectories before their reward lands) and to
+   shared.py (rollout and learner on the same cores); none imports this module back.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .hardware import LearnerCosts
 from .lane import LaneWork, run_lane
 from .metrics import SimResult
 from .shared import simulate_shared
+from .verify_overlap import simulate_verify_overlap
 from .workload import Batch
 
 # The run's config and the event helpers live in config.py and events.py; the simulator's users
@@ -46,6 +48,8 @@ def simulate(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
         raise ValueError(f"budget_groups={cfg.budget_groups} must be >= 0 (0 = only closed groups, no buffers)")
     if cfg.mode == "fully_async":
         return simulate_fully_async(cfg, source, costs)
+    if cfg.verify_overlap:
+        return simulate_verify_overlap(cfg, source, costs)
     if cfg.shared_cores is not None and cfg.shared_cores.active:
         return simulate_shared(cfg, source, costs)
     if cfg.mode == "async":

@@ -148,7 +148,7 @@ class Recorder:
         window = ends[-1] - (ends[cfg.warmup_steps - 1] if cfg.warmup_steps else 0.0)
         self.ledger.close_window(window)
         gran = cfg.resolved_granularity()
-        buffers = 2 * self.peak_open + 1 if cfg.algo == "grpo" else 1
+        buffers = cfg.buffers_per_open_group * self.peak_open + 1 if cfg.algo == "grpo" else 1
         return SimResult(cfg.mode, cfg.algo, gran, np.asarray(starts), np.asarray(ends), cfg.warmup_steps,
                          self.ledger, self.staleness, self.peak_open, buffers * cfg.bytes_per_buffer, cfg.gpus,
                          self.tokens["generated"], self.tokens["trained"], self.tokens["compute"],

@@ -82,6 +82,7 @@ class Batch:
     turn_tool_s: np.ndarray | None = None  # [M] tool latency after the turn (0 for the last)
     turn_gen_tokens: np.ndarray | None = None  # [M] decoded tokens of the turn
     land_s: np.ndarray | None = None  # [N] slot end -> the trainer has the trajectory (replay); None: reward / score
+    passed: np.ndarray | None = None  # [N] bool: the verifier's binary outcome (verifier.VerifiedSource)
 
     @property
     def size(self) -> int:
