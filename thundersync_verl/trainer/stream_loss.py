@@ -155,13 +155,10 @@ def _check_rows(prompts, responses, coefs, dest, masks) -> None:
         )
     bad = [c for c in coefs if not math.isfinite(float(c))]
     if bad or not isinstance(dest, str) or not dest:
-        raise StreamingInputError(
-            rule_message(
-                f"chunk coefficients must be finite and dest a non-empty string (got {bad or dest!r})",
-                "a NaN coefficient poisons the batch gradient; dest names where the gradient goes",
-                "use the coefficients and destination of the planner's BackwardOp",
-            )
-        )
+        raise StreamingInputError(rule_message(
+            f"chunk coefficients must be finite and dest a non-empty string (got {bad or dest!r})",
+            "a NaN coefficient poisons the batch gradient; dest names where the gradient goes",
+            "use the coefficients and destination of the planner's BackwardOp"))
 
 
 def build_stream_chunk(
@@ -261,14 +258,10 @@ def _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp) -> N
     values = [float(x) for row in token_coefs for x in row]
     values += [float(x) for row in (teacher_log_probs or []) for x in row]
     if not all(math.isfinite(v) for v in values) or (opd_clamp is not None and not float(opd_clamp) > 0):
-        raise StreamingInputError(
-            rule_message(
-                "token coefficients and teacher log-probs must be finite, opd_clamp positive or None "
-                f"(got {opd_clamp!r})",
-                "one NaN poisons the batch gradient",
-                "check the teacher's scores (the turn teacher validates them) before building the chunk",
-            )
-        )
+        raise StreamingInputError(rule_message(
+            f"token coefficients and teacher log-probs must be finite, opd_clamp positive or None (got {opd_clamp!r})",
+            "one NaN poisons the batch gradient",
+            "check the teacher's scores (the turn teacher validates them) before building the chunk"))
 
 
 def build_token_chunk(
