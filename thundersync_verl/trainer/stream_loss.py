@@ -50,6 +50,11 @@ KL_TOKENS_METRIC = "stream/opd_reverse_kl_tokens"
 ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
 
 
+def _refused(rule: str, why: str, fix: str) -> StreamingInputError:
+    """A chunk input refused before any work: the error to raise, in rule / why / fix form."""
+    return StreamingInputError(rule_message(rule, why, fix))
+
+
 def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str):
     """-dp_size * sum_i ts_coef_i * sum_t w_{i,t} log pi(a_{i,t}) for one micro-batch.
 
@@ -127,40 +132,6 @@ def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
     }
 
 
-def _check_rows(prompts, responses, coefs, dest, masks) -> None:
-    if masks is not None and (len(masks) != len(responses) or any(len(m) != len(r) for m, r in zip(masks, responses))):
-        raise StreamingInputError(
-            rule_message(
-                "response_masks must give one 0/1 entry per response token of every row",
-                "the mask decides which tokens are scored; a shifted mask scores the wrong tokens",
-                "pass the trajectory's own response_mask (e.g. from verl's agent loop), unpadded",
-            )
-        )
-    if not (len(prompts) == len(responses) == len(coefs)) or not prompts:
-        raise StreamingInputError(
-            rule_message(
-                f"a chunk needs as many prompts, responses and coefficients, at least one "
-                f"(got {len(prompts)}, {len(responses)}, {len(coefs)})",
-                "row i of the chunk is trajectory i, weighted by coefficient i",
-                "pass one (prompt, response, coefficient) per trajectory of the BackwardOp",
-            )
-        )
-    if any(len(p) == 0 for p in prompts) or any(len(r) == 0 for r in responses):
-        raise StreamingInputError(
-            rule_message(
-                "every chunk row needs a non-empty prompt and a non-empty response",
-                "verl's no-padding layout locates a response by its prompt; an empty one has no token to score",
-                "drop empty trajectories before planning (they carry no gradient)",
-            )
-        )
-    bad = [c for c in coefs if not math.isfinite(float(c))]
-    if bad or not isinstance(dest, str) or not dest:
-        raise StreamingInputError(rule_message(
-            f"chunk coefficients must be finite and dest a non-empty string (got {bad or dest!r})",
-            "a NaN coefficient poisons the batch gradient; dest names where the gradient goes",
-            "use the coefficients and destination of the planner's BackwardOp"))
-
-
 def build_stream_chunk(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
@@ -211,14 +182,11 @@ def stream_token_loss(model_output, data, dp_group=None):
     fields = va.padded_fields(data, COEF_KEY, TOKEN_COEF_KEY, *([TEACHER_KEY] if has_teacher else []))
     token_coef = fields[TOKEN_COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
     if token_coef.shape != log_prob.shape:
-        raise StreamingInputError(
-            rule_message(
-                f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the response log-probs have "
-                f"{tuple(log_prob.shape)}",
-                "each per-token coefficient multiplies the log-prob of the response token at the same position",
-                "build the chunk with stream_loss.build_token_chunk (one coefficient per response token)",
-            )
-        )
+        raise _refused(
+            f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the response log-probs have "
+            f"{tuple(log_prob.shape)}",
+            "each per-token coefficient multiplies the log-prob of the response token at the same position",
+            "build the chunk with stream_loss.build_token_chunk (one coefficient per response token)")
     coef = token_coef * fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype).unsqueeze(-1)  # [B, T]
     if has_teacher:
         teacher = fields[TEACHER_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
@@ -239,29 +207,6 @@ def stream_token_loss(model_output, data, dp_group=None):
 def make_token_stream_loss():
     """The loss function of per-token chunks (``build_token_chunk``)."""
     return stream_token_loss
-
-
-def _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp) -> None:
-    lengths_ok = len(token_coefs) == len(responses) and all(len(c) == len(r) for c, r in zip(token_coefs, responses))
-    if teacher_log_probs is not None:
-        lengths_ok = lengths_ok and len(teacher_log_probs) == len(responses) and all(
-            len(t) == len(r) for t, r in zip(teacher_log_probs, responses))
-    if not lengths_ok:
-        raise StreamingInputError(
-            rule_message(
-                "token_coefs (and teacher_log_probs) must give one value per response token of every row",
-                "a per-token coefficient is aligned with the response token it weights; a shifted "
-                "list weights the wrong tokens",
-                "pass, for every row, lists as long as its response (0 off the scored tokens)",
-            )
-        )
-    values = [float(x) for row in token_coefs for x in row]
-    values += [float(x) for row in (teacher_log_probs or []) for x in row]
-    if not all(math.isfinite(v) for v in values) or (opd_clamp is not None and not float(opd_clamp) > 0):
-        raise StreamingInputError(rule_message(
-            f"token coefficients and teacher log-probs must be finite, opd_clamp positive or None (got {opd_clamp!r})",
-            "one NaN poisons the batch gradient",
-            "check the teacher's scores (the turn teacher validates them) before building the chunk"))
 
 
 def build_token_chunk(
@@ -312,3 +257,48 @@ def _rows_to_tensor(rows: Sequence[Sequence[float]], width: int, dtype=torch.flo
     for b, row in enumerate(rows):
         out[b, : len(row)] = torch.tensor(list(row), dtype=dtype)
     return out
+
+
+def _check_rows(prompts, responses, coefs, dest, masks) -> None:
+    if masks is not None and (len(masks) != len(responses) or any(len(m) != len(r) for m, r in zip(masks, responses))):
+        raise _refused(
+            "response_masks must give one 0/1 entry per response token of every row",
+            "the mask decides which tokens are scored; a shifted mask scores the wrong tokens",
+            "pass the trajectory's own response_mask (e.g. from verl's agent loop), unpadded")
+    if not (len(prompts) == len(responses) == len(coefs)) or not prompts:
+        raise _refused(
+            f"a chunk needs as many prompts, responses and coefficients, at least one "
+            f"(got {len(prompts)}, {len(responses)}, {len(coefs)})",
+            "row i of the chunk is trajectory i, weighted by coefficient i",
+            "pass one (prompt, response, coefficient) per trajectory of the BackwardOp")
+    if any(len(p) == 0 for p in prompts) or any(len(r) == 0 for r in responses):
+        raise _refused(
+            "every chunk row needs a non-empty prompt and a non-empty response",
+            "verl's no-padding layout locates a response by its prompt; an empty one has no token to score",
+            "drop empty trajectories before planning (they carry no gradient)")
+    bad = [c for c in coefs if not math.isfinite(float(c))]
+    if bad or not isinstance(dest, str) or not dest:
+        raise _refused(
+            f"chunk coefficients must be finite and dest a non-empty string (got {bad or dest!r})",
+            "a NaN coefficient poisons the batch gradient; dest names where the gradient goes",
+            "use the coefficients and destination of the planner's BackwardOp")
+
+
+def _check_token_rows(responses, token_coefs, teacher_log_probs, opd_clamp) -> None:
+    lengths_ok = len(token_coefs) == len(responses) and all(len(c) == len(r) for c, r in zip(token_coefs, responses))
+    if teacher_log_probs is not None:
+        lengths_ok = lengths_ok and len(teacher_log_probs) == len(responses) and all(
+            len(t) == len(r) for t, r in zip(teacher_log_probs, responses))
+    if not lengths_ok:
+        raise _refused(
+            "token_coefs (and teacher_log_probs) must give one value per response token of every row",
+            "a per-token coefficient is aligned with the response token it weights; a shifted "
+            "list weights the wrong tokens",
+            "pass, for every row, lists as long as its response (0 off the scored tokens)")
+    values = [float(x) for row in token_coefs for x in row]
+    values += [float(x) for row in (teacher_log_probs or []) for x in row]
+    if not all(math.isfinite(v) for v in values) or (opd_clamp is not None and not float(opd_clamp) > 0):
+        raise _refused(
+            f"token coefficients and teacher log-probs must be finite, opd_clamp positive or None (got {opd_clamp!r})",
+            "one NaN poisons the batch gradient",
+            "check the teacher's scores (the turn teacher validates them) before building the chunk")
