@@ -95,6 +95,8 @@ api = va.trainer_api()
 
 
 class ProbeTrainer(api.PPOTrainer):
+    probe_setting: int = 0  # an annotated class attribute: a new field, not an override
+
     def _step_once(self, metrics, timing_raw, sample_batch_size):  # a verl hook that exists
         return self._hook_verl_renamed(), self.global_steps
 

@@ -10,7 +10,8 @@
    they read that this project does not define, and every method or attribute they define that
    nothing in this project reads (so only verl can: an override), must exist on a verl class in
    their MRO (``hasattr``, or ``self.X`` / ``"X"`` in that class's source). ``@register`` worker
-   methods are this project's worker-group API, not overrides.
+   methods are this project's worker-group API and annotated class attributes are dataclass
+   fields (``BaseConfig`` sections): new names, not overrides.
 3. Duck-typed reaches on objects verl hands over (``worker.actor.engine``, ``engine.module``) are
    not derivable: their types are only known at run time (the e2e ``main_ppo`` tests run them).
 4. The functions take a root and a package name, not this repository's layout, so a test can run
@@ -323,15 +324,18 @@ class ClassNames:
     reads: dict[str, ast.AST]  # self.X / cls.X loads
     super_reads: dict[str, ast.AST]  # super().X loads
     defines: dict[str, ast.AST]  # methods, class attributes, self.X stores
+    fields: set[str]  # annotated class attributes (dataclass fields): new data, never overrides
 
 
 def class_names(node: ast.ClassDef) -> ClassNames:
-    names = ClassNames({}, {}, {})
+    names = ClassNames({}, {}, {}, set())
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.defines.setdefault(stmt.name, stmt)
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
         names.defines.update({t.id: stmt for t in targets if isinstance(t, ast.Name)})
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.fields.add(stmt.target.id)
     stack = list(node.body)
     while stack:
         n = stack.pop()
@@ -431,7 +435,7 @@ def missing_class_names(derived: list[Derived], references: tuple[set[str], set[
         needs += [(n, node, f"calls super().{n}") for n, node in own.super_reads.items() if n not in parents_define]
         needs += [(n, node, f"defines {n}, which nothing in this project reads (so only verl can: an override)")
                   for n, node in own.defines.items()
-                  if not n.startswith("__") and not _registered(node)
+                  if not n.startswith("__") and not _registered(node) and n not in own.fields
                   and n not in attrs and n not in strings and n not in family_reads]
         bases = ", ".join(f"{k.__module__}.{k.__qualname__}" for k in d.verl_side if k.__module__.startswith("verl"))
         missing += [f"{d.site.src.where(node)}: {d.site.qualname} {what}, but no verl class it derives from "
