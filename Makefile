@@ -20,4 +20,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-.PHONY: install demo test
+# Everything except the tests marked slow (main_ppo runs, Ray + FSDP engines, model builds; see pytest.ini).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+.PHONY: install demo test test-fast

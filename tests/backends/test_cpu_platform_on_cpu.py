@@ -44,6 +44,7 @@ def _probe(env_extra: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter imports verl and every registration (tens of seconds)
 def test_import_verl_registers_everything_on_a_cpu_machine():
     info = _probe({"VERL_PLATFORM": ""})  # auto-detection, no override
     assert "cpu" in info["platforms"]

@@ -291,6 +291,7 @@ def _trajectories(path):
     return gens, rewards
 
 
+@pytest.mark.slow  # launches verl's main_ppo three times
 @pytest.mark.timeout(1800)
 def test_main_ppo_replays_one_recorded_step_in_sync_and_thundersync_modes(tmp_path, tool_happy_student):
     rec = tmp_path / "recording.jsonl"

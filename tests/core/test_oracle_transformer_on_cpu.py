@@ -20,6 +20,8 @@ AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "
 KL_TYPES = ("low_var_kl", "k1", "k2", "k3+", "abs")
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 
+pytestmark = pytest.mark.slow  # tiny Qwen2 forward/backward per case, dozens of cases (about a minute on 2 cores)
+
 
 @pytest.fixture(scope="module")
 def models(harness):

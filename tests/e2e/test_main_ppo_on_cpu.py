@@ -17,6 +17,8 @@ import pytest
 from thundersync_verl.demo import recipe_dir, run_env
 from thundersync_verl.envs.dataset import write_dataset
 
+pytestmark = pytest.mark.slow  # every test launches verl's main_ppo (minutes on 2 cores)
+
 
 def _run_verl(tmp_path, model_path, mode: str, steps: int = 2):
     train = write_dataset(tmp_path / "train.parquet", 64, seed=0, split="train")

@@ -419,6 +419,7 @@ def _run_opd(tmp_path: Path, student: Path, teacher: Path, mode: str, steps: int
     return [r.get("data", r) for r in rows if "timing_s/step" in r.get("data", r)]
 
 
+@pytest.mark.slow  # launches verl's main_ppo
 @pytest.mark.timeout(330)
 def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool_happy_student, tiny_random_teacher):
     steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "thundersync")
@@ -441,6 +442,7 @@ def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool
     assert len(turns_per_traj) == 2 * 4 * 2 and any(n > 1 for n in turns_per_traj)  # multi-turn agent trajectories
 
 
+@pytest.mark.slow  # launches verl's main_ppo
 @pytest.mark.timeout(330)
 def test_sync_opd_is_verls_own_distillation_with_the_hf_cpu_teacher(tmp_path, tool_happy_student, tiny_random_teacher):
     steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "sync")

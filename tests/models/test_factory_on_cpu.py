@@ -22,6 +22,7 @@ def quick_student(tmp_path_factory):
     return factory.build_model(tmp_path_factory.mktemp("a") / "student", "student", 0, progress=False, **QUICK)
 
 
+@pytest.mark.slow  # builds and trains a model
 def test_two_builds_with_the_same_seed_are_bitwise_identical(quick_student, tmp_path):
     again = factory.build_model(tmp_path / "student", "student", 0, progress=False, **QUICK)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json"):
@@ -30,12 +31,14 @@ def test_two_builds_with_the_same_seed_are_bitwise_identical(quick_student, tmp_
     assert (other / "model.safetensors").read_bytes() != (quick_student / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # builds and trains a model
 def test_student_and_teacher_share_the_tokenizer(quick_student, tmp_path):
     teacher = factory.build_model(tmp_path / "teacher", "teacher", 0, progress=False, **QUICK)
     assert (teacher / "tokenizer.json").read_bytes() == (quick_student / "tokenizer.json").read_bytes()
     assert (teacher / "model.safetensors").read_bytes() != (quick_student / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # builds and trains a model
 def test_built_folder_is_a_loadable_qwen2_checkpoint(quick_student):
     model, tokenizer = factory.load_tiny_model(quick_student)
     config = model.config
@@ -125,6 +128,7 @@ def test_missing_model_error_says_how_to_build(tmp_path):
         factory.load_tiny_model(tmp_path / "nowhere")
 
 
+@pytest.mark.slow  # builds and trains a model
 def test_evaluate_policy_runs_the_agent_loop(quick_student):
     from thundersync_verl.models.evaluate import evaluate_policy
 

@@ -15,6 +15,7 @@ from thundersync_harness.engine_steps import relative_gap, stream_step, sync_ste
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.trainer.stream_loss import build_stream_chunk
 
+pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine, started once per module (20-40 s), then real steps
 GROUPS = 2
 
 
