@@ -1,7 +1,8 @@
 """The ``thundersync`` console command.
 
 Subcommands: ``demo`` (the embedded CPU run of verl), ``build-model`` (tiny models),
-``simulate`` / ``plan`` (the pipeline simulator). Heavy imports happen per subcommand.
+``simulate`` / ``plan`` (the pipeline simulator), ``recipes check`` (compose and validate every recipe).
+Heavy imports happen per subcommand.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def _sim(argv: list[str]) -> int:
     return int(sim_main(argv) or 0)
 
 
+def _recipes(argv: list[str]) -> int:
+    from thundersync_verl.recipes_check import main as recipes_main
+
+    return recipes_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from thundersync_verl.results import add_results_dir_argument
 
@@ -51,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=_build_model)
     for name in ("simulate", "plan"):
         sub.add_parser(name, help=f"pipeline simulator: {name} (see `thundersync {name} --help`)", add_help=False)
+    sub.add_parser("recipes", help="`recipes check`: compose and validate every recipe under recipes/ (no launch, no GPU)",
+                   add_help=False)
     return parser
 
 
@@ -58,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("simulate", "plan"):
         return _sim(argv)
+    if argv and argv[0] == "recipes":
+        return _recipes(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -286,3 +286,24 @@ def replay_buffer_classes():
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
     return ReplayBuffer, ReplayBufferAsync
+
+
+# -- recipe check (``thundersync recipes check``) ---------------------------------------------
+def config_check_api():
+    """verl's own config rules and name registries, as a launch would apply them (no Ray, no GPU)."""
+    from types import SimpleNamespace
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.experimental.agent_loop import agent_loop
+    from verl.trainer.ppo import utils as ppo_utils
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return SimpleNamespace(
+        omega_conf_to_dataclass=omega_conf_to_dataclass, validate_config=validate_config,
+        need_reference_policy=ppo_utils.need_reference_policy, need_critic=ppo_utils.need_critic,
+        agent_loops=lambda: set(agent_loop._agent_loop_registry), trainer_modes=lambda: set(trainer_base.TRAINER_REGISTRY),
+        rollouts=lambda: set(RolloutReplicaRegistry._registry),
+        checkpoint_engines=lambda: set(CheckpointEngineRegistry._registry),
+        checkpoint_engines_unimportable=lambda: set(CheckpointEngineRegistry._import_errors))
