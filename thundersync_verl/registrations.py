@@ -11,12 +11,15 @@ TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 
 def _register_agent_loops(_module) -> None:
     import thundersync_verl.envs.agent_loop  # noqa: F401  (registers via verl's decorator)
+    import thundersync_verl.envs.swe.agent_loop  # noqa: F401  (the SWE agent: thundersync_swe_agent)
 
 
 def _register_checkpoint_engine(_module) -> None:
     from thundersync_verl.backends.cpu.checkpoint_engine import register_checkpoint_engine
+    from thundersync_verl.backends.sparse_sync.checkpoint_engine import register_checkpoint_engine as register_sparse
 
     register_checkpoint_engine()
+    register_sparse()  # "sparse_sync": lossless sparse pushes
 
 
 def _register_trainers(_module) -> None:

@@ -49,6 +49,37 @@ def register_rollout(name: str, replica_loader, adapter_fqn: str) -> None:
     rollout_base._ROLLOUT_REGISTRY[(name, "async")] = adapter_fqn
 
 
+# -- checkpoint engines (learner -> rollout weight pushes) ----------------------------
+def checkpoint_engine_base():
+    """verl's abstract ``CheckpointEngine`` (prepare / build_topology / init_process_group / send / receive)."""
+    from verl.checkpoint_engine.base import CheckpointEngine
+
+    return CheckpointEngine
+
+
+def register_checkpoint_engine(name: str, make_class) -> None:
+    """Register ``make_class()`` under ``name`` in verl's checkpoint-engine registry (once)."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    if name not in CheckpointEngineRegistry._registry:
+        CheckpointEngineRegistry.register(name)(make_class())
+
+
+def checkpoint_engine_manager(config, actor_wg, replicas):
+    """verl's manager that runs a push (abort, topology, send/receive, finalize, resume) for ``replicas``."""
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.utils.config import omega_conf_to_dataclass
+
+    return CheckpointEngineManager(config=omega_conf_to_dataclass(config), actor_wg=actor_wg, replicas=replicas)
+
+
+def checkpoint_engine_import_errors() -> dict:
+    """verl's optional engine modules that failed to import (e.g. ``delta_checkpoint_engine``: no cupy)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    return dict(CheckpointEngineRegistry._import_errors)
+
+
 # -- engines -------------------------------------------------------------------------
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -228,6 +259,25 @@ def actor_micro_batch_size(worker):
     """``(use_dynamic_bsz, micro_batch_size_per_gpu)`` of the actor's training engine config."""
     cfg = worker.actor.engine_config
     return bool(cfg.use_dynamic_bsz), cfg.micro_batch_size_per_gpu
+
+
+def actor_strategy(worker) -> str:
+    """The actor engine's key (``fsdp``, ``fsdp2``, ``megatron``...): what ``model_engine`` selects."""
+    return str(worker.actor.engine_config.strategy)
+
+
+def megatron_chunks(engine) -> list:
+    """The model chunks of verl's Megatron engine (DDP-wrapped; one per virtual pipeline stage)."""
+    return list(engine.module)
+
+
+def megatron_streaming_blockers(engine) -> dict:
+    """The Megatron engine settings a streamed step must check: ``{name: value}``."""
+    cfg = engine.engine_config
+    return {"param_offload": bool(engine.is_param_offload_enabled),
+            "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_model_parallel_size,
+            "use_megatron_fsdp": bool(getattr(cfg, "use_megatron_fsdp", False)),
+            "calculate_per_token_loss": bool(getattr(engine.tf_config, "calculate_per_token_loss", False))}
 
 
 # -- trainer (the ThunderSync trainer's view of verl's V1 trainer machinery) -----------------
