@@ -5,8 +5,9 @@ Why:
    diffs the learner's current weights (cast to that dtype exactly as a dense push would cast
    them) against it, sends what changed and updates the snapshot in place: only the changed
    elements are written, the rest is read once.
-2. A chunk whose pairs would cost more than its dense values travels dense; a push whose pairs
-   would cost more than the dense push altogether is sent as a full push. A full push is also
+2. A push whose (index, value) pairs would cost more than the dense push (density above the
+   break-even: 1/3 in bf16, 1/2 in fp32) is sent as a full push; below it, a chunk whose own pairs
+   would cost more than its values travels as a dense run. A full push is also
    sent first, after either side restarts (the chain tokens disagree) and when a receiver asks
    for one. Whatever the mode, the receiver ends with the same bits.
 3. Pushes form a chain: each carries the token of the push it patches (``base``) and its own.
@@ -56,6 +57,7 @@ class PushStats:
     numel: int = 0
     changed: int = 0
     payload_bytes: int = 0
+    pair_bytes: int = 0  # what every change sent as an (index, value) pair would cost
     dense_bytes: int = 0
     dense_chunks: int = 0
     encode_s: float = 0.0
@@ -113,7 +115,7 @@ class ShardEncoder:
                 del self.snaps[name]
             if not full:  # a parameter vanished: the receiver's copy no longer matches the snapshot's names
                 full, stats.full, stats.reason = True, True, "names"
-        if not full and stats.payload_bytes >= stats.dense_bytes:
+        if not full and max(stats.pair_bytes, stats.payload_bytes) >= stats.dense_bytes:
             full, stats.full, stats.reason = True, True, "break_even"
         if full:
             builder = self._full_builder(stats)
@@ -179,6 +181,7 @@ class ShardEncoder:
         if k == 0:
             return
         stats.changed += k
+        stats.pair_bytes += codec.sparse_bytes(k, new.element_size())
         if codec.sparse_bytes(k, new.element_size()) >= new.numel() * new.element_size():
             old_bits.copy_(new_bits)
             builder.add(name, snap.shape, dname, c0, new.numel(), old_bits)
