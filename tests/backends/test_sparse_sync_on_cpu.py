@@ -164,10 +164,10 @@ def test_chunks_buckets_dtypes_and_shards_leave_the_result_unchanged():
     w = {"a": torch.randn(5000), "b": torch.randn(300, 7).to(torch.bfloat16), "c": torch.randn(70).to(torch.bfloat16)}
     encs = [ShardEncoder(s, 3, chunk_elems=128, bucket_bytes=512) for s in range(3)]
     mirror = Mirror()
-    for _ in range(2):
+    for step in range(2):
         for enc in encs:
             payload, _ = _push(enc, [mirror], w)
-            assert len(payload.buckets) > 2
+            assert step or len(payload.buckets) > 2  # the full push of ~2 KB per shard needs several buckets
         w["a"][::37] += 1.0
         w["b"].view(-1)[::11] += 1.0
     for enc in encs:
