@@ -117,6 +117,15 @@ def test_all_early_gives_min_passes_fails_per_group():
     assert np.array_equal(stats.second_by_group, np.minimum(passes, 8 - passes))
 
 
+def test_general_rewards_backpropagate_every_early_trajectory_again():
+    work = random_work(11, 4, 4, 3.0, 0.5)
+    work.rewards = "general"
+    run, stats = run_verify_lane(work, FREE, 0.0)
+    _, binary = run_verify_lane(random_work(11, 4, 4, 3.0, 0.5), FREE, 0.0)
+    assert stats.early > 0 and stats.second == stats.early
+    assert stats.second > binary.second
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), latency=st.sampled_from([0.3, 3.0, 30.0]), p=st.sampled_from([0.1, 0.5]),
        overhead=st.sampled_from([0.0, 0.05]))
@@ -193,6 +202,8 @@ def test_config_errors_state_the_rule():
         run(src, mode="sync")
     with pytest.raises(ValueError, match="ThunderSync GRPO policy"):
         run(src, granularity="group")
+    with pytest.raises(ValueError, match="verify_rewards"):
+        run(src, verify_rewards="ternary")
     with pytest.raises(ValueError, match="VerifiedSource"):
         run(SyntheticSource(WORK, ROLL))
 

@@ -19,6 +19,7 @@ ALGOS = ("grpo", "opd")
 GRANULARITIES = ("turn", "trajectory", "group", "batch")
 BUFFERS_PER_OPEN_GROUP = 2  # GRPO: G1 = sum r_i H_i and G2 = sum H_i of the landed trajectories
 VERIFY_OVERLAP_BUFFERS_PER_OPEN_GROUP = 3  # plus the sum of the trajectories trained before their reward
+VERIFY_REWARDS = ("binary", "general")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SimConfig:
     shared_cores: SharedCores | None = None  # rollout and learner on the same cores (CPU); None on GPUs
     verify_overlap: bool = False  # thundersync GRPO: start a backward at completion, before the reward
     verify_second_cost: float = 1.0  # verify_overlap: a second backward's cost / the first's (full recompute)
+    verify_rewards: str = "binary"  # verify_overlap: binary (smaller class again) or general (every early one)
 
     @property
     def buffers_per_open_group(self) -> int:
@@ -84,6 +86,10 @@ class SimConfig:
         if self.shared_cores is not None and self.shared_cores.active:
             raise ValueError("verify_overlap is simulated on dedicated rollout and learner devices only: the "
                              "shared-cores schedule does not model its second backwards; drop shared_cores")
+        if self.verify_rewards not in VERIFY_REWARDS:
+            raise ValueError(f"verify_rewards={self.verify_rewards!r} is unknown: binary rewards need a second "
+                             "backward of the smaller class only, general rewards one per early trajectory; use "
+                             f"one of {VERIFY_REWARDS}")
         if self.verify_second_cost < 0:
             raise ValueError(f"verify_second_cost={self.verify_second_cost} must be >= 0: it is the second "
                              "backward's cost relative to the first (1.0 = a full forward + backward again)")

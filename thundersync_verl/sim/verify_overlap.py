@@ -25,6 +25,9 @@ Why this module exists:
    (X beside G1 and G2 of its landed trajectories) from its first backward to its close. At
    close the buffers fold; a later second backward goes straight into the batch gradient with
    the group's final coefficient, as a landed trajectory of a closed group does.
+5. General (non-binary) rewards (`SimConfig.verify_rewards = "general"`): the reward-weighted
+   sum needs every early trajectory backpropagated again once its reward lands (no smaller
+   class), so each early trajectory costs two backwards.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class VerifyWork:
     tokens: np.ndarray  # [N] sequence tokens
     n_groups: int
     second_cost: float = 1.0  # a second backward's cost / the first's
+    rewards: str = "binary"  # binary: the smaller class again; general: every early trajectory again
 
     def close(self) -> np.ndarray:
         """[G] wall time each group's last reward lands."""
@@ -93,6 +97,7 @@ class VerifyLane:
         if np.any(work.land < work.done):
             raise ValueError("a reward lands before its trajectory completes; verifier latencies must be >= 0")
         self.work, self.policy, self.record, self.n = work, policy, record, n
+        self.general = work.rewards == "general"
         budget = policy.budget_groups
         self.budget = budget if (budget is not None and budget < n_groups) else None
         self.group, self.passed = work.group.tolist(), work.passed.astype(bool).tolist()
@@ -132,7 +137,9 @@ class VerifyLane:
     def _land(self, i: int) -> None:
         g = self.group[i]
         self.outstanding[g] -= 1
-        if self.state[i] == EARLY:
+        if self.state[i] == EARLY and self.general:
+            self.free.append(self.n + i)
+        elif self.state[i] == EARLY:
             if self.passed[i]:
                 self.n_pass[g] += 1
             else:
@@ -146,7 +153,7 @@ class VerifyLane:
             if not pending:
                 del self.early[g]
             self.late.setdefault(g, []).append(i)
-        if self.minority[g] is None:
+        if self.minority[g] is None and not self.general:
             self._decide(g)
 
     def _decide(self, g: int) -> None:
@@ -283,7 +290,7 @@ def run_verify_lane(work: VerifyWork, policy: LanePolicy, t_free: float,
     return VerifyLane(work, policy, t_free, record).simulate()
 
 
-def verify_work(batch: Batch, place: Placement, costs: LearnerCosts, second_cost: float) -> VerifyWork:
+def verify_work(batch: Batch, place: Placement, costs: LearnerCosts, cfg: SimConfig) -> VerifyWork:
     if batch.passed is None:
         raise ValueError("verify_overlap needs each trajectory's binary outcome, but the batch has none "
                          "(Batch.passed is None): its second backwards depend on which class is smaller; wrap "
@@ -291,7 +298,7 @@ def verify_work(batch: Batch, place: Placement, costs: LearnerCosts, second_cost
     seq = batch.seq_tokens.astype(np.float64)
     return VerifyWork(place.done, reward_times(batch, place, "grpo"), np.asarray(batch.passed, dtype=bool),
                       batch.group, costs.sequence_cost(0.0 * seq, seq), batch.seq_tokens, batch.n_groups,
-                      second_cost)
+                      cfg.verify_second_cost, cfg.verify_rewards)
 
 
 def simulate_verify_overlap(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
@@ -305,7 +312,7 @@ def simulate_verify_overlap(cfg: SimConfig, source, costs: LearnerCosts) -> SimR
     for k in range(cfg.steps):
         batch = source.batch(k)
         place = place_rollouts(batch.dur_s, t, cfg.rollout_slots)
-        work = verify_work(batch, place, costs, cfg.verify_second_cost)
+        work = verify_work(batch, place, costs, cfg)
         run, stats = run_verify_lane(work, policy, t, record=cfg.record_timeline)
         t_opt = run.finish + costs.step_overhead_s + costs.optimizer_s
         t_end = t_opt + costs.weight_sync_s
