@@ -62,7 +62,12 @@ def check(raw: dict, facts: dict) -> list[str]:
     found: list[str] = []
     for rule in (_missing_values, _unknown_keys_and_types, _verl_sections, _parallel_sizes, _batch_sizes,
                  _registered_names, _thundersync):
-        found += rule(raw, facts)
+        try:
+            found += rule(raw, facts)
+        except Exception as err:  # a value an earlier rule refused (a str where an int goes) trips a later one
+            if not found:
+                found.append(f"{rule.__name__.strip('_')}: could not check ({type(err).__name__}: {one_line(err)})")
+            break
     return found
 
 
