@@ -11,6 +11,7 @@ TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 
 def _register_agent_loops(_module) -> None:
     import thundersync_verl.envs.agent_loop  # noqa: F401  (registers via verl's decorator)
+    import thundersync_verl.envs.swe.agent_loop  # noqa: F401  (the SWE agent: thundersync_swe_agent)
 
 
 def _register_checkpoint_engine(_module) -> None:

@@ -29,10 +29,9 @@ import time
 import uuid
 from pathlib import Path
 
-from thundersync_verl.envs import sandbox as base_sandbox
 from thundersync_verl.envs.swe.instance import SWEInstance
 from thundersync_verl.envs.swe.sandbox import (DEFAULT_OUTPUT_BYTES, CommandResult, Workspace, WorkspaceError,
-                                               relative_path, repository_folder)
+                                               communicate, relative_path, repository_folder)
 
 LABEL = "thundersync.swe=1"
 CLI_GRACE_S = 15.0  # the CLI call's own deadline beyond the in-container timeout
@@ -79,9 +78,7 @@ async def _cli(argv: list[str], timeout_s: float, stdin: str | None = None,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise WorkspaceError(f"could not run {argv[0]}: {exc}") from exc
-    out, err, timed_out = await base_sandbox._communicate(proc, stdin, max_output_bytes, timeout_s)
-    return CommandResult(out.text(), err.text(), proc.returncode, timed_out, time.perf_counter() - t0,
-                         out.truncated or err.truncated)
+    return await communicate(proc, stdin, max_output_bytes, timeout_s, t0)
 
 
 class DockerWorkspace(Workspace):
@@ -94,19 +91,20 @@ class DockerWorkspace(Workspace):
         self.cfg = cfg
         self.image = cfg.image or instance.image_name
         self.name = container_name(instance)
-        self.seed = repository_folder(Path(seed_dir), instance) if seed_dir is not None else None
+        self.seed_dir = Path(seed_dir) if seed_dir is not None else None  # clean repositories, for a generic image
         self.started = False
 
     async def _start(self) -> None:
+        seed = repository_folder(self.seed_dir, self.instance) if self.seed_dir is not None else None
         _LIVE[self.name] = self.cfg.binary  # registered first: a start cut short is still removed
         result = await _cli(run_argv(self.cfg, self.name, self.image), self.cfg.start_timeout_s)
         if not result.ok:
             raise WorkspaceError(f"docker run {self.image} failed: {result.text()[-400:].strip()}")
         self.started = True
-        if self.seed is not None:  # a generic image: the clean repository comes from the host (run -w made the folder)
-            copied = await _cli(copy_argv(self.cfg, self.name, self.seed), 120.0)
+        if seed is not None:  # a generic image: the clean repository comes from the host (run -w made the folder)
+            copied = await _cli(copy_argv(self.cfg, self.name, seed), 120.0)
             if not copied.ok:
-                raise WorkspaceError(f"copying {self.seed} into the container failed: {copied.text()[-400:]}")
+                raise WorkspaceError(f"copying {seed} into the container failed: {copied.text()[-400:]}")
         await self.prepare_repository()
 
     async def run(self, command: str, *, timeout_s: float, stdin: str | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import shlex
 import shutil
@@ -118,6 +119,22 @@ class Workspace(abc.ABC):
             raise WorkspaceError(f"committing the starting state failed: {result.text()[-400:]}")
 
 
+async def communicate(proc, stdin: str | None, cap: int, timeout_s: float, t0: float) -> CommandResult:
+    """The sandbox's capped read with its group kill at the deadline, and the same kill when cancelled
+    (an aborted trajectory leaves no command running)."""
+    try:
+        out, err, timed_out = await base_sandbox._communicate(proc, stdin, cap, timeout_s)
+    except asyncio.CancelledError:
+        base_sandbox._kill_group(proc)
+        with contextlib.suppress(BaseException):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            await proc.communicate()  # reaped and its pipes closed before the loop goes away
+        raise
+    return CommandResult(out.text(), err.text(), proc.returncode, timed_out, time.perf_counter() - t0,
+                         out.truncated or err.truncated)
+
+
 def relative_path(path: str) -> PurePosixPath:
     """A path inside the repository, normalised; refuses absolute paths and ``..`` escapes."""
     pure = PurePosixPath(path.strip())
@@ -133,7 +150,7 @@ class LocalWorkspace(Workspace):
 
     def __init__(self, instance: SWEInstance, repos_dir: str | Path, *, mem_mb: int = 2048, cpu_s: int = 300):
         super().__init__(instance)
-        self.source = repository_folder(Path(repos_dir), instance)
+        self.repos_dir = Path(repos_dir)
         self.mem_mb, self.cpu_s = int(mem_mb), int(cpu_s)
         self.root: Path | None = None  # the temporary folder: repo/ and home/
 
@@ -144,9 +161,10 @@ class LocalWorkspace(Workspace):
         return self.root / "repo"
 
     async def _start(self) -> None:
+        source = repository_folder(self.repos_dir, self.instance)  # a missing one fails the start, not the row
         self.root = Path(tempfile.mkdtemp(prefix="tsv-swe-"))
         (self.root / "home").mkdir()
-        await asyncio.to_thread(shutil.copytree, self.source, self.root / "repo", symlinks=True)
+        await asyncio.to_thread(shutil.copytree, source, self.root / "repo", symlinks=True)
         await self.prepare_repository()
 
     def _env(self) -> dict[str, str]:
@@ -171,9 +189,7 @@ class LocalWorkspace(Workspace):
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         except OSError as exc:
             raise WorkspaceError(f"could not start bash: {exc}") from exc
-        out, err, timed_out = await base_sandbox._communicate(proc, stdin, max_output_bytes, timeout_s)
-        return CommandResult(out.text(), err.text(), proc.returncode, timed_out, time.perf_counter() - t0,
-                             out.truncated or err.truncated)
+        return await communicate(proc, stdin, max_output_bytes, timeout_s, t0)
 
     async def read_file(self, path: str) -> str:
         target = self.repo_dir / relative_path(path)

@@ -102,7 +102,7 @@ async def _edit(workspace: Workspace, arguments: dict) -> tuple[str, str]:
         return f"error: {path} exists; give old_str to replace part of it", "error"
     count = text.count(old)
     if count != 1:
-        where = "not found" if count == 0 else f"found {count} times; include more lines so it is unique"
-        return f"error: old_str {where} in {path}; nothing changed", "error"
+        hint = "" if count == 0 else " (include more lines so it is unique)"
+        return f"error: old_str found {count} times in {path}{hint}; nothing changed", "error"
     await workspace.write_file(path, text.replace(old, new, 1))
     return f"edited {path}", "ok"
