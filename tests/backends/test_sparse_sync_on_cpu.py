@@ -203,3 +203,148 @@ def test_sparse_sync_is_registered_with_verl():
     assert issubclass(cls, va.checkpoint_engine_base()) and issubclass(cls, SparseSyncCore)
     engine = CheckpointEngineRegistry.new(BACKEND_NAME, bucket_size=1 << 20, is_master=True, dtype="bfloat16")
     assert engine.dtype is torch.bfloat16 and engine.bucket_bytes == 1 << 20
+
+
+# ----- over Ray: the channel wire and verl's manager ------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private Ray cluster with two logical device slots (learner, rollout) on the CPU platform."""
+    import ray
+
+    from thundersync_harness import engine_setup as setup
+
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    ray_tmp = setup.prepare_environment()
+    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+             _temp_dir=str(ray_tmp))
+    try:
+        yield ray_tmp
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+
+
+def _connect(cores: list[SparseSyncCore], n_senders: int = 1) -> None:
+    actor, rollout = SparseSyncCore.build_topology(n_senders, len(cores) - n_senders, [c.prepare() for c in cores])
+    for i, core in enumerate(cores):
+        side, j = (actor, i) if i < n_senders else (rollout, i - n_senders)
+        core.init_process_group(**{k: v[j] for k, v in side.items()})
+
+
+def test_payload_corrupted_on_the_wire_is_refused_counted_and_resent_full(ray_cluster):
+    import ray
+
+    from thundersync_verl.backends.sparse_sync import wire
+
+    torch.manual_seed(6)
+    w = {"a": torch.randn(4096), "b": torch.randn(64, 8)}
+    sender, receiver = SparseSyncCore(channel_name="tamper"), SparseSyncCore(channel_name="tamper")
+    channel = wire.channel_handle("tamper")
+
+    async def received(version) -> list[str]:
+        return [name async for name, _ in receiver.receive_weights(version)]
+
+    async def scenario():
+        _connect([sender, receiver])
+        first, names = await asyncio.gather(sender.send_weights(list(w.items()), 0), received(0))
+        assert first["checkpoint_engine/sparse_sync/full_push"] == 1.0 and names == ["a", "b"]
+        w["a"][::100] += 1.0
+        _connect([sender, receiver])
+        sending = asyncio.create_task(sender.send_weights(list(w.items()), 1))
+        version, token, box = await channel.take.remote(0, 1, 0, None, 60.0)
+        payload = await box[0]
+        payload.buckets[0].values = payload.buckets[0].values.clone()
+        payload.buckets[0].values[3] ^= 1 << 5  # one bit flipped in flight
+        await channel.offer.remote(0, 1, 0, token, [ray.put(payload)])
+        names = await received(1)
+        return await sending, names
+
+    metrics, names = asyncio.run(scenario())
+    assert metrics["checkpoint_engine/sparse_sync/resent"] == 1.0
+    assert metrics["checkpoint_engine/sparse_sync/checksum_mismatches"] == 1.0
+    assert receiver.counters["checksum_mismatches"] == 1 and names == ["a", "b"]  # the resend was full
+    _assert_mirror_equals(receiver.mirror, w)
+
+
+def _learner_weights(worker) -> dict:
+    import ray
+
+    def read(self):
+        from thundersync_verl import verl_adapter as va
+
+        gen, _ = va.actor_engine(self).get_per_tensor_param()
+        return {name: t.detach().to("cpu").clone() for name, t in gen}
+
+    return ray.get(worker.__ray_call__.remote(read))
+
+
+def _server_weights() -> dict:
+    import ray
+
+    from thundersync_verl.backends.cpu.rollout import server_actor_name
+
+    def read(self):
+        return {name: t.detach().clone() for name, t in self.engine.model.state_dict().items()}
+
+    return ray.get(ray.get_actor(server_actor_name(0)).__ray_call__.remote(read))
+
+
+def _assert_rollout_equals_learner(worker, dtype: torch.dtype) -> None:
+    learner, server = _learner_weights(worker), _server_weights()
+    assert learner and set(learner) <= set(server)
+    for name, t in learner.items():
+        assert _same_bits(server[name], t.to(dtype)), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verl_manager_pushes_a_real_learner_to_a_real_rollout_replica(ray_cluster, tmp_path):
+    from omegaconf import OmegaConf
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from thundersync_harness import engine_setup as setup
+    from thundersync_harness.engine_steps import sync_step
+    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+
+    model_path, pad_id, vocab = setup.build_tiny_model(tmp_path / "model")
+    config = setup.verl_config(model_path, groups=2, micro=4, optimizer="AdamW", lr=1e-6)  # an RL learning rate
+    rollout = config.actor_rollout_ref.rollout
+    OmegaConf.update(config, "actor_rollout_ref.rollout", {"name": "hf_cpu", "dtype": "bfloat16", "nnodes": 1,
+                                                           "n_gpus_per_node": 1})
+    OmegaConf.update(config, "actor_rollout_ref.rollout.checkpoint_engine",
+                     {"backend": BACKEND_NAME, "engine_kwargs": {BACKEND_NAME: {"dtype": "bfloat16"}}}, force_add=True)
+    wg = va.ray_worker_group_with(StreamingActorWorker, config=config.actor_rollout_ref, role="actor", n_workers=1)
+    wg.init_model()
+    replica = RolloutReplicaRegistry.get("hf_cpu")(replica_rank=0, config=rollout, model_config=config.actor_rollout_ref.model,
+                                                   gpus_per_node=1)
+    asyncio.run(replica.init_standalone())
+    manager = va.checkpoint_engine_manager(rollout.checkpoint_engine, wg, [replica])
+    prefix = "checkpoint_engine/sparse_sync"
+
+    first = manager.update_weights(global_steps=0)
+    assert first[f"{prefix}/full_push"] == 1.0
+    _assert_rollout_equals_learner(wg.workers[0], torch.bfloat16)
+
+    trajs, _arrival = setup.make_trajectories(seed=0, groups=2, vocab=vocab)
+    sync_step(wg, trajs, list(range(len(trajs))), pad_id)  # a real AdamW step of verl's update_actor
+    second = manager.update_weights(global_steps=1)
+    assert second[f"{prefix}/full_push"] == 0.0 and 0.0 < second[f"{prefix}/density"] < 1.0 / 3
+    assert second[f"{prefix}/payload_mbytes"] < second[f"{prefix}/dense_mbytes"]
+    _assert_rollout_equals_learner(wg.workers[0], torch.bfloat16)
+
+    def restart(self):  # the rollout side's engine as a restarted worker builds it: no copy, no chain
+        self.checkpoint_engine = CheckpointEngineRegistry.new(BACKEND_NAME, bucket_size=1 << 20, dtype="bfloat16")
+
+    import ray
+
+    ray.get(replica.workers[0].__ray_call__.remote(restart))
+    sync_step(wg, trajs, list(range(len(trajs))), pad_id)
+    third = manager.update_weights(global_steps=2)
+    assert third[f"{prefix}/full_push"] == 1.0 and third[f"{prefix}/full_pushes"] == 2.0
+    _assert_rollout_equals_learner(wg.workers[0], torch.bfloat16)
