@@ -91,6 +91,8 @@ BROKEN = [  # (variant, a key the refusal must name)
      "actor_rollout_ref.rollout.checkpoint_engine.backend"),
     (_variant("grpo", "qwen3_8b", "1node", "fully_async", "trainer.v1.separate_async.parameter_sync_step=3"),
      "trainer.v1.separate_async.parameter_sync_step"),
+    (_variant("grpo", "qwen3_30b_a3b", "2nodes", "thundersync", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384"),
+     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu: = 16384 x 4"),
     (_variant("grpo", "qwen3_8b", "1node", "sync", "actor_rollout_ref.rollout.max_model_len=65536"),
      "actor_rollout_ref.rollout.max_model_len"),
     (_variant("opd", "qwen3_8b", "1node", "sync", "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=4"),

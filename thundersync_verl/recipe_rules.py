@@ -330,11 +330,29 @@ def _batch_sizes(raw: dict, facts: dict) -> list[str]:
                                "naive copies weights inside the learner process; separate_async pushes them to another pool",
                                "use nccl (or nixl) on GPUs, cpu_channel on CPUs"))
     context = int(_get(raw, "data.max_prompt_length")) + int(_get(raw, "data.max_response_length"))
+    out += _longest_trajectory_fits(raw, context)
     limit = rollout.get("max_model_len")
     if limit is not None and context > int(limit):
         out.append(problem("actor_rollout_ref.rollout.max_model_len", f"= {limit} is below max_prompt_length + "
                            f"max_response_length = {context}", "a trajectory that reaches its length limit would not "
                            "fit the engine's context", "raise max_model_len or lower the data lengths"))
+    return out
+
+
+def _longest_trajectory_fits(raw: dict, context: int) -> list[str]:
+    """With token-packed micro-batches, one micro-batch (per-GPU tokens x CP or SP) must hold the longest trajectory."""
+    actor = _get(raw, "actor_rollout_ref.actor")
+    if not actor.get("use_dynamic_bsz"):
+        return []
+    split = int(actor["megatron"]["context_parallel_size"]) if actor.get("strategy") == "megatron" else \
+        int(actor.get("ulysses_sequence_parallel_size", 1) or 1)
+    out = []
+    for key in ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"):
+        per_gpu = _get(raw, key)
+        if per_gpu is not None and int(per_gpu) * split < context:
+            out.append(problem(key, f"= {per_gpu} x {split} (context/sequence parallel) is below max_prompt_length + "
+                               f"max_response_length = {context}", "verl packs micro-batches by tokens and asserts that "
+                               "the longest sequence fits one", f"raise it to at least {-(-context // split)}"))
     return out
 
 
