@@ -100,6 +100,7 @@ BROKEN = [  # (variant, a key the refusal must name)
 ]
 
 
+@pytest.mark.slow  # composes every broken variant with verl's config tree (about a minute on 2 cores)
 def test_broken_variants_are_refused_naming_the_key():
     verdicts = rc.check_variants([variant for variant, _ in BROKEN])
     for (variant, key), verdict in zip(BROKEN, verdicts):

@@ -63,6 +63,7 @@ def test_backend_string_is_collapsed_only_when_unambiguous():
     assert normalise_backend(None) is None
 
 
+@pytest.mark.slow  # a fresh interpreter imports verl and starts a gloo process group
 def test_gloo_process_group_initialises_with_verls_backend_string(tmp_path):
     code = (
         "import verl, os, torch.distributed as dist\n"

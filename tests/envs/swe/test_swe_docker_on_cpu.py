@@ -114,6 +114,7 @@ def test_start_tools_and_close_through_the_cli(synthetic_set, stand_in):
     assert not (containers / name).exists() and name not in swe_docker._LIVE
 
 
+@pytest.mark.slow  # about 30 s: as long as the cancelled `sleep 30` command
 def test_a_cancelled_trajectory_still_removes_its_container(synthetic_set, stand_in):
     from thundersync_verl.envs.swe.agent_loop import _shutdown, _start
 

@@ -50,6 +50,7 @@ async def _with_workspace(instance, repos_dir, body):
         await ws.close()
 
 
+@pytest.mark.slow  # waits out the 20 s tool timeout on purpose, and runs the instance's tests
 def test_bash_view_edit_submit_on_a_workspace(synthetic_set):
     inst = synthetic_set["instances"][0]  # textkit: the slug join uses "_" after the bug
     do = lambda ws, name, **args: tools.execute(Action(name, args), ws, timeout_s=20, max_chars=2000)  # noqa: E731
