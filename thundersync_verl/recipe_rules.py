@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import enum
 import importlib
 import io
@@ -185,9 +186,12 @@ def _walk(node: Mapping, base: Any, cls, path: str, out: list[str]) -> None:
         known = key in hints or (isinstance(base, Mapping) and key in base) or (cls is None and base is None) \
             or where in PASS_THROUGH
         if not known:
-            names = sorted(set(hints) | set(base if isinstance(base, Mapping) else ())) or ["(none)"]
+            names = sorted(n for n in set(hints) | set(base if isinstance(base, Mapping) else ()) if n != "_target_")
+            close = difflib.get_close_matches(str(key), names, n=3)
+            hint = f"did you mean {' or '.join(close)}?" if close else f"{path or 'the top level'} has: {', '.join(names[:12])}" \
+                + (", ..." if len(names) > 12 else "")
             out.append(problem(where, "is not a key verl knows", "verl would ignore it and keep its default",
-                               f"check the spelling; {path or 'the top level'} has: {', '.join(n for n in names if n != '_target_')}"))
+                               f"check the spelling ({hint})"))
             continue
         ann = hints.get(key, Any)
         if value != sub_base and not _accepts(value, ann):  # verl's own defaults are verl's business
