@@ -182,3 +182,6 @@ def patch_reuse_turn_teacher_scores() -> None:
 def apply_cpu_patches() -> None:
     patch_gloo_backend_string()
     patch_fsdp_engines_on_cpu()
+    from thundersync_verl.backends.megatron import cpu_patches as megatron_cpu_patches
+
+    megatron_cpu_patches.apply()  # verl's Megatron engine on the CPU (backends/megatron/cpu_patches.py)
