@@ -27,9 +27,15 @@ Why:
    learner side needs no teacher server, only the teacher log-probs in the batch (verl's layout).
    Both get the same per-turn scores, so the gap is the learner's; the teacher's own fp32
    prefix-vs-whole difference is printed apart (max |diff| and its effect on verl's update).
+7. ``--engine megatron [--tp 2] [--pp 2] [--dp 2 [--distributed-optimizer]]``: the same GRPO
+   comparison on verl's Megatron engine (``thundersync_harness.megatron_engine``; TP x PP x DP Ray
+   workers over gloo). It also runs the stream with every coefficient pre-multiplied by 1/N rounded
+   as verl's loss rounds it (``gap_normaliser_matched``): what is left is the streaming machinery's
+   own difference plus the micro-batch-composition noise the floor measures (streamed chunks of 1-4
+   rows in arrival order); the rest of the plain gap is where the deferred normaliser is rounded.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
-the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--dp 1|2] [--quick]
+the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from thundersync_harness.engine_steps import (
     sync_step,
     train,
 )
+from thundersync_harness.megatron_engine import build_megatron_model, megatron_config, prescaled_stream_step
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
@@ -76,12 +83,15 @@ def transposed_order(n_rows: int, micro: int) -> list[int]:
     return sorted(range(n_rows), key=lambda i: (i % stride, i))
 
 
-def grpo_steps(wg, batches, pad_id: int, micro: int) -> dict:
-    steps = {"sync_a": [], "sync_b": [], "stream": []}
+def grpo_steps(wg, batches, pad_id: int, micro: int, prescaled: bool = False) -> dict:
+    """``prescaled``: also the diagnostic stream with verl's rounding of 1/N (``prescaled_stream_step``)."""
+    steps = {"sync_a": [], "sync_b": [], "stream": []} | ({"stream_prescaled": []} if prescaled else {})
     for trajs, arrival in batches:
         steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id))
         steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id))
+        if prescaled:
+            steps["stream_prescaled"].append(partial(prescaled_stream_step, wg, trajs, arrival, pad_id))
     return steps
 
 
@@ -108,7 +118,11 @@ def fp64_probe() -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algo", default="grpo", choices=["grpo", "opd"])
+    parser.add_argument("--engine", default="fsdp", choices=["fsdp", "megatron"], help="verl's model_engine")
     parser.add_argument("--dp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--tp", type=int, default=1, choices=[1, 2], help="megatron: tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, choices=[1, 2], help="megatron: pipeline parallel size")
+    parser.add_argument("--distributed-optimizer", action="store_true", help="megatron: shard the optimizer over DP")
     parser.add_argument("--quick", action="store_true", help="3 steps of 4 groups x 4 (the default size)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups", type=int, default=None, help="prompt groups per step (quick: 4, full: 8)")
@@ -121,10 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="ts_equivalence_"))
     ray_tmp = prepare_environment()
-    model_path, pad_id, vocab = build_tiny_model(work / "model")
+    megatron = args.engine == "megatron"
+    if megatron and (args.algo != "grpo" or args.optimizer != "SGD"):
+        parser.error("--engine megatron runs --algo grpo with the Megatron harness optimizer (SGD, or Adam with "
+                     "the distributed optimizer)")
+    model_path, pad_id, vocab = (build_megatron_model if megatron else build_tiny_model)(work / "model")
     teacher = build_teacher(model_path, work / "teacher") if args.algo == "opd" else None
     micro = 4
-    config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
+    if megatron:
+        config = megatron_config(model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp,
+                                 distributed_optimizer=args.distributed_optimizer)
+    else:
+        config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
     extra = {}
     if args.algo == "opd":
         batches = []
@@ -139,8 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
 
     try:
-        wg = start_workers(config, args.dp, distillation=args.algo == "opd")
-        steps = (opd_steps if args.algo == "opd" else grpo_steps)(wg, batches, pad_id, micro)
+        world = args.dp * (args.tp * args.pp if megatron else 1)  # Ray workers: one per rank
+        wg = start_workers(config, world, distillation=args.algo == "opd")
+        if args.algo == "opd":
+            steps = opd_steps(wg, batches, pad_id, micro)
+        else:
+            steps = grpo_steps(wg, batches, pad_id, micro, prescaled=megatron)
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
     finally:
         ray.shutdown()
@@ -166,10 +192,23 @@ def _report_opd_teacher(runs: dict, extra: dict) -> None:
           + ", ".join(f"{relative_gap(st, w):.3e}" for st, w in zip(ds, dw)))
 
 
+def _report_prescaled(runs: dict) -> dict:
+    """The stream with verl's rounding of 1/N: its gap to verl is the streaming machinery's own."""
+    da, dp_ = runs["sync_a"][0], runs["stream_prescaled"][0]
+    gaps = [relative_gap(p, a) for p, a in zip(dp_, da)]
+    print("  stream with 1/N rounded where verl rounds it (diagnostic), gap to verl per step: "
+          + ", ".join(f"{g:.3e}" for g in gaps))
+    return {"gap_normaliser_matched": max(gaps)}
+
+
 def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     extra = extra or {}
     (da, info_a), (db, _), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
-    print(f"\nequivalence: {args.algo}, dp={args.dp}, optimizer={args.optimizer}, fp32 (float64 possible: {fp64_probe()})")
+    layout, optimizer = f"dp={args.dp}", args.optimizer
+    if args.engine == "megatron":
+        layout = f"engine=megatron, tp={args.tp}, pp={args.pp}, dp={args.dp}"
+        optimizer = "adam (eps 1, distributed)" if args.distributed_optimizer else "sgd (no momentum)"
+    print(f"\nequivalence: {args.algo}, {layout}, optimizer={optimizer}, fp32 (float64 possible: {fp64_probe()})")
     ops_head = "turn chunks" if args.algo == "opd" else "chunks direct/bucket/folds"
     print(f"{'step':>4} | {'gap stream/sync':>16} | {'floor sync_a/sync_b':>19} | {'gap/floor':>9} | {'||dθ||':>9} | "
           f"{'s stream/sync':>13} | {ops_head}")
@@ -183,12 +222,16 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
             worst = (gap, floor, ratio)
     verdict = "PASS" if worst[2] <= 2.0 else "FAIL"
     print(f"worst step: gap/floor = {worst[2]:.2f} -> {verdict} (acceptance: gap <= 2 x floor); {seconds:.0f} s")
-    result = {"algo": args.algo, "dp": args.dp, "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
+    result = {"algo": args.algo, "engine": args.engine, "tp": args.tp, "pp": args.pp, "dp": args.dp,
+              "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
+    if args.engine == "megatron":
+        result.update(_report_prescaled(runs), distributed_optimizer=args.distributed_optimizer)
+        name = f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else "")
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
-    write_result(name if args.dp == 1 else f"{name}_dp{args.dp}", result, args.results_dir)
+    write_result(name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}", result, args.results_dir)
     return result
 
 

@@ -18,9 +18,11 @@ Why:
    finished, so the driver keeps the next chunk queued while one computes (``OpPipeline``).
 2. The chunk's loss is ours (``stream_loss.py``), installed through the worker's loss-function
    seam for the duration of the call, so verl's own ``update_actor`` keeps its ppo loss.
-3. A bucket backward must not mix with the direct gradient already in ``.grad``: the direct
-   gradient is set aside (the ``.grad`` references, no copy), the chunk's gradient lands in a
-   fresh ``.grad``, is added to the bucket, and the direct gradient is put back.
+3. Where the gradient lives and how a step is finalised is the engine's business: a
+   ``StreamLearner`` (``trainer/learners/``) chosen by verl's engine key (``fsdp``/``fsdp2``:
+   ``p.grad`` shards; ``megatron``: the DDP grad buffer, finalised once at the barrier). A bucket
+   backward runs inside ``learner.isolated()``: the direct gradient is set aside, the chunk's
+   gradient is added to the bucket, and the direct gradient is put back.
 4. Every method is collective-safe at any data-parallel size: checks that could differ between
    ranks (non-finite coefficients in a rank's rows) are agreed with one all-reduce first, and
    checks on replicated state (bucket keys, scale) fail identically everywhere, before any
@@ -42,6 +44,7 @@ import torch
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, StreamingStateError
 from thundersync_verl.core.buffers import axpy_, copy_into_
+from thundersync_verl.trainer.learners import StreamLearner, make_learner
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.stream_loss import (
     exact_micro_batch_size,
@@ -67,8 +70,8 @@ register, Dispatch, ACTOR_MESH = va.worker_register_api()
 class _BatchState:
     """Per-batch streaming state of one rank: bucket buffers and counters."""
 
-    def __init__(self, local_params: list[torch.Tensor], loss_agg_mode: str, meta: dict):
-        self.pool = BufferPool(GradLayout.from_tensors(local_params))
+    def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict):
+        self.pool = BufferPool(layout)
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.loss_agg_mode = loss_agg_mode
         self.loss_fn = make_stream_loss(loss_agg_mode)
@@ -87,6 +90,7 @@ class StreamingActorWorker(_Base):
         self._ts_lock = threading.Lock()
         self._ts_turn: asyncio.Condition | None = None  # created on the actor's event loop
         self._ts_next = 0  # the ticket of the queued call that may run next
+        self._ts_learner: StreamLearner | None = None
 
     @contextlib.contextmanager
     def _exclusive(self, call: str):
@@ -145,8 +149,10 @@ class StreamingActorWorker(_Base):
     def _engine(self):
         return va.actor_engine(self)
 
-    def _params(self) -> list[torch.Tensor]:
-        return va.actor_parameters(self._engine())
+    def _learner(self) -> StreamLearner:
+        if self._ts_learner is None:
+            self._ts_learner = make_learner(self)
+        return self._ts_learner
 
     def _state(self, call: str) -> _BatchState:
         if self._ts is None:
@@ -186,9 +192,9 @@ class StreamingActorWorker(_Base):
         meta = dict(meta or {})
         settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
         with self._exclusive("stream_begin_batch"):
-            self._engine().optimizer_zero_grad()
-            local = [va.local_view(p) for p in self._params()]
-            self._ts = _BatchState(local, settings.loss_agg_mode, meta)
+            learner = self._learner()
+            learner.begin_batch()
+            self._ts = _BatchState(learner.bucket_layout(), settings.loss_agg_mode, meta)
             self._ts_next = 0  # every call runs on the actor's one event loop thread
 
     @register(dispatch_mode=ACTOR_MESH)
@@ -254,23 +260,21 @@ class StreamingActorWorker(_Base):
                 )
             )
         self._fit_micro_batches(chunk)
-        params = self._params()
-        stash = None
-        if dest != DIRECT:
-            stash = [p.grad for p in params]
-            for p in params:
-                p.grad = None
+        learner = self._learner()
         previous = va.actor_loss_fn(self)
         va.set_actor_loss_fn(self, loss_fn or state.loss_fn)
         try:
-            output = self.actor.forward_backward(data=chunk)
+            if dest == DIRECT:
+                output = learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
+            else:
+                with learner.isolated():
+                    output = learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
+                    self._harvest(state, dest, learner.bucket_gradient())
         except Exception as exc:
             state.failed = f"stream_backward: {type(exc).__name__}: {exc}"
             raise
         finally:
             va.set_actor_loss_fn(self, previous)
-        if stash is not None:
-            self._harvest(state, dest, params, stash)
         state.chunks += 1
         state.rows += int(coefs.shape[0])
         return _chunk_result(output, int(coefs.shape[0]))
@@ -287,17 +291,14 @@ class StreamingActorWorker(_Base):
             return
         va.assign_non_tensor(chunk, micro_batch_size_per_gpu=exact_micro_batch_size(chunk.batch_size[0], configured))
 
-    def _harvest(self, state: _BatchState, key: str, params, stash) -> None:
-        """bucket[key] += the chunk's gradient now in .grad; then put the direct gradient back."""
-        grads = [None if p.grad is None else va.local_view(p.grad) for p in params]
+    def _harvest(self, state: _BatchState, key: str, grads) -> None:
+        """bucket[key] += the chunk's gradient (``learner.bucket_gradient()``, inside ``learner.isolated()``)."""
         if key in state.buckets:
             axpy_(state.buckets[key], grads, 1.0)
         else:
             state.pool.reserve(key, 1, is_group=True)
             state.buckets[key] = state.pool.allocate(key)
             copy_into_(state.buckets[key], grads)
-        for p, g in zip(params, stash):
-            p.grad = g
         self._ts_peak_bytes = max(self._ts_peak_bytes, state.pool.peak_bytes)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -309,13 +310,9 @@ class StreamingActorWorker(_Base):
     def _stream_fold(self, folds: dict) -> None:
         state = self._state("stream_fold")
         folds = check_folds(folds, state.buckets)
-        params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [va.local_view(p.grad) for p in params]
+        learner = self._learner()
         for key in sorted(folds):  # a fixed order: the update does not depend on dict order
-            axpy_(grads, state.buckets.pop(key), folds[key])
+            learner.fold(state.buckets.pop(key), folds[key])
             state.pool.release(key)
             state.folds += 1
 
@@ -338,18 +335,12 @@ class StreamingActorWorker(_Base):
                 )
             )
         scale = check_scale(scale)
-        engine = self._engine()
-        for p in self._params():
-            if p.grad is not None:
-                va.local_view(p.grad).mul_(scale)
         try:
-            with engine.train_mode(zero_grad_on_exit=True):
-                grad_norm = engine.optimizer_step()  # clip the full batch gradient, step (skips if non-finite)
-            lr = engine.lr_scheduler_step()
+            step = self._learner().finalize(scale)  # scale, reduce once, clip, step, LR step, zero
         except Exception as exc:
             state.failed = f"finalize_step: {type(exc).__name__}: {exc}"
             raise
-        metrics = {"grad_norm": float(grad_norm), "lr": float(lr), **self._memory(state)}
+        metrics = {**step, **self._memory(state)}
         metrics.update({"stream/chunks": state.chunks, "stream/rows": state.rows, "stream/folds": state.folds})
         self._ts = None
         return metrics
@@ -370,15 +361,14 @@ class StreamingActorWorker(_Base):
         state = self._ts
         out = self._memory(state)
         if state is None:
-            out["stream/buffer_bytes"] = GradLayout.from_tensors([va.local_view(p) for p in self._params()]).buffer_bytes
+            out["stream/buffer_bytes"] = self._learner().bucket_layout().buffer_bytes
         out["stream/open_buckets"] = sorted(state.buckets) if state is not None else []
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def gather_flat_params(self) -> torch.Tensor:
         """All parameters, all-gathered and flattened to one float64 CPU vector (a collective)."""
-        with torch.no_grad():
-            return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64) for p in self._params()])
+        return self._learner().flat_params()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def reset_actor(self) -> None:

@@ -1,0 +1,158 @@
+"""verl's Megatron engine on the CPU, for the equivalence benchmark and ``tests/megatron``: model and config.
+
+Why:
+1. The streamed-vs-synchronous comparison on Megatron is the FSDP2 one (``engine_setup`` and
+   ``engine_steps``: same trajectories, same ``sync_step`` / ``stream_step`` / ``train``) with
+   another engine: ``model_engine=megatron`` and a layout (TP x PP x DP Ray workers, gloo).
+   Only the model and the config differ, and they live here.
+2. The tiny Qwen2 is ``engine_setup``'s with the vocabulary padded to a multiple of 128: Megatron
+   splits the embedding over tensor-parallel ranks and needs the vocabulary to divide evenly
+   (the extra rows are never a target; verl and Megatron see the same model).
+3. fp32 end to end (``megatron.dtype=float32``, allowed on the CPU platform by
+   ``backends/megatron/cpu_patches``), SGD without momentum (Adam with a large eps for the
+   distributed optimizer), no weight decay: dθ follows the clipped gradient, as for FSDP2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from thundersync_harness.engine_setup import GROUP_SIZE, build_tiny_model
+from thundersync_verl import verl_adapter as va
+
+VOCAB_MULTIPLE = 128
+
+
+def build_megatron_model(folder: Path, seed: int = 0) -> tuple[Path, int, int]:
+    """``engine_setup.build_tiny_model`` with the vocabulary padded for tensor parallelism: (path, pad id, vocab)."""
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    path, pad_id, vocab = build_tiny_model(folder, seed=seed)
+    config = AutoConfig.from_pretrained(path)
+    config.vocab_size = -(-config.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path, pad_id, vocab
+
+
+def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, pp: int = 1,
+                    distributed_optimizer: bool = False, optimizer: str | None = None, lr: float = 0.05,
+                    loss_agg_mode: str = "token-mean"):
+    """verl's ppo_trainer.yaml with ``model_engine=megatron``, the CPU settings and one mini-batch per step.
+
+    ``optimizer``: ``sgd`` (no momentum) by default; Megatron's distributed optimizer takes only Adam,
+    so it gets ``adam`` with ``adam_eps=1``: with eps far above every |g|, Adam's first step is
+    lr * g / (|g| + eps), close to linear in g, so dθ still compares gradients rather than their signs.
+    """
+    optimizer = optimizer or ("adam" if distributed_optimizer else "sgd")
+    actor, mega = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
+    opt_override = "sgd_momentum=0.0" if optimizer == "sgd" else "adam_eps=1.0"
+    overrides = [
+        "model_engine=megatron",
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.model.use_remove_padding=false",  # padded (BSHD) path: THD packing needs TE kernels
+        f"{mega}.tensor_model_parallel_size={tp}", f"{mega}.pipeline_model_parallel_size={pp}",
+        f"{mega}.use_distributed_optimizer={str(distributed_optimizer).lower()}",
+        f"{mega}.vanilla_mbridge=true",  # megatron-bridge needs Python >= 3.12; mbridge 0.15 is the path here
+        f"{mega}.dtype=float32", f"{mega}.sequence_parallel={str(tp > 1).lower()}",
+        f"{actor}.ppo_mini_batch_size={groups}", f"{actor}.ppo_epochs=1",
+        f"{actor}.ppo_micro_batch_size_per_gpu={micro}", f"{actor}.loss_agg_mode={loss_agg_mode}",
+        f"{actor}.optim.optimizer={optimizer}", f"{actor}.optim.lr={lr}", f"{actor}.optim.weight_decay=0.0",
+        f"+{actor}.optim.override_optimizer_config.{opt_override}",
+        f"{actor}.optim.total_training_steps=1000",  # Megatron's LR scheduler needs a horizon (constant LR)
+        f"actor_rollout_ref.rollout.n={GROUP_SIZE}", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        f"data.train_batch_size={groups}", "algorithm.adv_estimator=grpo",
+    ]
+    return va.compose_ppo_config(overrides)
+
+
+def _times_fp32(a: float, b: float) -> float:
+    """a * b rounded as verl's fp32 loss rounds a per-row gradient scalar."""
+    return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
+
+
+def prescaled_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, every: int = 2, max_chunk: int = 4) -> dict:
+    """``engine_steps.stream_step`` with the batch normaliser applied where verl applies it.
+
+    A diagnostic, possible here only because the benchmark knows every trajectory in advance: every
+    direct and fold coefficient c becomes fp32(c * fp32(1 / N)), the per-row gradient scalar verl's
+    token-mean loss rounds, and the barrier scale is 1. Buckets, folds, isolation, reduction and the
+    single finalize all run as in the real stream, so the distance to verl's update is the streaming
+    machinery's own plus micro-batch-composition noise; the rest of the plain gap is where 1 / N is rounded.
+    """
+    import dataclasses
+
+    from thundersync_harness.engine_steps import StreamingLearnerClient
+    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+
+    inv_n = float(1.0 / torch.tensor(float(sum(len(t.response) for t in trajs)), dtype=torch.float32))
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk)
+    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
+    groups = sorted({t.gid for t in trajs})
+    planner.begin_batch({g: GROUP_SIZE for g in groups})
+    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo"})
+    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
+    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = []
+            for op in planner.next_ops():
+                if isinstance(op, FoldOp):
+                    op = dataclasses.replace(op, folds={key: _times_fp32(c, inv_n) for key, c in op.folds.items()})
+                elif op.dest == "direct":
+                    op = dataclasses.replace(op, coefs=tuple(_times_fp32(c, inv_n) for c in op.coefs))
+                ops.append(op)
+            client.run(ops, table)
+    planner.finalize()  # the planner's own checks: every group closed, every bucket folded
+    return wg.finalize_step(1.0)[0]  # the normaliser is already in the coefficients
+
+
+# ----- a worker with one switch for negative tests --------------------------------------------
+def _probe_worker_class():
+    from thundersync_verl.trainer.learners.megatron import MegatronLearner
+    from thundersync_verl.trainer.streaming_worker import Dispatch, StreamingActorWorker, register
+
+    class EveryCallFinalizeLearner(MegatronLearner):
+        """What streaming on verl's engine does without the learner: every call finalises (DP reduce,
+        sequence-parallel norms, tied embeddings), then the barrier finalises once more."""
+
+        def forward_backward(self, run):
+            output = run()
+            if not self._isolating:
+                self._direct_nonzero = True
+            return output
+
+    class FinalizeProbeWorker(StreamingActorWorker):
+        """``StreamingActorWorker`` plus ``probe_finalize_every_call(on)``: with it on, streamed calls keep
+        verl's per-call ``finalize_model_grads``. Off (the default) it is the streaming worker unchanged."""
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def probe_finalize_every_call(self, on: bool) -> None:
+            self._ts_learner = EveryCallFinalizeLearner(self) if on else None
+
+    return FinalizeProbeWorker
+
+
+def start_megatron_workers(config, world: int, *, probe: bool = False):
+    """ray.init with ``world`` logical device slots (one per TP x PP x DP rank), then the worker group.
+
+    ``probe``: the ``FinalizeProbeWorker`` (the streaming worker plus the negative-test switch).
+    """
+    import os
+
+    import ray
+
+    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+
+    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
+    cls = _probe_worker_class() if probe else StreamingActorWorker
+    wg = va.ray_worker_group_with(cls, config=config.actor_rollout_ref, role="actor", n_workers=world)
+    wg.init_model()
+    return wg

@@ -1,0 +1,58 @@
+"""Fixtures for the tests that run verl's Megatron engine on the CPU (gloo, one Ray worker per rank; no GPU).
+
+``start_megatron`` is module-scoped: a module that asks for it gets ONE worker group of the given
+layout (TP x PP x DP ranks; startup 30-90 s on 2 cores) that its tests share; Ray is shut down and
+the process environment restored at the end of the module. Keep one layout per module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from thundersync_harness import engine_setup, megatron_engine
+
+
+@dataclass(frozen=True)
+class MegatronGroup:
+    wg: object  # verl's RayWorkerGroup of the probe streaming worker, one worker per rank
+    pad_id: int
+    vocab: int
+    model_path: Path
+    world: int
+
+
+@pytest.fixture(scope="module")
+def start_megatron(tmp_path_factory):
+    """``start_megatron(tp=1, pp=1, dp=1, distributed_optimizer=False, groups=2) -> MegatronGroup``."""
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    ray_tmp: list[Path] = []
+
+    def start(*, tp: int = 1, pp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
+              groups: int = 2, micro: int = 4) -> MegatronGroup:
+        assert not ray_tmp, "one layout per test module"
+        work = tmp_path_factory.mktemp("megatron")
+        ray_tmp.append(engine_setup.prepare_environment())
+        path, pad_id, vocab = megatron_engine.build_megatron_model(work / "model")
+        config = megatron_engine.megatron_config(path, groups=groups, micro=micro, tp=tp, pp=pp,
+                                                 distributed_optimizer=distributed_optimizer)
+        world = tp * pp * dp
+        wg = megatron_engine.start_megatron_workers(config, world, probe=True)
+        return MegatronGroup(wg, pad_id, vocab, path, world)
+
+    try:
+        yield start
+    finally:
+        if ray_tmp:
+            import ray
+
+            ray.shutdown()
+            shutil.rmtree(ray_tmp[0], ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
