@@ -36,3 +36,27 @@ def test_dp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(gr
     assert out["info"]["ops/bucket"] > 0 and out["info"]["ops/fold"] > 0
     # the grad buffer reduce-scattered in place at every call, then again at the barrier
     assert out["gap_every_call"] > 1e-2 > 1000 * out["gap"], out["gap_every_call"]
+
+
+def test_dp2_bucket_budget_refuses_a_bucket_that_does_not_fit_and_the_batch_goes_on(group):
+    from thundersync_verl.core import StreamingStateError
+    from thundersync_verl.trainer.stream_loss import build_stream_chunk
+
+    wg, pad = group.wg, group.pad_id
+    one = wg.stream_memory()[0]["stream/buffer_bytes"]  # one bucket: this rank's DP region of the grad buffer
+
+    def chunk(dest):
+        return build_stream_chunk([[11, 12], [13]], [[14, 15], [16, 17]], [1.0, 1.0], dest, dp_size=group.world,
+                                  pad_token_id=pad)
+
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS, "memory_budget_bytes": one})
+    wg.stream_backward(chunk("g=0|r=1.0"))
+    wg.stream_backward(chunk("g=0|r=1.0"))  # the same bucket again: no new buffer
+    with pytest.raises(StreamingStateError, match="budget full"):
+        wg.stream_backward(chunk("g=1|r=0.0"))  # a second bucket does not fit
+    wg.stream_fold({"g=0|r=1.0": 0.5})  # its group closes: the buffer is free again
+    wg.stream_backward(chunk("g=1|r=0.0"))  # the refused call changed nothing: it runs now
+    wg.stream_fold({"g=1|r=0.0": -0.5})
+    metrics = wg.finalize_step(0.1)[0]
+    assert metrics["thundersync/peak_bucket_bytes"] == one and metrics["stream/bytes_in_use"] == 0
+    assert metrics["grad_norm"] > 0

@@ -71,7 +71,7 @@ class _BatchState:
     """Per-batch streaming state of one rank: bucket buffers and counters."""
 
     def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict):
-        self.pool = BufferPool(layout)
+        self.pool = BufferPool(layout, budget_bytes=meta.get(BUDGET_KEY))
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.loss_agg_mode = loss_agg_mode
         self.loss_fn = make_stream_loss(loss_agg_mode)
@@ -187,14 +187,18 @@ class StreamingActorWorker(_Base):
         """Start a batch: validate the actor config for streaming, clear buckets and grads.
 
         ``meta``: ``loss_agg_mode`` (default: the actor's), optional ``train_batch_size``,
-        ``adv_estimator``, ``norm_adv_by_std_in_grpo`` and ``batch_id``. An open batch is dropped.
+        ``adv_estimator``, ``norm_adv_by_std_in_grpo``, ``batch_id`` and ``memory_budget_bytes``
+        (``thundersync.memory_budget_bytes``: the bytes this rank's buckets may hold at once; a chunk
+        that would open one more bucket than fits is refused before it runs). An open batch is dropped.
         """
         meta = dict(meta or {})
         settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
         with self._exclusive("stream_begin_batch"):
             learner = self._learner()
+            layout = learner.bucket_layout()
+            state = _BatchState(layout, settings.loss_agg_mode, meta)  # checks the budget before anything changes
             learner.begin_batch()
-            self._ts = _BatchState(learner.bucket_layout(), settings.loss_agg_mode, meta)
+            self._ts = state
             self._ts_next = 0  # every call runs on the actor's one event loop thread
 
     @register(dispatch_mode=ACTOR_MESH)
@@ -259,6 +263,8 @@ class StreamingActorWorker(_Base):
                     "check the rewards and the estimator before planning the chunk",
                 )
             )
+        if dest != DIRECT and dest not in state.buckets:
+            state.pool.check_fits(dest, 1)  # refused before the backward: the batch stays usable
         self._fit_micro_batches(chunk)
         learner = self._learner()
         previous = va.actor_loss_fn(self)
@@ -340,7 +346,7 @@ class StreamingActorWorker(_Base):
         except Exception as exc:
             state.failed = f"finalize_step: {type(exc).__name__}: {exc}"
             raise
-        metrics = {**step, **self._memory(state)}
+        metrics = {**step, **self._memory(state), "thundersync/peak_bucket_bytes": state.pool.peak_bytes}
         metrics.update({"stream/chunks": state.chunks, "stream/rows": state.rows, "stream/folds": state.folds})
         self._ts = None
         return metrics
@@ -378,6 +384,7 @@ class StreamingActorWorker(_Base):
 
 
 _SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
+BUDGET_KEY = "memory_budget_bytes"  # batch meta: thundersync.memory_budget_bytes (None: unbudgeted)
 
 
 def _flat(values) -> list[float]:
