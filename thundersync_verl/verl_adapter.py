@@ -73,6 +73,19 @@ def checkpoint_engine_manager(config, actor_wg, replicas):
     return CheckpointEngineManager(config=omega_conf_to_dataclass(config), actor_wg=actor_wg, replicas=replicas)
 
 
+def delta_sharded_parts():
+    """The CPU-importable pieces of verl's ``delta_sharded`` backend (its engine module needs cupy):
+    the sender's shard diff, the flush manifest and checksum, and the SGLang-side masked apply."""
+    from types import SimpleNamespace
+
+    from verl.checkpoint_engine.delta_sync.encode import DeltaParam, checksum
+    from verl.checkpoint_engine.delta_sync.sparse_gather import shard_delta_indices
+    from verl.workers.rollout.sglang_rollout.delta_loader import apply_delta
+
+    return SimpleNamespace(shard_delta_indices=shard_delta_indices, DeltaParam=DeltaParam, checksum=checksum,
+                           apply_delta=apply_delta)
+
+
 def checkpoint_engine_import_errors() -> dict:
     """verl's optional engine modules that failed to import (e.g. ``delta_checkpoint_engine``: no cupy)."""
     from verl.checkpoint_engine import CheckpointEngineRegistry

@@ -30,7 +30,7 @@ INDEX_BYTES = 4
 WORD_BYTES = 8
 ALIGN_ELEMS = 64  # chunk and shard bounds are multiples of this: word views stay aligned
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHECK_PRIME = 2_147_483_647  # 2^31 - 1: products of two residues fit in int64
+_CHECK_PRIME = 2_147_483_647  # 2^31 - 1: a residue times a block position fits in int64
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -202,16 +202,21 @@ class PayloadBuilder:
                        **fields)
 
 
-def _residue_sum(values: torch.Tensor, first_pos: int, chunk: int = 1 << 22) -> int:
-    """sum_i ((v_i mod p) + 1) * ((2 (first_pos + i) + 1) mod p) mod p, exact in int64, chunked."""
-    total = 0
-    flat = values.reshape(-1)
-    for lo in range(0, flat.numel(), chunk):
-        v = flat[lo : lo + chunk].to(torch.int64)
-        pos = torch.arange(first_pos + lo, first_pos + lo + v.numel(), dtype=torch.int64, device=v.device)
-        term = (torch.remainder(v, _CHECK_PRIME) + 1) * torch.remainder(2 * pos + 1, _CHECK_PRIME)
-        total = (total + int(torch.remainder(term, _CHECK_PRIME).sum())) % _CHECK_PRIME
-    return total
+def _block_digest(t: torch.Tensor, block: int = 1024) -> tuple:
+    """Position-sensitive digest of a tensor's bytes: exact int64 sums of 4-byte words per block of
+    ``block`` words, combined with the block's position (mod p); one reduction pass over the data."""
+    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    n_words = raw.numel() // 4
+    tail = [int(x) for x in raw[4 * n_words :].tolist()]
+    n_full = n_words // block
+    words = raw[: 4 * n_words].view(torch.int32) if n_words else torch.empty(0, dtype=torch.int32)
+    sums = torch.sum(words[: n_full * block].view(n_full, block), dim=1, dtype=torch.int64) if n_full else \
+        torch.empty(0, dtype=torch.int64, device=words.device)
+    rest = int(torch.sum(words[n_full * block :], dtype=torch.int64)) if n_words > n_full * block else 0
+    pos = torch.arange(n_full, dtype=torch.int64, device=sums.device)
+    mixed = int(torch.remainder(torch.remainder(sums, _CHECK_PRIME) * (2 * pos + 1), _CHECK_PRIME).sum()) \
+        if n_full else 0
+    return (raw.numel(), mixed % _CHECK_PRIME, rest, tuple(tail))
 
 
 def checksum(entries: list[Entry], buckets: list[Bucket]) -> int:
@@ -220,6 +225,6 @@ def checksum(entries: list[Entry], buckets: list[Bucket]) -> int:
                                  e.idx_off, e.val_off) for e in entries]).encode())
     parts = [manifest]
     for b in buckets:
-        parts.append(_residue_sum(b.indices, 0))
-        parts.append(_residue_sum(b.values, 1 << 40))
+        parts.append(_block_digest(b.indices))
+        parts.append(_block_digest(b.values))
     return zlib.crc32(repr(parts).encode())

@@ -64,6 +64,7 @@ class PushStats:
     cast_s: float = 0.0
     full: bool = False
     reason: str = ""
+    changed_by_name: dict = field(default_factory=dict)
 
     @property
     def density(self) -> float:
@@ -172,6 +173,7 @@ class ShardEncoder:
         if full_param:
             old_bits.copy_(new_bits)
             stats.changed += new.numel()
+            stats.changed_by_name[name] = stats.changed_by_name.get(name, 0) + new.numel()
             if not stats.full:  # a new parameter inside a patch push travels as a dense run
                 builder.add(name, snap.shape, dname, c0, new.numel(), old_bits)
                 stats.payload_bytes += new.numel() * new.element_size()
@@ -181,6 +183,7 @@ class ShardEncoder:
         if k == 0:
             return
         stats.changed += k
+        stats.changed_by_name[name] = stats.changed_by_name.get(name, 0) + k
         stats.pair_bytes += codec.sparse_bytes(k, new.element_size())
         if codec.sparse_bytes(k, new.element_size()) >= new.numel() * new.element_size():
             old_bits.copy_(new_bits)
