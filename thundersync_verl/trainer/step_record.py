@@ -5,6 +5,10 @@
    and the moment its reward reached the driver.
 2. From those: learner busy fraction and bubble seconds over the step, reward-to-backward
    latency per trajectory, a JSONL event trace in the simulator's schema, and a timeline PNG.
+3. Reporting stays off the step's critical path: ``flush`` runs inside verl's step timer (from
+   ``on_step_end``), so it only appends the trace lines and queues the PNG for the background
+   drawer (``timeline.TimelineDrawer``). The seconds it did spend are logged per step in
+   ``report_cost.jsonl`` (``in_step_s``), beside the drawer's own ``timelines/draw_cost.jsonl``.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import json
 import time
 from pathlib import Path
 
-from thundersync_verl.trainer.timeline import busy_fraction, draw_timeline
+from thundersync_verl.trainer.timeline import TimelineDrawer, busy_fraction
 
 
 SIM_OPS = {"fold": "other"}  # the simulator's learner-op vocabulary (sim/trace.py)
+REPORT_COST_FILE = "report_cost.jsonl"  # one {"step", "in_step_s"} line per flushed step
 
 
 class StepRecorder:
@@ -29,6 +34,7 @@ class StepRecorder:
         self.ops: list[dict] = []
         self.trajectories: dict[str, dict] = {}
         self.backward_start: dict[str, float] = {}
+        self.drawer = TimelineDrawer() if self.run_dir is not None else None
 
     def begin_step(self, step: int) -> None:
         self.flush()  # a step whose weight push was never recorded
@@ -71,8 +77,18 @@ class StepRecorder:
         """Write the finished step's trace records and timeline (call after its weight push)."""
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is not None:
+            t0 = time.perf_counter()
             t_end, metrics = pending
             self._write(max([t_end] + [op["t1"] for op in self.ops]), metrics)
+            if self.run_dir is not None:
+                with open(self.run_dir / REPORT_COST_FILE, "a") as f:
+                    f.write(json.dumps({"step": self.step, "in_step_s": time.perf_counter() - t0}) + "\n")
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Write a pending step and wait for its timeline (tests, the end of a run)."""
+        self.flush()
+        if self.drawer is not None:
+            self.drawer.close(timeout_s)
 
     def _write(self, t_end: float, metrics: dict) -> None:
         if self.run_dir is None:
@@ -92,5 +108,5 @@ class StepRecorder:
                                 "t_start": self.t_step_start, "t_end": t_end, "n_rollout_slots": self.n_rollout_slots,
                                 **metrics}) + "\n")
         png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
-        draw_timeline(list(self.trajectories.values()), self.ops, self.t_step_start, t_end, png,
-                      f"{self.mode} step {self.step}")
+        self.drawer.submit(list(self.trajectories.values()), list(self.ops), self.t_step_start, t_end, png,
+                           f"{self.mode} step {self.step}")

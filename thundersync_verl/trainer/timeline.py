@@ -5,10 +5,22 @@
    records feed the simulator, so what is drawn is what was measured.
 2. Trajectories are packed onto slots greedily (a slot holds one trajectory at a time), the
    way a rollout engine with N concurrent sequences is drawn in utilisation figures.
+3. Drawing is reporting, not training: a PNG costs about a second of CPU, and a step timer must
+   not pay it. ``TimelineDrawer`` hands each step's records to one niced child process
+   (``python -m thundersync_verl.trainer.timeline``) that draws them in the background; the
+   trainer's share is putting a job on a queue. The child logs each drawing's seconds to
+   ``draw_cost.jsonl`` beside the PNGs, so the cost that moved off the step stays measured.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -83,3 +95,82 @@ def draw_timeline(trajectories: list[dict], ops: list[dict], t_start: float, t_e
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+# ----- drawing off the step (point 3) -------------------------------------------------------
+DRAW_COST_FILE = "draw_cost.jsonl"  # one {"png", "draw_s"} line per drawing, beside the PNGs
+
+
+class TimelineDrawer:
+    """Draws timeline PNGs in a niced child process; ``submit`` only queues (no drawing, no blocking write)."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._proc: subprocess.Popen | None = None
+        self._writer: threading.Thread | None = None
+
+    def submit(self, trajectories: list[dict], ops: list[dict], t_start: float, t_end: float, png: str | Path,
+               title: str) -> None:
+        if self._proc is None:
+            self._start()
+        self._jobs.put(json.dumps({"trajectories": trajectories, "ops": ops, "t_start": t_start, "t_end": t_end,
+                                   "png": str(png), "title": title}) + "\n")
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Hand over every queued job, then wait (at most ``timeout_s``) for the child to draw them."""
+        if self._proc is None:
+            return
+        self._jobs.put(None)
+        self._writer.join(timeout_s)
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # still drawing: it exits on its own once its queue is empty
+        self._proc = None
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, text=True,
+                                      start_new_session=True)  # outlives a killed trainer long enough to finish
+        self._writer = threading.Thread(target=self._write_jobs, name="timeline-drawer", daemon=True)
+        self._writer.start()
+
+    def _write_jobs(self) -> None:
+        stdin = self._proc.stdin
+        try:
+            while (job := self._jobs.get()) is not None:
+                stdin.write(job)
+                stdin.flush()
+        except (BrokenPipeError, OSError):
+            return  # the child died: drawings are lost, training is not affected
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+
+def _serve(stream) -> int:
+    """The child: read every job as it comes (a reader thread), draw them one by one at low priority."""
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    jobs: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            if line.strip():
+                jobs.put(json.loads(line))
+        jobs.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while (job := jobs.get()) is not None:
+        t0 = time.process_time()
+        png = draw_timeline(job["trajectories"], job["ops"], job["t_start"], job["t_end"], job["png"], job["title"])
+        with open(png.parent / DRAW_COST_FILE, "a") as f:
+            f.write(json.dumps({"png": png.name, "draw_s": time.process_time() - t0}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.stdin))
