@@ -120,6 +120,7 @@ def _run_sh(*args: str, **env: str) -> rc.Variant:
     return rc.Variant(recipe, choices, tuple(w for w in rest if w.split("=")[0] not in ("shape", "layout", "mode")))
 
 
+@pytest.mark.slow  # runs run.sh three times and composes each launch
 def test_the_launch_scripts_overrides_compose_and_pass():
     launches = [_run_sh("grpo", "qwen3_30b_a3b", "2nodes", "thundersync", "trainer.total_training_steps=5"),
                 _run_sh("opd", "qwen3_30b_a3b", "1node", "fully_async", DEEPEP="1", CUDA_GRAPHS="0", WANDB_API_KEY="x"),

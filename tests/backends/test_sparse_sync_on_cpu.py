@@ -235,6 +235,7 @@ def _connect(cores: list[SparseSyncCore], n_senders: int = 1) -> None:
         core.init_process_group(**{k: v[j] for k, v in side.items()})
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_payload_corrupted_on_the_wire_is_refused_counted_and_resent_full(ray_cluster):
     import ray
 

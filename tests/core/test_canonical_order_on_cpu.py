@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 N_PERMUTATIONS = 20
@@ -21,6 +22,7 @@ def _bits(grads):
     return [g.view(torch.int32).clone() for g in grads]
 
 
+@pytest.mark.slow  # backward passes over many permutations (about 6 s of CPU)
 def test_canonical_order_is_bitwise_identical_across_permutations(harness):
     model, ref = harness.tiny_qwen2(0, torch.float32), harness.tiny_qwen2(1, torch.float32)
     spec = harness.LossSpec(estimator="grpo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05)

@@ -45,6 +45,7 @@ def test_learning_rate_warms_up_then_decays_to_a_floor():
     assert factors[-1] == pytest.approx(0.1, abs=1e-3) and min(factors[spec.warmup_steps :]) >= 0.1
 
 
+@pytest.mark.slow  # trains a model for 25 steps
 def test_a_short_warm_start_lowers_the_loss():
     from transformers import Qwen2ForCausalLM
 

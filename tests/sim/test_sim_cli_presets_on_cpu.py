@@ -80,6 +80,7 @@ def test_scale_presets_refuse_models_that_do_not_fit():
     assert s.cluster.dp == 8 and s.budget_groups > 0
 
 
+@pytest.mark.slow  # simulates and renders a timeline image
 def test_cli_simulate_prints_a_table_and_a_timeline(tmp_path, capsys):
     png = tmp_path / "tl.png"
     assert main(["simulate", "--steps", "4", "--groups", "8", "--timeline", str(png)]) == 0

@@ -116,6 +116,7 @@ def test_synthetic_catalog_covers_every_repository_first():
     assert len(bugs) == 24 and len({f.package for f, _ in bugs[:8]}) == 8
 
 
+@pytest.mark.slow  # a fresh interpreter runs the CLI (about 7 s of CPU before it refuses)
 def test_synthetic_cli_refuses_n_out_of_range(tmp_path):
     out = subprocess.run([sys.executable, "-m", "thundersync_verl.data.swe_synthetic", "--out", str(tmp_path), "--n", "99"],
                          capture_output=True, text=True, timeout=120)
