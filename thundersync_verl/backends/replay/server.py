@@ -15,6 +15,11 @@ Why a rollout backend (and not a mocked agent loop or dataset):
 4. Configuration: ``+actor_rollout_ref.rollout.engine_kwargs.replay.path=<recording>``, optional
    ``.time_scale`` (default 1.0), ``.permute_seed`` (default none: recorded order) and
    ``.record_path`` (re-record what was served, e.g. to check two replays saw the same data).
+   ``.synthesize=<shape>`` writes a NEW recording at ``path`` instead of reading one: a scripted
+   agent of that shape answers every call (``synthesize.py``), nothing is slept.
+5. ``$THUNDERSYNC_REPLAY_WEIGHTS_DIR`` (benchmarks): the pushed weights are kept and written there
+   per version (``weights_v<version>.pt``), so two runs' parameter updates can be compared; unset,
+   pushes carry only their version.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section
 from thundersync_verl.backends.replay.recording import Recording
+from thundersync_verl.backends.replay.synthesize import AgenticScript
 
 ROLLOUT_NAME = "replay"
 PATH_KEY = "path"
+SETTING_KEYS = {PATH_KEY, "time_scale", "permute_seed", "record_path", "synthesize"}
+WEIGHTS_DIR_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 
 
 def server_actor_name(replica_rank: int, suffix: str = "") -> str:
@@ -39,12 +47,12 @@ def server_actor_name(replica_rank: int, suffix: str = "") -> str:
 
 
 def replay_settings(config) -> dict[str, Any]:
-    """``engine_kwargs.replay`` checked: ``{"path", "time_scale", "permute_seed", "record_path"}``."""
+    """``engine_kwargs.replay`` checked: ``{"path", "time_scale", "permute_seed", "record_path", "synthesize"}``."""
     section = engine_section(config, ROLLOUT_NAME)
-    unknown = sorted(set(section) - {PATH_KEY, "time_scale", "permute_seed", "record_path"})
+    unknown = sorted(set(section) - SETTING_KEYS)
     if unknown:
         raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.replay has unknown keys {unknown}; "
-                         "known: path, time_scale, permute_seed, record_path")
+                         f"known: {', '.join(sorted(SETTING_KEYS))}")
     path = section.get(PATH_KEY)
     if not path:
         raise ValueError("rollout 'replay' needs a recording: set "
@@ -58,8 +66,12 @@ def replay_settings(config) -> dict[str, Any]:
     if record_path and os.path.abspath(str(record_path)) == os.path.abspath(str(path)):
         raise ValueError(f"engine_kwargs.replay.record_path is the recording being replayed ({path}); "
                          "re-record to another file")
+    synthesize = section.get("synthesize")
+    if synthesize and os.path.exists(str(path)):
+        raise ValueError(f"engine_kwargs.replay.synthesize writes a new recording, and {path} exists; "
+                         "synthesise to a new path (or delete the old file)")
     return {"path": str(path), "time_scale": time_scale, "permute_seed": None if seed is None else int(seed),
-            "record_path": record_path}
+            "record_path": record_path, "synthesize": str(synthesize) if synthesize else None}
 
 
 class ReplayServer(contract.ServerControl):
@@ -71,7 +83,10 @@ class ReplayServer(contract.ServerControl):
         self.rollout_mode = rollout_mode
         settings = replay_settings(config)
         self.time_scale = settings["time_scale"]
-        self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"])
+        if settings["synthesize"]:
+            self.recording = AgenticScript.load(settings["synthesize"], _model_path(model_config), settings["path"])
+        else:
+            self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"])
         self.recorder = GenerateRecorder.from_config(config, section=ROLLOUT_NAME, use_env=False)
         self.version = 0
         self.global_steps: Optional[int] = None
@@ -87,12 +102,16 @@ class ReplayServer(contract.ServerControl):
                              "(prompt_logprobs); use hf_cpu for distillation.teacher_models")
         await self._open.wait()  # like hf_cpu: calls that arrive after an abort wait for resume
         start = self.recorder.clock() if self.recorder is not None else time.time()
-        rec = self.recording.next_generate(prompt_ids, temperature=params.get("temperature", 1.0),
-                                           max_tokens=params.get("max_tokens"))
         version = self.version
+        if isinstance(self.recording, AgenticScript):
+            rec = self.recording.next_generate(prompt_ids, temperature=params.get("temperature", 1.0),
+                                               max_tokens=params.get("max_tokens"), version=version)
+        else:
+            rec = self.recording.next_generate(prompt_ids, temperature=params.get("temperature", 1.0),
+                                               max_tokens=params.get("max_tokens"))
         self.active += 1
         try:
-            delay = self.recording.service_s[rec.line] * self.time_scale
+            delay = 0.0 if isinstance(self.recording, AgenticScript) else self.recording.service_s[rec.line] * self.time_scale
             if delay > 0:
                 await asyncio.sleep(delay)
         finally:
@@ -113,14 +132,20 @@ class ReplayServer(contract.ServerControl):
         )
 
     async def update_weights(self, named_tensors: Optional[list] = None, global_steps: Optional[int] = None) -> int:
-        """Only the version matters here: answers are recorded, not computed."""
+        """Only the version matters here: answers are recorded, not computed (kept weights are written, point 5)."""
         self.version = self.version + 1 if global_steps is None else int(global_steps)
         self.global_steps = global_steps
+        if named_tensors and os.environ.get(WEIGHTS_DIR_ENV):
+            import torch
+
+            os.makedirs(os.environ[WEIGHTS_DIR_ENV], exist_ok=True)
+            torch.save(dict(named_tensors), os.path.join(os.environ[WEIGHTS_DIR_ENV], f"weights_v{self.version}.pt"))
         return len(named_tensors or [])
 
     def stats(self) -> dict:
+        recorded = len(self.recording.plans) if isinstance(self.recording, AgenticScript) else self.recording.num_generates
         return {"version": self.version, "active": self.active, "requests_served": self.requests_served,
-                "recorded_calls": self.recording.num_generates, "recording": self.recording.path}
+                "recorded_calls": recorded, "recording": getattr(self.recording, "path", None) or self.recording.file.path}
 
     # -- verl control calls: their replay meaning (the rest: rollout_contract.ServerControl) ------
     def _in_flight(self) -> int:
@@ -138,11 +163,22 @@ class ReplayServer(contract.ServerControl):
         return {"aborted": False, "request_id": request_id, "error": "replay does not abort single requests"}
 
 
-async def _drain(weights, wire_format: str) -> None:
-    """Consume the push (every rank must: the gathers are collectives); only its version reaches the server."""
-    async for _ in contract.iterate_weights(weights):
-        pass
-    return None
+async def _drain(weights, wire_format: str) -> Optional[list]:
+    """Consume the push (every rank must: the gathers are collectives); only its version reaches the server,
+    unless ``$THUNDERSYNC_REPLAY_WEIGHTS_DIR`` asks for the tensors (module docstring, point 5)."""
+    keep = [] if os.environ.get(WEIGHTS_DIR_ENV) else None
+    async for name, tensor in contract.iterate_weights(weights):
+        if keep is not None:
+            keep.append((name, tensor.detach().to("cpu", copy=True)))
+    return keep
+
+
+def _model_path(model_config) -> str:
+    path = getattr(model_config, "local_path", None) or getattr(model_config, "path", None)
+    if not path:
+        raise ValueError("engine_kwargs.replay.synthesize needs the policy model (its tokenizer and its log-probs); "
+                         "set actor_rollout_ref.model.path")
+    return str(path)
 
 
 def make_replica_class():
