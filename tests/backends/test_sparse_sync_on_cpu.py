@@ -189,8 +189,9 @@ def test_word_wide_diff_finds_exactly_the_changed_elements():
         new = old.clone()
         flip = torch.randperm(n)[: n // 10]
         _bits(new)[flip] ^= 1
-        got = codec.changed_positions(_bits(new), _bits(old))
-        assert torch.equal(got, torch.sort(flip).values), dtype
+        for kernel in ("numpy", "torch"):  # the CPU kernel and the one GPUs run
+            got = codec.changed_positions(_bits(new), _bits(old), kernel=kernel)
+            assert torch.equal(got, torch.sort(flip).values), (dtype, kernel)
         shifted = codec.changed_positions(_bits(new)[1:], _bits(old)[1:])  # unaligned: element path
         assert torch.equal(shifted + 1, torch.sort(flip[flip > 0]).values), dtype
 
@@ -349,3 +350,10 @@ def test_verl_manager_pushes_a_real_learner_to_a_real_rollout_replica(ray_cluste
     third = manager.update_weights(global_steps=2)
     assert third[f"{prefix}/full_push"] == 1.0 and third[f"{prefix}/full_pushes"] == 2.0
     _assert_rollout_equals_learner(wg.workers[0], torch.bfloat16)
+
+
+def test_gpu_check_codec_part_runs_on_the_cpu_too():
+    from thundersync_verl.backends.sparse_sync.gpu_check import codec_on_device
+
+    out = codec_on_device(n_params=1 << 20, pushes=2, density=0.05, device="cpu")
+    assert out["bitwise_equal"] and out["encode_apply_gbps"] > 0
