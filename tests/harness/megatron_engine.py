@@ -8,7 +8,7 @@ Why:
 2. The tiny Qwen2 is ``engine_setup``'s with the vocabulary padded to a multiple of 128: Megatron
    splits the embedding over tensor-parallel ranks and needs the vocabulary to divide evenly
    (the extra rows are never a target; verl and Megatron see the same model).
-3. fp32 end to end (``megatron.dtype=float32``, allowed on the CPU platform by
+3. fp32 end to end on the CPU (``megatron.dtype=float32``, allowed on the CPU platform by
    ``backends/megatron/cpu_patches``), SGD without momentum (Adam with a large eps for the
    distributed optimizer), no weight decay: dθ follows the clipped gradient, as for FSDP2.
 """
@@ -39,13 +39,16 @@ def build_megatron_model(folder: Path, seed: int = 0) -> tuple[Path, int, int]:
 
 def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, pp: int = 1,
                     distributed_optimizer: bool = False, optimizer: str | None = None, lr: float = 0.05,
-                    loss_agg_mode: str = "token-mean"):
+                    loss_agg_mode: str = "token-mean", dtype: str | None = None):
     """verl's ppo_trainer.yaml with ``model_engine=megatron``, the CPU settings and one mini-batch per step.
 
     ``optimizer``: ``sgd`` (no momentum) by default; Megatron's distributed optimizer takes only Adam,
     so it gets ``adam`` with ``adam_eps=1``: with eps far above every |g|, Adam's first step is
     lr * g / (|g| + eps), close to linear in g, so dθ still compares gradients rather than their signs.
+    ``dtype``: ``float32`` on the CPU platform (its patch allows it); ``bfloat16`` where CUDA is present,
+    since verl's config accepts only bf16/fp16 there.
     """
+    dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     optimizer = optimizer or ("adam" if distributed_optimizer else "sgd")
     actor, mega = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
     opt_override = "sgd_momentum=0.0" if optimizer == "sgd" else "adam_eps=1.0"
@@ -56,7 +59,7 @@ def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, p
         f"{mega}.tensor_model_parallel_size={tp}", f"{mega}.pipeline_model_parallel_size={pp}",
         f"{mega}.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         f"{mega}.vanilla_mbridge=true",  # megatron-bridge needs Python >= 3.12; mbridge 0.15 is the path here
-        f"{mega}.dtype=float32", f"{mega}.sequence_parallel={str(tp > 1).lower()}",
+        f"{mega}.dtype={dtype}", f"{mega}.sequence_parallel={str(tp > 1).lower()}",
         f"{actor}.ppo_mini_batch_size={groups}", f"{actor}.ppo_epochs=1",
         f"{actor}.ppo_micro_batch_size_per_gpu={micro}", f"{actor}.loss_agg_mode={loss_agg_mode}",
         f"{actor}.optim.optimizer={optimizer}", f"{actor}.optim.lr={lr}", f"{actor}.optim.weight_decay=0.0",
