@@ -357,3 +357,22 @@ def test_gpu_check_codec_part_runs_on_the_cpu_too():
 
     out = codec_on_device(n_params=1 << 20, pushes=2, density=0.05, device="cpu")
     assert out["bitwise_equal"] and out["encode_apply_gbps"] > 0
+
+
+def test_plan_predicts_the_push_time_from_the_measured_density(tmp_path, capsys):
+    import json
+
+    from thundersync_verl.sim import cli
+    from thundersync_verl.sim.hardware import ModelSpec, weight_sync_seconds
+    from thundersync_verl.sim.presets import PAPER_WEIGHT_SYNC_FIXED_S
+
+    measured = tmp_path / "weight_sync.json"
+    measured.write_text(json.dumps({"density": 0.025}))
+    cli.main(["plan", "--params", "8B", "--layers", "36", "--hidden", "4096", "--gpus", "16", "--steps", "3",
+              "--changed-fraction-from", str(measured)])
+    line = capsys.readouterr().out.splitlines()[0]
+    model = ModelSpec("custom", 8e9, 36, 4096)
+    dense = weight_sync_seconds(model, 10.0, PAPER_WEIGHT_SYNC_FIXED_S)
+    sparse = weight_sync_seconds(model, 10.0, PAPER_WEIGHT_SYNC_FIXED_S, 0.025)
+    assert line == f"weight push at 10 GB/s: dense {dense:.2f} s, sparse at density 0.0250 (measured): {sparse:.2f} s"
+    assert sparse < dense

@@ -110,7 +110,11 @@ def cmd_plan(args) -> int:
     cluster = ClusterSpec(gpus=args.gpus, learner_gpus=args.learner_gpus or args.gpus // 2, tp=args.tp, pp=args.pp,
                           cp=args.cp, grad_sharded_over_dp=not args.replicated_grads)
     gpu = GPUS[args.gpu]
-    wsync = weight_sync_seconds(model, args.sync_gbps, PAPER_WEIGHT_SYNC_FIXED_S, args.changed_fraction)
+    changed = _changed_fraction(args)
+    wsync = weight_sync_seconds(model, args.sync_gbps, PAPER_WEIGHT_SYNC_FIXED_S, changed)
+    dense_s = weight_sync_seconds(model, args.sync_gbps, PAPER_WEIGHT_SYNC_FIXED_S)
+    print(f"weight push at {args.sync_gbps:g} GB/s: dense {dense_s:.2f} s" + ("" if changed is None else
+          f", sparse at density {changed:.4f}{' (measured)' if args.changed_fraction_from else ''}: {wsync:.2f} s"))
     costs = learner_costs_from_hardware(model, gpu, cluster, args.mfu, chunk_overhead_s=args.chunk_overhead,
                                         optimizer_s=PAPER_OPTIMIZER_S, weight_sync_s=wsync)
     w, r = _workload(args, PAPER_WORKLOAD, PAPER_ROLLOUT)
@@ -119,6 +123,14 @@ def cmd_plan(args) -> int:
     result = plan(setting, source, algo=args.algo, steps=args.steps, host_mem_gb_per_rank=args.host_mem_gb)
     print(result.render())
     return 0
+
+
+def _changed_fraction(args) -> float | None:
+    """``--changed-fraction``, or the density ``benchmarks/weight_sync.py`` measured (``--changed-fraction-from``)."""
+    if not args.changed_fraction_from:
+        return args.changed_fraction
+    with open(args.changed_fraction_from) as f:
+        return float(json.load(f)["density"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-mem-gb", type=float, help="host memory per learner rank for accumulators")
     p.add_argument("--sync-gbps", type=float, default=10.0, help="effective weight-push bandwidth (GB/s)")
     p.add_argument("--changed-fraction", type=float, help="sparse weight push: share of weights that change")
+    p.add_argument("--changed-fraction-from", metavar="JSON",
+                   help="sparse weight push: the density measured by benchmarks/weight_sync.py (its results JSON)")
     p.add_argument("--chunk-overhead", type=float, default=PAPER_CHUNK_OVERHEAD_S)
     _add_workload_args(p)
     p.set_defaults(func=cmd_plan)
