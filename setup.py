@@ -12,6 +12,12 @@ CPU_EXTRAS = [
     "matplotlib",  # reward curves and timelines
     "tensorboard",  # metrics backend
     "psutil",
+    # Megatron learners on CPU (gloo): megatron-core 0.16.1 is the newest for Python 3.11; verl's
+    # engine loads HF weights through mbridge here (megatron-bridge needs Python >= 3.12), and
+    # mbridge imports einops without declaring it.
+    "megatron-core==0.16.1",
+    "mbridge==0.15.1",
+    "einops",
 ]
 
 setup(
@@ -34,7 +40,7 @@ setup(
     extras_require={
         "cpu": CPU_EXTRAS,
         "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout"],
-        "gpu": ["vllm", "megatron-core", "flash-attn", "wandb"],
+        "gpu": ["vllm", "flash-attn", "transformer-engine", "wandb"],
     },
     entry_points={
         "verl.plugins": ["thundersync_verl = thundersync_verl.plugin"],

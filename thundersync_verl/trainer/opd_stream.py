@@ -279,6 +279,15 @@ class OPDTurnPlanner:
     def ready(self) -> int:
         return len(self._ready)
 
+    @property
+    def ready_count(self) -> int:
+        """Scored turns waiting for their backward (the step's planner interface)."""
+        return len(self._ready)
+
+    def memory(self) -> dict[str, int]:
+        """Turn rows hold no buckets: every turn goes straight into the batch gradient."""
+        return {}
+
     def next_ops(self, max_chunk_size: int | None = None) -> list[TurnBackwardOp]:
         """Every ready turn, in chunks of at most ``max_chunk_size`` rows, in arrival order."""
         size = int(max_chunk_size or self.max_chunk_size)
@@ -374,12 +383,14 @@ def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPD
     if bad:
         _fail("OPD turn streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
               "set " + ", ".join(f for f, _ in bad), StreamingConfigError)
+    from thundersync_verl.config import ThunderSyncConfig  # imports verl: only when a run's config is read
+
     actor = _get(config, "actor_rollout_ref.actor")
     clamp = _get(loss, "loss_max_clamp")
     return OPDTurnPlanner(loss_agg_mode=_get(actor, "loss_agg_mode", "token-mean"),
                           loss_scale_factor=_get(actor, "loss_scale_factor"),
                           opd_clamp=None if clamp is None else float(clamp), max_chunk_size=max_chunk_size,
-                          granularity=str(_get(config, "thundersync.opd.granularity", "turn")))
+                          granularity=ThunderSyncConfig.from_verl(config).opd.granularity)
 
 
 # ----- driver ---------------------------------------------------------------------------------
