@@ -78,16 +78,14 @@ class MegatronLearner(StreamLearner):
 
     def check(self) -> None:
         """Raise ``StreamingConfigError`` for a setting a streamed step cannot honour (identical on every rank)."""
-        engine = self._engine()
-        ddp = mg.ddp_config(self._chunks())
-        found = dict(va.megatron_streaming_blockers(engine), overlap_grad_reduce=bool(ddp.overlap_grad_reduce))
-        bad = {"virtual_pipeline_model_parallel_size": found["virtual_pipeline_model_parallel_size"] not in (None, 1)}
-        bad.update({k: bool(found[k]) for k in _REFUSALS if k != "virtual_pipeline_model_parallel_size"})
-        if len(self._chunks()) > 1:
-            bad["virtual_pipeline_model_parallel_size"] = True
-        for key, refused in bad.items():
+        chunks = self._chunks()
+        found = dict(va.megatron_streaming_blockers(self._engine()),
+                     overlap_grad_reduce=bool(mg.ddp_config(chunks).overlap_grad_reduce))
+        vpp = found["virtual_pipeline_model_parallel_size"]
+        for key, (rule, why, fix) in _REFUSALS.items():
+            refused = (vpp not in (None, 1) or len(chunks) > 1) if key == "virtual_pipeline_model_parallel_size" \
+                else bool(found[key])
             if refused:
-                rule, why, fix = _REFUSALS[key]
                 raise StreamingConfigError(rule_message(rule.format(found[key]), why, fix))
 
     def begin_batch(self) -> None:
