@@ -52,6 +52,7 @@ def _compose(name: str, mode: str, *extra: str) -> dict:
     return _flat(OmegaConf.to_container(cfg, resolve=True))
 
 
+@pytest.mark.slow  # composes both recipes with verl's config tree in every mode (about 8 s of CPU)
 @pytest.mark.parametrize("mode", MODES)
 def test_opd_recipe_is_grpo_plus_the_opd_keys(mode):
     same_name = "trainer.experiment_name=run"  # the run name (and the paths derived from it) differs by design
