@@ -9,7 +9,7 @@
    steps. The tiny model does not solve SWE tasks; what is measured is that the path runs:
    ``staleness_max`` (verl's ``training/off_policy/trajectory_staleness/max``, must be 0) and
    ``trajectories_lost`` (trajectories the steps expected minus those that reached the learner,
-   counted in ThunderSync's step trace; must be 0).
+   counted in ThunderSync's step trace; must be 0; other modes write no step trace: null).
 4. Ends with ONE line of JSON, also written to ``swe_synthetic.json`` in the results folder
    (``--results-dir``, else ``benchmarks/results/`` of the checkout; ``thundersync_verl/results.py``).
 
@@ -89,16 +89,15 @@ def training_summary(per_step: dict, run_dir: Path, *, steps: int, expected_per_
     records = [json.loads(x) for x in step_trace.read_text().splitlines()] if step_trace.exists() else []
     swe_path = run_dir / "swe_trajectories.jsonl"
     loop_rows = [json.loads(x) for x in swe_path.read_text().splitlines()] if swe_path.exists() else []
-    learned = [r for r in records if r.get("kind") == "trajectory"] if step_trace.exists() else loop_rows
+    learned = [r for r in records if r.get("kind") == "trajectory"] if step_trace.exists() else None
     staleness = [m.get("training/off_policy/trajectory_staleness/max") for m in per_step.values()]
     mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
     return {
         "steps": len(per_step),
         "staleness_max": max((s for s in staleness if s is not None), default=None),
         "trajectories_expected": steps * expected_per_step,
-        "trajectories_learned": len(learned),
-        "trajectories_counted_in": step_trace.name if step_trace.exists() else swe_path.name,
-        "trajectories_lost": steps * expected_per_step - len(learned),
+        "trajectories_learned": None if learned is None else len(learned),  # other modes write no step trace
+        "trajectories_lost": None if learned is None else steps * expected_per_step - len(learned),
         "agent_loop_trajectories": len(loop_rows),
         "reward_mean": mean([float(m.get("critic/score/mean", 0.0)) for m in per_step.values()]),
         "step_time_s": mean([m["timing_s/step"] for m in per_step.values() if "timing_s/step" in m]),
