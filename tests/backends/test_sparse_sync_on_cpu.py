@@ -182,7 +182,7 @@ def test_chunks_buckets_dtypes_and_shards_leave_the_result_unchanged():
     assert all(lo % codec.ALIGN_ELEMS == 0 for lo, _ in cover)
 
 
-def test_word_wide_diff_finds_exactly_the_changed_elements():
+def test_every_diff_kernel_finds_exactly_the_changed_elements():
     torch.manual_seed(5)
     for dtype, n in ((torch.bfloat16, 4099), (torch.float32, 1001), (torch.float64, 513), (torch.uint8, 77)):
         old = torch.randint(-100, 100, (n,)).to(dtype)
@@ -190,10 +190,24 @@ def test_word_wide_diff_finds_exactly_the_changed_elements():
         flip = torch.randperm(n)[: n // 10]
         _bits(new)[flip] ^= 1
         for kernel in ("numpy", "torch"):  # the CPU kernel and the one GPUs run
-            got = codec.changed_positions(_bits(new), _bits(old), kernel=kernel)
-            assert torch.equal(got, torch.sort(flip).values), (dtype, kernel)
-        shifted = codec.changed_positions(_bits(new)[1:], _bits(old)[1:])  # unaligned: element path
-        assert torch.equal(shifted + 1, torch.sort(flip[flip > 0]).values), dtype
+            for words in (False, True):  # element-wise, and eight bytes at a time (the tail element-wise)
+                got = codec.changed_positions(_bits(new), _bits(old), words=words, kernel=kernel)
+                assert torch.equal(got, torch.sort(flip).values), (dtype, kernel, words)
+                shifted = codec.changed_positions(_bits(new)[1:], _bits(old)[1:], words=words, kernel=kernel)
+                assert torch.equal(shifted + 1, torch.sort(flip[flip > 0]).values), (dtype, kernel, words)
+
+
+def test_the_word_wide_kernel_is_chosen_for_parameters_that_barely_change():
+    torch.manual_seed(7)
+    w = {"still": torch.randn(1 << 14), "moving": torch.randn(1 << 14)}
+    enc, mirror = ShardEncoder(), Mirror()
+    _push(enc, [mirror], w)
+    for step in range(3):
+        w["still"][step] += 1.0  # 1 of 16384 elements per push
+        w["moving"][::10] += 1.0  # 10% per push
+        _push(enc, [mirror], w)
+        _assert_mirror_equals(mirror, w)
+    assert enc.snaps["still"].density < codec.WORDS_BELOW_DENSITY < enc.snaps["moving"].density
 
 
 def test_sparse_sync_is_registered_with_verl():

@@ -7,9 +7,10 @@ Why:
    ends bit-identical to the learner. The diff compares integer views, so -0.0 vs +0.0, NaN
    payloads and denormals are changes like any other, and no value ever passes through float
    arithmetic (values travel as their integer bits).
-2. The diff is vectorised: elements are compared eight bytes at a time (four bf16 or two fp32
-   lanes per int64 word), only the changed words are split into lanes, and the work runs chunk
-   by chunk, so temporaries stay bounded by the chunk whatever the size of the parameter.
+2. The diff is vectorised (one compare and one nonzero per chunk; no per-element Python) and runs
+   chunk by chunk, so temporaries stay bounded by the chunk whatever the size of the parameter.
+   Where very few elements change it compares eight bytes at a time (four bf16 or two fp32 lanes
+   per int64 word) and splits only the changed words into elements.
 3. Pairs are grouped into buckets per dtype (one int32 index tensor, one value tensor each),
    capped in bytes, so a transport moves a few large tensors instead of one per parameter.
 4. A checksum over the buckets and the manifest travels with every push (per-block sums of the
@@ -58,13 +59,6 @@ def break_even_density(itemsize: int) -> float:
     return itemsize / (INDEX_BYTES + itemsize)
 
 
-def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """int64 positions of the True entries of a 1-D bool tensor (numpy's kernel on CPU: ~2x torch's)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
-    return mask.nonzero().squeeze(1)
-
-
 def _as_words(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as int64 words when its size and offset allow it, else None."""
     size = t.element_size()
@@ -73,35 +67,45 @@ def _as_words(t: torch.Tensor) -> torch.Tensor | None:
     return t.view(torch.int64)
 
 
-def changed_positions(new: torch.Tensor, old: torch.Tensor, *, kernel: str | None = None) -> torch.Tensor:
+WORDS_BELOW_DENSITY = 0.003  # the word-wide diff pays off only when this few elements change
+
+
+def changed_positions(new: torch.Tensor, old: torch.Tensor, *, words: bool = False,
+                      kernel: str | None = None, scratch: np.ndarray | None = None) -> torch.Tensor:
     """int64 positions where the bits of ``new`` and ``old`` (flat, same integer dtype) differ.
 
-    ``kernel``: "numpy" (CPU default: numpy's compare and flatnonzero run ~1.5-2x faster than
-    torch's there, on the same memory) or "torch" (any device).
+    ``words``: compare eight bytes at a time and split only the changed words into elements (cheaper
+    below ~0.3% changed elements; above, splitting costs more than comparing every element).
+    ``kernel``: "numpy" (CPU default: numpy's compare and flatnonzero run ~1.5-2x faster than torch's
+    there, on the same memory) or "torch" (any device). ``scratch``: a reusable bool buffer of at
+    least ``new.numel()`` for numpy's element-wise mask (a fresh one per call costs page faults).
     """
     kernel = kernel or ("numpy" if new.device.type == "cpu" else "torch")
-    lanes = WORD_BYTES // new.element_size()
-    words_new, words_old = _as_words(new), _as_words(old)
-    if words_new is None or words_old is None:
-        return _flat_nonzero(new != old)
+    words_new, words_old = (_as_words(new), _as_words(old)) if words else (None, None)
     if kernel == "numpy":
-        return _changed_numpy(words_new.numpy(), words_old.numpy(), new.dtype, lanes)
-    hit = _flat_nonzero(words_new != words_old)  # [k_words]
+        if words_new is None or words_old is None:
+            mask = None if scratch is None or scratch.size < new.numel() else scratch[: new.numel()]
+            return torch.from_numpy(np.flatnonzero(np.not_equal(new.numpy(), old.numpy(), out=mask)))
+        return _changed_words_numpy(words_new.numpy(), words_old.numpy(), new.element_size())
+    if words_new is None or words_old is None:
+        return (new != old).nonzero().squeeze(1)
+    lanes = WORD_BYTES // new.element_size()
+    hit = (words_new != words_old).nonzero().squeeze(1)  # [k_words]
     if hit.numel() == 0:
         return hit
     flips = torch.index_select(words_new, 0, hit) ^ torch.index_select(words_old, 0, hit)  # [k_words]
-    lane = _flat_nonzero(flips.view(new.dtype) != 0)  # [k] position among the k_words x lanes
+    lane = (flips.view(new.dtype) != 0).nonzero().squeeze(1)  # [k] position among the k_words x lanes
     shift = lanes.bit_length() - 1  # lanes is a power of two
     return (torch.index_select(hit, 0, lane >> shift) << shift) | (lane & (lanes - 1))
 
 
-def _changed_numpy(words_new: np.ndarray, words_old: np.ndarray, dtype: torch.dtype, lanes: int) -> torch.Tensor:
+def _changed_words_numpy(words_new: np.ndarray, words_old: np.ndarray, itemsize: int) -> torch.Tensor:
     """The word-wide diff with numpy kernels on zero-copy views of the CPU tensors."""
+    lanes = WORD_BYTES // itemsize
     hit = np.flatnonzero(words_new != words_old)  # [k_words]
     if hit.size == 0:
         return torch.from_numpy(hit)
-    flips = (words_new[hit] ^ words_old[hit]).view(_NUMPY_BITS[torch.empty(0, dtype=dtype).element_size()])
-    lane = np.flatnonzero(flips)  # [k] position among the k_words x lanes
+    lane = np.flatnonzero((words_new[hit] ^ words_old[hit]).view(_NUMPY_BITS[itemsize]))  # [k]
     shift = lanes.bit_length() - 1
     return torch.from_numpy((hit[lane >> shift] << shift) | (lane & (lanes - 1)))
 

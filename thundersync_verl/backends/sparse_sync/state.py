@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from thundersync_verl.backends.sparse_sync import codec
@@ -77,6 +78,7 @@ class _Snap:
     lo: int
     hi: int
     buf: torch.Tensor  # this shard's slice, rollout dtype, flat
+    density: float = 1.0  # changed share at the last push: picks the diff kernel for the next one
 
 
 class ShardEncoder:
@@ -93,6 +95,7 @@ class ShardEncoder:
         self.snapshot_device = snapshot_device
         self.snaps: dict[str, _Snap] = {}
         self.token: str | None = None  # the last push every receiver acknowledged
+        self._scratch: np.ndarray | None = None  # the CPU diff's mask buffer, reused chunk after chunk
 
     def reset(self) -> None:
         """Forget the snapshot (the next push is full)."""
@@ -156,6 +159,7 @@ class ShardEncoder:
             full_param = full
         stats.numel += hi - lo
         stats.dense_bytes += (hi - lo) * snap.buf.element_size()
+        before = stats.changed_by_name.get(name, 0)
         for c0 in range(lo, hi, self.chunk):
             c1 = min(c0 + self.chunk, hi)
             t0 = time.perf_counter()
@@ -164,6 +168,8 @@ class ShardEncoder:
             stats.cast_s += t1 - t0
             self._encode_chunk(name, snap, c0, new, builder, stats, full_param)
             stats.encode_s += time.perf_counter() - t1
+        if not full_param:
+            snap.density = (stats.changed_by_name.get(name, 0) - before) / max(hi - lo, 1)
 
     def _encode_chunk(self, name: str, snap: _Snap, c0: int, new: torch.Tensor, builder: codec.PayloadBuilder,
                       stats: PushStats, full_param: bool) -> None:
@@ -178,7 +184,10 @@ class ShardEncoder:
                 builder.add(name, snap.shape, dname, c0, new.numel(), old_bits)
                 stats.payload_bytes += new.numel() * new.element_size()
             return
-        pos = codec.changed_positions(new_bits, old_bits)
+        if self._scratch is None and new_bits.device.type == "cpu":
+            self._scratch = np.empty(self.chunk, dtype=bool)
+        pos = codec.changed_positions(new_bits, old_bits, words=snap.density < codec.WORDS_BELOW_DENSITY,
+                                      scratch=self._scratch)
         k = int(pos.numel())
         if k == 0:
             return
