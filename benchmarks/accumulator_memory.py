@@ -18,6 +18,16 @@ Why:
    the last reward to the last backward (what the step waits for), plus the time the learner
    sat idle with work it could not admit.
 5. Headline: the log-normal trace, load 0.9, ranked, budget of 4 open groups.
+6. ``--engine megatron [--tp 2] [--pp 2] [--dp 2 [--distributed-optimizer]]``: the same accounting
+   on verl's real Megatron engine (TP x PP x DP Ray workers over gloo, the equivalence benchmark's
+   model and trajectories). A bucket is a copy of the rank's grad-buffer shard, so its size is
+   PREDICTED from the grad buffer Megatron built (its values on this rank: P / (TP x PP) plus
+   replicated norms; with the distributed optimizer, that buffer / DP): the streamed steps' measured
+   ``peak_bucket_bytes`` must equal that shard x the peak number of open buckets, on every rank.
+   Then the same steps run under a budget of ``--budget-buckets`` buckets (the planner's reservations
+   and the learner's ``memory_budget_bytes``): trajectories of new groups wait, and the update must be
+   the same (``gap_over_floor``: streamed-under-budget vs verl's ``update_actor``, over the floor of
+   ``benchmarks/equivalence.py``, verl against itself with the rows in another micro-batch order).
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -114,11 +128,23 @@ def simulate(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer seeds")
+    parser.add_argument("--quick", action="store_true", help="fewer seeds (megatron: 2 steps)")
     parser.add_argument("--numel", type=int, default=1 << 16, help="float32 values per buffer (P)")
+    parser.add_argument("--engine", default="core", choices=["core", "megatron"],
+                        help="core: simulated arrivals on the core accumulator; megatron: verl's Megatron engine")
+    parser.add_argument("--tp", type=int, default=1, choices=[1, 2], help="megatron: tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, choices=[1, 2], help="megatron: pipeline parallel size")
+    parser.add_argument("--dp", type=int, default=1, choices=[1, 2], help="megatron: data parallel size")
+    parser.add_argument("--distributed-optimizer", action="store_true", help="megatron: shard the optimizer over DP")
+    parser.add_argument("--budget-buckets", type=int, default=2, help="megatron: open buckets the budgeted run may hold")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.engine == "megatron":
+        if args.budget_buckets < 2:
+            parser.error("--budget-buckets must be >= 2: a group of binary rewards needs up to 2 buckets")
+        megatron_main(args)
+        return
     groups, n = 32, 8
     seeds = [0] if args.quick else [0, 1, 2]
     budgets = [2, 4, 8]
@@ -150,6 +176,98 @@ def main() -> None:
             "peak_bytes": headline.peak_bytes,
             "budget_bytes": headline.budget_bytes,
         },
+        args.results_dir,
+    )
+
+
+# ----- --engine megatron ---------------------------------------------------------------------
+def predicted_shards(probes: list[dict]) -> list[int]:
+    """Bytes of one bucket on each rank, from the grad buffer Megatron built: the whole buffer
+    (P / (TP x PP) values), or with the distributed optimizer the region this rank keeps (buffer / DP)."""
+    out = []
+    for p in probes:
+        values = p["buffer_numel"] // p["dp"] if p["distributed_optimizer"] else p["buffer_numel"]
+        out.append(values * p["element_size"])
+    return out
+
+
+def megatron_runs(args, groups: int, steps: int) -> tuple[list[dict], dict]:
+    """One worker group: verl's update twice (the floor), the stream unbudgeted, the stream under the budget."""
+    import ray
+
+    from equivalence import transposed_order  # the floor's row order, as benchmarks/equivalence.py defines it
+    from thundersync_harness import megatron_engine as me
+    from thundersync_harness.engine_setup import make_trajectories, prepare_environment
+    from thundersync_harness.engine_steps import sync_step, train
+
+    work = Path(tempfile.mkdtemp(prefix="ts_accumulator_"))
+    ray_tmp = prepare_environment()
+    try:
+        model_path, pad_id, vocab = me.build_megatron_model(work / "model")
+        config = me.megatron_config(model_path, groups=groups, micro=4, tp=args.tp, pp=args.pp,
+                                    distributed_optimizer=args.distributed_optimizer)
+        batches = [make_trajectories(1000 + s, groups, vocab) for s in range(steps)]
+        wg = me.start_megatron_workers(config, args.tp * args.pp * args.dp, probe=True)
+        probes = wg.probe_grad_buffer()
+        shard = max(predicted_shards(probes))
+
+        def stream(budget):
+            return [partial(me.budgeted_stream_step, wg, trajs, arrival, pad_id, grad_numel=shard // 4,
+                            bucket_bytes=shard, budget_buckets=budget) for trajs, arrival in batches]
+
+        runs = {"sync_a": [partial(sync_step, wg, t, list(range(len(t))), pad_id) for t, _ in batches],
+                "sync_b": [partial(sync_step, wg, t, transposed_order(len(t), 4), pad_id) for t, _ in batches],
+                "stream": stream(None), "budget": stream(args.budget_buckets)}
+        return probes, {kind: train(wg, fns) for kind, fns in runs.items()}
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bucket_peaks(infos: list[dict], shards: list[int]) -> tuple[int, int, int, bool]:
+    """(peak bytes, predicted shard, peak open buckets) of the rank and step with the largest peak, and
+    whether peak bytes == shard x peak open buckets held on every rank in every step."""
+    rows = [(r["thundersync/peak_bucket_bytes"], shards[k], r["stream/peak_buckets"])
+            for info in infos for k, r in enumerate(info["ranks"])]
+    return (*max(rows), all(peak == shard * n for peak, shard, n in rows))
+
+
+def megatron_main(args) -> None:
+    from thundersync_harness.engine_steps import relative_gap
+
+    groups, steps = 4, 2 if args.quick else 3
+    probes, runs = megatron_runs(args, groups, steps)
+    shards = predicted_shards(probes)
+    (da, _), (db, _) = runs["sync_a"], runs["sync_b"]
+    (ds, info_s), (dq, info_q) = runs["stream"], runs["budget"]
+    peak, shard, open_buckets, exact = bucket_peaks(info_s, shards)
+    q_peak, _, q_open, q_exact = bucket_peaks(info_q, shards)
+    print(f"engine=megatron tp={args.tp} pp={args.pp} dp={args.dp} distributed_optimizer={args.distributed_optimizer}: "
+          f"{groups} groups x 4 per step, {steps} steps")
+    for k, p in enumerate(probes):
+        print(f"  rank {k}: grad buffer {p['buffer_numel']} x {p['element_size']} B (local parameters "
+              f"{p['param_numel']}, dp {p['dp']}) -> predicted bucket {shards[k]} B")
+    print(f"unbudgeted: peak bucket bytes {peak} = {open_buckets} open x {shard} predicted: "
+          f"{'yes' if exact else 'NO'} (every rank, every step)")
+    print(f"budget {args.budget_buckets} buckets: peak {q_peak} B ({q_open} open; = open x predicted: "
+          f"{'yes' if q_exact else 'NO'}), waits " + ", ".join(str(i["waits"]) for i in info_q) + " per step")
+    print(f"{'step':>4} | {'floor':>10} | {'gap stream':>10} | {'gap budget':>10} | {'budget/floor':>12} | ops d/b/f budget")
+    worst, worst_stream = 0.0, 0.0
+    for s in range(steps):
+        floor = relative_gap(db[s], da[s])
+        gap_s, gap_q = relative_gap(ds[s], da[s]), relative_gap(dq[s], da[s])
+        worst, worst_stream = max(worst, gap_q / floor), max(worst_stream, gap_s / floor)
+        i = info_q[s]
+        print(f"{s + 1:>4} | {floor:>10.3e} | {gap_s:>10.3e} | {gap_q:>10.3e} | {gap_q / floor:>12.2f} | "
+              f"{i['ops/direct']}/{i['ops/bucket']}/{i['ops/fold']}")
+    write_result(
+        f"accumulator_memory_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else ""),
+        {"engine": "megatron", "tp": args.tp, "pp": args.pp, "dp": args.dp, "peak_bucket_bytes": peak,
+         "predicted_bucket_bytes": shard, "peak_open_buckets": open_buckets, "peak_equals_predicted": exact,
+         "budget_buckets": args.budget_buckets, "budget_peak_bucket_bytes": q_peak, "budget_peak_open_buckets": q_open,
+         "waits": sum(i["waits"] for i in info_q), "gap_over_floor": worst, "gap_over_floor_unbudgeted": worst_stream,
+         "budget_vs_unbudgeted_gap": max(relative_gap(q, u) for q, u in zip(dq, ds))},
         args.results_dir,
     )
 

@@ -11,6 +11,9 @@ Why:
 3. fp32 end to end on the CPU (``megatron.dtype=float32``, allowed on the CPU platform by
    ``backends/megatron/cpu_patches``), SGD without momentum (Adam with a large eps for the
    distributed optimizer), no weight decay: dθ follows the clipped gradient, as for FSDP2.
+4. ``budgeted_stream_step`` is ``engine_steps.stream_step`` with a memory budget on both sides (the
+   planner's reservations and the learner's ``memory_budget_bytes``), counting the trajectories the
+   planner held back and keeping every rank's step metrics (``benchmarks/accumulator_memory.py``).
 """
 
 from __future__ import annotations
@@ -115,6 +118,56 @@ def prescaled_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, e
     return wg.finalize_step(1.0)[0]  # the normaliser is already in the coefficients
 
 
+def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, grad_numel: int,
+                         bucket_bytes: int, budget_buckets: int | None, every: int = 2, max_chunk: int = 4) -> dict:
+    """One streamed step under a budget of ``budget_buckets`` open buckets (None: unbudgeted).
+
+    The planner accounts ``grad_numel`` float32 values per buffer and, as the core does, one buffer
+    for the batch gradient itself: its budget is ``(1 + budget_buckets)`` buffers, and binary rewards
+    make a group need at most 2 buckets (``max_distinct_rewards=2``). The learner is given
+    ``budget_buckets * bucket_bytes`` (its pool counts buckets only) and would refuse a bucket beyond it.
+    Returns ``ranks`` (every rank's ``finalize_step`` metrics), ``waits`` (trajectories held back at
+    least once because a new group did not fit), ``wait_rounds`` and the op counts.
+    """
+    from thundersync_harness.engine_steps import StreamingLearnerClient
+    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+
+    sizing = {} if budget_buckets is None else {
+        "grad_numel": grad_numel, "budget_bytes": (1 + budget_buckets) * 4 * grad_numel, "max_distinct_rewards": 2}
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk, **sizing)
+    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
+    groups = sorted({t.gid for t in trajs})
+    planner.begin_batch({g: GROUP_SIZE for g in groups})
+    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo"}
+    client.begin_batch(meta | ({} if budget_buckets is None else {"memory_budget_bytes": budget_buckets * bucket_bytes}))
+    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
+    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
+    held, rounds, kinds = set(), 0, {"direct": 0, "bucket": 0, "fold": 0}
+
+    def send() -> int:
+        nonlocal rounds
+        ops = planner.next_ops()
+        for op in ops:
+            kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
+        client.run(ops, table)
+        held.update(planner.ready)  # ready, but not admitted: the budget holds no room for its group
+        rounds += bool(planner.ready)
+        return len(ops)
+
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
+        if (k + 1) % every == 0:
+            send()
+    while send():  # every group is closed now: what waited runs direct
+        pass
+    if planner.ready_count:
+        raise RuntimeError(f"{planner.ready_count} trajectories can never run under this budget")
+    ranks = wg.finalize_step(planner.finalize().scale)
+    return {"ranks": ranks, "grad_norm": ranks[0]["grad_norm"], "waits": len(held), "wait_rounds": rounds,
+            **{f"ops/{k}": v for k, v in kinds.items()}}
+
+
 # ----- a worker with one switch for negative tests --------------------------------------------
 def _probe_worker_class():
     from thundersync_verl.trainer.learners.megatron import MegatronLearner
@@ -137,6 +190,19 @@ def _probe_worker_class():
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def probe_finalize_every_call(self, on: bool) -> None:
             self._ts_learner = EveryCallFinalizeLearner(self) if on else None
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def probe_grad_buffer(self) -> dict:
+            """This rank's Megatron grad buffer as Megatron built it, independent of the learner's buckets."""
+            from thundersync_verl.backends.megatron import grads as mg
+
+            engine = va.actor_engine(self)
+            chunks = va.megatron_chunks(engine)
+            buffers = mg.grad_buffers(chunks)
+            return {"buffer_numel": sum(b.numel() for b in buffers), "element_size": buffers[0].element_size(),
+                    "param_numel": sum(p.numel() for p in mg.local_parameters(chunks) if p.requires_grad),
+                    "dp": torch.distributed.get_world_size(va.dp_group_of(engine)),
+                    "distributed_optimizer": bool(mg.ddp_config(chunks).use_distributed_optimizer)}
 
     return FinalizeProbeWorker
 
