@@ -41,3 +41,4 @@ def test_the_weight_push_is_part_of_its_step_and_versions_are_written(tmp_path):
     assert (tmp_path / "timelines" / "thundersync_step001.png").exists()
     drawn = [json.loads(x) for x in open(tmp_path / "timelines" / "draw_cost.jsonl")]
     assert sorted(d["png"] for d in drawn) == ["thundersync_step001.png", "thundersync_step002.png"]
+    assert not list((tmp_path / "timelines").glob("*.job.json"))  # each job file is consumed by its drawing

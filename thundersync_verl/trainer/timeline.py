@@ -6,10 +6,10 @@
 2. Trajectories are packed onto slots greedily (a slot holds one trajectory at a time), the
    way a rollout engine with N concurrent sequences is drawn in utilisation figures.
 3. Drawing is reporting, not training: a PNG costs about a second of CPU, and a step timer must
-   not pay it. ``TimelineDrawer`` hands each step's records to one niced child process
-   (``python -m thundersync_verl.trainer.timeline``) that draws them in the background; the
-   trainer's share is putting a job on a queue. The child logs each drawing's seconds to
-   ``draw_cost.jsonl`` beside the PNGs, so the cost that moved off the step stays measured.
+   not pay it. ``TimelineDrawer`` writes each step's records to a job file and hands its path to
+   one niced child process (``python -m thundersync_verl.trainer.timeline``) that draws in the
+   background. The child logs each drawing's CPU seconds to ``draw_cost.jsonl`` beside the PNGs,
+   so the cost that moved off the step stays measured.
 """
 
 from __future__ import annotations
@@ -102,51 +102,38 @@ DRAW_COST_FILE = "draw_cost.jsonl"  # one {"png", "draw_s"} line per drawing, be
 
 
 class TimelineDrawer:
-    """Draws timeline PNGs in a niced child process; ``submit`` only queues (no drawing, no blocking write)."""
+    """Draws timeline PNGs in a niced child process. ``submit`` writes the step's records to a job file beside
+    the PNG (milliseconds) and hands the child its path, one short line: a killed trainer loses no drawing."""
 
     def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
         self._proc: subprocess.Popen | None = None
-        self._writer: threading.Thread | None = None
 
     def submit(self, trajectories: list[dict], ops: list[dict], t_start: float, t_end: float, png: str | Path,
                title: str) -> None:
+        png = Path(png)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        job = png.with_suffix(".job.json")
+        job.write_text(json.dumps({"trajectories": trajectories, "ops": ops, "t_start": t_start, "t_end": t_end,
+                                   "png": str(png), "title": title}))
         if self._proc is None:
-            self._start()
-        self._jobs.put(json.dumps({"trajectories": trajectories, "ops": ops, "t_start": t_start, "t_end": t_end,
-                                   "png": str(png), "title": title}) + "\n")
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, text=True,
+                                          start_new_session=True)  # outlives a killed trainer long enough to finish
+        try:
+            self._proc.stdin.write(str(job) + "\n")  # far below the pipe's buffer: never blocks
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._proc = None  # the child died: this drawing is left as its job file; training is not affected
 
     def close(self, timeout_s: float = 120.0) -> None:
-        """Hand over every queued job, then wait (at most ``timeout_s``) for the child to draw them."""
+        """Wait (at most ``timeout_s``) for the child to draw every job handed to it."""
         if self._proc is None:
             return
-        self._jobs.put(None)
-        self._writer.join(timeout_s)
         try:
+            self._proc.stdin.close()
             self._proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        except (OSError, subprocess.TimeoutExpired):
             pass  # still drawing: it exits on its own once its queue is empty
         self._proc = None
-
-    def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, text=True,
-                                      start_new_session=True)  # outlives a killed trainer long enough to finish
-        self._writer = threading.Thread(target=self._write_jobs, name="timeline-drawer", daemon=True)
-        self._writer.start()
-
-    def _write_jobs(self) -> None:
-        stdin = self._proc.stdin
-        try:
-            while (job := self._jobs.get()) is not None:
-                stdin.write(job)
-                stdin.flush()
-        except (BrokenPipeError, OSError):
-            return  # the child died: drawings are lost, training is not affected
-        finally:
-            try:
-                stdin.close()
-            except OSError:
-                pass
 
 
 def _serve(stream) -> int:
@@ -160,13 +147,15 @@ def _serve(stream) -> int:
     def read() -> None:
         for line in stream:
             if line.strip():
-                jobs.put(json.loads(line))
+                jobs.put(Path(line.strip()))
         jobs.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    while (job := jobs.get()) is not None:
+    while (path := jobs.get()) is not None:
         t0 = time.process_time()
+        job = json.loads(path.read_text())
         png = draw_timeline(job["trajectories"], job["ops"], job["t_start"], job["t_end"], job["png"], job["title"])
+        path.unlink()
         with open(png.parent / DRAW_COST_FILE, "a") as f:
             f.write(json.dumps({"png": png.name, "draw_s": time.process_time() - t0}) + "\n")
     return 0
