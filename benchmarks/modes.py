@@ -9,12 +9,17 @@ makespan + one trajectory's learner work + optimizer step + weight push).
 
 Traces in the simulator's schema go to ``benchmarks/results/traces/<algo>_<mode>.jsonl`` (``--results-dir``).
 
+``--rollout emulated [--workload recorded|paper]`` replays one recording in every mode instead of
+generating on the CPU (the rollout on its own emulated device; ``emulated_rollout.py`` says how), with
+Sync also in verl's bypass mode, the step-1 update gap, and ``--repeats N`` paired runs.
+
 ``--algo opd`` runs the ``opd`` recipe (on-policy distillation from the tiny teacher; thundersync
 streams agent turns) and adds the student's reverse KL to the teacher over the run (verl's
 ``actor/distillation/loss``, ThunderSync's ``thundersync/opd/reverse_kl``: the same token mean of
 log pi - log p_teacher at the batch's weights); results go to ``modes_opd.json``.
 
     python benchmarks/modes.py [--algo grpo|opd] [--steps 8] [--quick] [--modes sync,thundersync]
+    python benchmarks/modes.py --rollout emulated [--workload recorded|paper] [--quick] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def workload(latency_scale: float, mode: str) -> list[str]:
 
 
 def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo", latency_scale: float = LATENCY_SCALE,
-             tag: str = "", extra: list[str] | None = None) -> dict:
+             tag: str = "", extra: list[str] | None = None, env_extra: dict | None = None) -> dict:
     run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
@@ -68,6 +73,7 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     t0 = time.time()
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_ray_")  # a private Ray session per run
+    env.update(env_extra or {})
     per_step = run_verl(cmd, env, run_dir / "verl.log", steps)
     return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path}
 
@@ -195,7 +201,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--algo", default="grpo", choices=["grpo", "opd"], help="opd: on-policy distillation (recipe opd.yaml)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="4 steps per mode")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=None, help=f"default: {','.join(MODES)} "
+                    "(--rollout emulated: sync_bypass,thundersync,sync,async,fully_async)")
+    ap.add_argument("--rollout", default="cpu", choices=["cpu", "emulated"],
+                    help="emulated: every mode replays one recording (generation slept, not computed)")
+    ap.add_argument("--workload", default="recorded", choices=["recorded", "paper"],
+                    help="--rollout emulated: a recorded hf_cpu run, or the paper shape synthesised")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="--rollout emulated: the workload's time scale (default: the calibrated one)")
+    ap.add_argument("--repeats", type=int, default=1, help="--rollout emulated: paired runs (the median is reported)")
+    ap.add_argument("--no-exactness", action="store_true", help="--rollout emulated: skip the step-1 update gap runs")
     ap.add_argument("--work-dir", default="runs/modes")
     ap.add_argument("--model", default=None, help="an HF model folder to use instead of the tiny student")
     ap.add_argument("--teacher", default=None, help="OPD: an HF teacher folder (the student's tokenizer) instead of the tiny teacher")
@@ -213,11 +228,21 @@ def main(argv=None) -> dict:
     if args.algo == "opd" and args.model and not args.teacher:
         ap.error("--algo opd --model needs --teacher too: distilling a model into itself has nothing to learn")
     steps = 4 if args.quick else args.steps
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
     work = Path(args.work_dir).resolve()
+    if args.rollout == "emulated" and args.workload == "paper" and not args.model:
+        import emulated_rollout  # the sibling module (benchmarks/ is this script's folder)
+
+        args.model = str(emulated_rollout.paper_learner(work))  # the paper workload's larger policy
     inputs = prepare_inputs(work, model=args.model, variants=("student", "teacher") if args.algo == "opd" else ("student",))
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
+    if args.rollout == "emulated":
+        if args.algo != "grpo":
+            ap.error("--rollout emulated runs GRPO (OPD's teacher scoring is not replayed)")
+        import emulated_rollout  # the sibling module (benchmarks/ is this script's folder)
+
+        return emulated_rollout.main(args, inputs, work, results_dir)
     if args.calibrate:
         return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, args.algo, results_dir)
     scale = LATENCY_SCALE if args.latency_scale is None else args.latency_scale

@@ -16,7 +16,15 @@ Why:
    (`python benchmarks/modes.py` writes them to benchmarks/results/traces/, the default --trace-dir).
 4. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
    replay machinery is exact; it writes no result file.
+5. --out-of-sample: costs are fitted on ONE run (--fit, default the Sync trace of the emulated-device
+   recorded workload, ``modes.py --rollout emulated`` writes traces_emulated_<workload>/r<k>/) and every
+   OTHER run is predicted without refitting: other modes, the paper-shape workload, other repeats. A
+   target contributes only its workload (its trajectories' turns, tokens, tool times) and its
+   configuration (mode, slots, micro/mini-batches, whether its learner runs a separate old-log-prob
+   forward); the learner's per-token and per-chunk costs, optimizer, weight push, landing latency, step
+   gap and shared-core slowdowns are the fit run's (``calibrate.transferred``).
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
+     python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE] [--targets DIR ...]
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import numpy as np
 
 from thundersync_verl.sim.engine import simulate
 from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table
-from thundersync_verl.sim.trace import (find_traces, load_trace, measured_step_time, replay,
-                                        replay_calibration)
+from thundersync_verl.sim.calibrate import landing_latency, transferred
+from thundersync_verl.sim.trace import (TraceSource, _backward_records_per_step, find_traces, fit_learner_costs,
+                                        load_trace, measured_step_time, records_recompute_prefix, replay,
+                                        replay_calibration, replay_config)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -76,6 +86,53 @@ def validate_file(path: Path) -> dict:
             "measured_s": measured, "simulated_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0,
             "measured_split": measured_split(trace), "simulated_split": simulated_split(res),
             "dropped_steps": source.dropped_steps}
+
+
+def out_of_sample_costs(fit, target, cfg):
+    """The fit run's learner costs for the target's configuration: with the old-log-prob forward only when the
+    target's learner runs one (plain Sync, Async), per-record overhead times the target's records per step."""
+    fit_trace, fit_calib = fit
+    if not any(r["op"] == "forward" for r in target.learner):
+        fit_trace = replace(fit_trace, learner=[r for r in fit_trace.learner if r["op"] != "forward"])
+    split = target.algo == "opd" and cfg.resolved_granularity() == "turn"
+    costs = replace(fit_learner_costs(fit_trace, fit_calib.contention, split_forward=split),
+                    step_gap_s=fit_calib.step_gap_s, prefix_recompute=split and records_recompute_prefix(target))
+    if cfg.resolved_granularity() == "batch":
+        costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s * _backward_records_per_step(target))
+    return costs
+
+
+def predict_file(path: Path, fit) -> dict:
+    """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
+    trace = load_trace(path)
+    sim_mode, own = replay_calibration(trace)
+    calib = transferred(own, fit[1], landing_latency(*fit))
+    source = TraceSource(trace, stream=sim_mode == "fully_async", calib=calib)
+    cfg = replay_config(trace, source, 1, sim_mode, calib)
+    res = simulate(cfg, source, out_of_sample_costs(fit, trace, cfg))
+    measured = measured_step_time(trace)
+    return {"file": str(path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
+            "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0}
+
+
+def out_of_sample(fit_path: Path, target_dirs: list[Path]) -> dict:
+    fit_trace = load_trace(fit_path)
+    fit = (fit_trace, replay_calibration(fit_trace)[1])
+    targets = [p for d in target_dirs for p in find_traces(d) if p.resolve() != fit_path.resolve()]
+    if not targets:
+        raise SystemExit(f"no target traces in {[str(d) for d in target_dirs]}: run "
+                         "`python benchmarks/modes.py --rollout emulated [--workload paper]` first")
+    rows = [predict_file(p, fit) for p in targets]
+    table = [["/".join(Path(r["file"]).parts[-3:]), r["mode"], r["sim_mode"], r["measured_s"], r["predicted_s"],
+              f"{100 * r['rel_err']:+.1f}%"] for r in rows]
+    print(f"Out of sample: costs fitted on {fit_path} only")
+    print(format_table(table, ["trace", "mode", "replayed as", "measured_s", "predicted_s", "rel_err"]))
+    return {"fit": str(fit_path), "fit_costs": {k: round(v, 6) if isinstance(v, float) else v
+                                                for k, v in vars(fit_learner_costs(fit_trace, fit[1].contention)).items()},
+            "fit_calibration": fit[1].summary(), "fit_landing_s": round(landing_latency(*fit), 4),
+            "max_abs_rel_err_out_of_sample": round(max(abs(r["rel_err"]) for r in rows), 4),
+            "per_target": {t[0]: {"measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
+                                  "rel_err": round(r["rel_err"], 4)} for t, r in zip(table, rows)}}
 
 
 def print_report(rows: list[dict]) -> None:
@@ -127,8 +184,23 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", default=None, help="default: traces/ in the results folder (--results-dir)")
     ap.add_argument("--quick", action="store_true", help="same replay (it is already fast); kept for uniformity")
     ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
+    ap.add_argument("--out-of-sample", action="store_true", help="fit on one trace (--fit), predict the others")
+    ap.add_argument("--fit", default=None, help="--out-of-sample: the trace costs are fitted on (default: "
+                    "traces_emulated_recorded/r0/grpo_sync.jsonl in the results folder)")
+    ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample: folders of traces to predict "
+                    "(default: every traces_emulated_*/r*/ folder of the results folder)")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
+    if args.out_of_sample:
+        results = find_results_dir(args.results_dir)
+        fit = Path(args.fit) if args.fit else results / "traces_emulated_recorded" / "r0" / "grpo_sync.jsonl"
+        if not fit.is_file():
+            print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first (or pass --fit).", file=sys.stderr)
+            return 2
+        dirs = [Path(d) for d in args.targets] if args.targets else [
+            d for d in sorted(results.glob("traces_emulated_*/r*")) if not d.parent.name.endswith("_quick")]
+        write_result(f"{SCRIPT}_out_of_sample", out_of_sample(fit, dirs), args.results_dir)
+        return 0
     tmp = None
     if args.self_test:
         tmp = tempfile.TemporaryDirectory()

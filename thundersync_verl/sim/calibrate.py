@@ -381,3 +381,26 @@ def decode_scale(trace, contention: float) -> dict[int, np.ndarray]:  # contenti
         return {}
     busy = learner_busy(trace)
     return {id(r): 1.0 + (contention - 1.0) * overlap_fraction(turn_intervals(r), busy) for r in trace.trajectories}
+
+
+# ------------------------------------------------------------------ out of sample
+def landing_latency(trace, calib: Calibration) -> float:
+    """A run's landing latency as one number: the fitted one, or the mean recorded t_reward - t_done."""
+    if not calib.reward_timing:
+        return calib.landing_s
+    return float(np.mean([r["t_reward"] - r["t_done"] for r in trace.trajectories]))
+
+
+def transferred(own: Calibration, fit: Calibration, fit_landing_s: float) -> Calibration:
+    """Out-of-sample replay: the target run's configuration with the fit run's measured system costs.
+
+    The target keeps what its configuration fixes (rollout slots, whether pushes land mid-rollout);
+    everything its records would measure about the system comes from the fit run instead: the landing
+    latency (one number, every trajectory; the target's own reward timing is not used), the step gap,
+    the shared-core slowdowns and the OPD turn latency.
+    """
+    return Calibration(
+        reward_timing=False, landing_s=fit_landing_s, step_gap_s=fit.step_gap_s, slots=own.slots,
+        partial_rollout=own.partial_rollout, contention=fit.contention, contention_ops=fit.contention_ops,
+        rollout_contention=fit.rollout_contention,
+        turn_latency_s=fit.turn_latency_s if own.turn_latency_s is not None else None)

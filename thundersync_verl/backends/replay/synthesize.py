@@ -67,6 +67,7 @@ class AgenticShape:
     reward_median_s: float = 8.5
     reward_sigma: float = 0.5
     reward_max_s: float = 40.0
+    response_tokens: int = 640  # data.max_response_length: the typical trajectory (~200 tokens) and most of the tail
     seed: int = 0
 
     @property
@@ -76,20 +77,18 @@ class AgenticShape:
     def service_s(self, new_prompt_tokens: int, gen_tokens: int) -> float:
         return self.prefill_s_per_token * new_prompt_tokens + self.decode_s_per_token * gen_tokens
 
-    def env_overrides(self, scale: float) -> list[str]:
-        """The agent loop's and verifier's settings for this shape at ``scale`` (hydra overrides)."""
+    def overrides(self) -> list[str]:
+        """The run's settings for this shape (hydra overrides): turn cap, lengths, tool and verifier latency
+        shapes (their ``scale`` is the caller's: it is the time scale of the whole workload)."""
         env = "thundersync.env"
-        out = [f"{env}.max_tool_turns={self.max_turns - 1}", f"{env}.retry_prob=0"]
+        out = [f"{env}.max_tool_turns={self.max_turns - 1}", f"data.max_response_length={self.response_tokens}",
+               f"actor_rollout_ref.rollout.max_model_len={self.response_tokens + 64}"]
         for key, (median, sigma, cap) in {"tool_latency": (self.tool_median_s, self.tool_sigma, self.tool_max_s),
                                           "verifier_latency": (self.reward_median_s, self.reward_sigma,
                                                                self.reward_max_s)}.items():
-            out += [f"{env}.{key}.kind=lognormal", f"{env}.{key}.median_s={median}", f"{env}.{key}.sigma={sigma}",
-                    f"{env}.{key}.max_s={cap}", f"{env}.{key}.scale={scale}"]
+            out += [f"{env}.{key}.kind=lognormal", f"++{env}.{key}.median_s={median}", f"++{env}.{key}.sigma={sigma}",
+                    f"++{env}.{key}.max_s={cap}"]  # ++: the recipe's latency sections list only kind and scale
         return out
-
-    def max_response_tokens(self) -> int:
-        """A response budget that holds max_turns turns of max_gen_tokens plus their tool responses."""
-        return self.max_turns * (self.max_gen_tokens + 24)
 
 
 SHAPES = {"paper": AgenticShape()}

@@ -1,0 +1,253 @@
+"""The modes with the rollout on its own (emulated) device: ``python benchmarks/modes.py --rollout emulated``.
+
+Why:
+1. On this machine the learner and the rollout engine share two CPU cores, so overlapping them only
+   moves CPU time around. What needs a device of its own is the inference engine; here its work is
+   served by the ``replay`` backend: recorded tokens, log-probs and per-call service times, slept,
+   not computed. Everything else runs for real: verl's agent loop, the tools in their sandbox, the
+   verifier, Ray, the TransferQueue, the weight pushes and the learner.
+2. Every mode replays the same recording, so they see the same trajectories. Workloads:
+   ``recorded``: a real ``hf_cpu`` run of the embedded task at the calibrated settings (Sync,
+   latency scale 0.2, no transient tool failures, so later turns replay); ``paper``: a recording
+   synthesised from the simulator's paper preset scaled down (``backends/replay/synthesize.py``).
+   The recording holds two steps more than the runs: the async modes generate ahead.
+3. One knob, the workload's time scale, multiplies every recorded service time and the tools' and
+   verifier's latency. It is calibrated on Sync ALONE (``--calibrate``): the scale whose Sync learner
+   wait share is nearest the published 49.5%, on the Sync the speed-up is claimed against.
+4. Sync runs twice: as configured (verl's old-log-prob forward on the learner) and in verl's bypass
+   mode (``algorithm.rollout_correction.bypass_mode``: the rollout's log-probs are the old ones, legal
+   when training is on-policy, as here). The speed-up is claimed against the faster one.
+5. Same trajectories, same update: short extra runs (1 step, SGD at lr 1 so the update is the clipped
+   gradient itself, no sleeping) keep the pushed weights (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``): the
+   relative gap of ThunderSync's step-1 update to Sync's is divided by the noise floor, Sync against
+   itself with 4-row micro-batches instead of 1 (another summation order of the same update).
+6. What the emulation leaves out: the engine's own host work (scheduling, detokenising, the KV-cache
+   manager: its CPU time is not spent, its service time is), the contention a real engine's host
+   threads would add, and the weight load on the rollout side (the push runs, the replay server
+   drops the tensors). The learner is not pinned to a core; other processes on the machine share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import modes  # the sibling script: run_mode, summarise, thundersync_lower_bound (a second import is harmless)
+from thundersync_verl.backends.replay.synthesize import SHAPES
+from thundersync_verl.results import write_result
+
+WORKLOADS = ("recorded", "paper")
+# --calibrate on Sync in bypass mode alone (modes_emulated_calibration_<workload>.json), nearest 0.495:
+TIME_SCALE = {"recorded": 2.0, "paper": 0.3}
+EMULATED_MODES = ("sync_bypass", "thundersync", "sync", "async", "fully_async")
+BYPASS = ["algorithm.rollout_correction.bypass_mode=true"]
+# The paper workload's policy: the model factory's larger tiny architecture (the teacher's: 1.9 M parameters,
+# ~4.5x the student's per-token learner work), briefly warm-started; a synthesised workload needs no skill.
+PAPER_LEARNER = {"variant": "teacher", "train_steps": 20, "n_transcripts": 400}
+REPLAY = "+actor_rollout_ref.rollout.engine_kwargs.replay"
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def workload_overrides(workload: str) -> list[str]:
+    """Settings every run of a workload shares (recording and replays alike)."""
+    out = ["thundersync.env.retry_prob=0"]  # transient tool failures are not seeded: later turns would not replay
+    return out + (SHAPES["paper"].overrides() if workload == "paper" else [])
+
+
+def env_scale(workload: str, time_scale: float) -> float:
+    """Tool and verifier latency scale: the recorded run's 0.2, or the shape's published seconds, times the time scale."""
+    return (modes.LATENCY_SCALE if workload == "recorded" else 1.0) * time_scale
+
+
+def paper_learner(work: Path) -> Path:
+    """The paper workload's policy model (PAPER_LEARNER), built once by the model factory."""
+    from thundersync_verl.models.factory import build_model, is_built
+
+    path = work / "models" / "paper_learner"
+    if not is_built(path):
+        build_model(path, PAPER_LEARNER["variant"], train_steps=PAPER_LEARNER["train_steps"],
+                    n_transcripts=PAPER_LEARNER["n_transcripts"])
+    return path
+
+
+def make_recording(workload: str, steps: int, inputs: dict, work: Path) -> Path:
+    """The workload's recording (made once per step count and policy model): a Sync run recording every generate call."""
+    model = hashlib.sha256(str(Path(inputs["student"]).resolve()).encode()).hexdigest()[:8]
+    folder = work / "emulated" / f"{workload}_{steps}steps_{model}"
+    rec = folder / "recording.jsonl"
+    if (folder / "complete").is_file():
+        return rec
+    folder.mkdir(parents=True, exist_ok=True)
+    rec.unlink(missing_ok=True)
+    if workload == "recorded":
+        extra = ["+actor_rollout_ref.rollout.engine_kwargs.hf_cpu.record_path=" + str(rec)]
+        scale = modes.LATENCY_SCALE
+    else:  # synthesis: answers are scripted and nothing needs to wait
+        extra = ["actor_rollout_ref.rollout.name=replay", f"{REPLAY}.path={rec}", f"{REPLAY}.synthesize=paper"]
+        scale = 0.0
+    print(f"[emulated] recording the {workload} workload: {steps} Sync steps", flush=True)
+    modes.run_mode("sync", steps, inputs, folder, latency_scale=scale, tag="_record",
+                   extra=workload_overrides(workload) + extra)
+    (folder / "complete").write_text(json.dumps({"workload": workload, "steps": steps}) + "\n")
+    return rec
+
+
+def replay_overrides(rec: Path, time_scale: float) -> list[str]:
+    return ["actor_rollout_ref.rollout.name=replay", f"{REPLAY}.path={rec}", f"{REPLAY}.time_scale={time_scale}"]
+
+
+def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, rec: Path, time_scale: float,
+               tag: str = "", extra: list[str] | None = None, env: dict | None = None) -> dict:
+    base = "sync" if mode == "sync_bypass" else mode
+    extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
+             + list(extra or []))
+    load0 = _load()
+    run = modes.run_mode(base, steps, inputs, work, latency_scale=env_scale(workload, time_scale),
+                         tag=(tag + "_bypass" if mode == "sync_bypass" else tag), extra=extra, env_extra=env)
+    run["load_1min"] = [load0, _load()]
+    return run
+
+
+# ----- step-1 update gap (point 5) ----------------------------------------------------------------
+EXACT_RUNS = {"sync": [], "sync_micro4": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+              "thundersync": [], "sync_bypass": []}
+SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1.0"]
+
+
+def step1_update_gap(inputs: dict, work: Path, workload: str, rec: Path) -> dict:
+    """Relative gaps of the step-1 updates (module docstring, point 5)."""
+    import torch
+
+    deltas = {}
+    for name, extra in EXACT_RUNS.items():
+        mode = "sync" if name == "sync_micro4" else name
+        wdir = work / "emulated" / "exact" / name
+        for old in wdir.glob("weights_v*.pt"):
+            old.unlink()
+        run_replay(mode, 1, inputs, work / "emulated" / "exact", workload, rec, 0.0, tag=f"_{name}",
+                   extra=SGD + extra, env={"THUNDERSYNC_REPLAY_WEIGHTS_DIR": str(wdir)})
+        w0, w1 = (torch.load(wdir / f"weights_v{v}.pt") for v in (0, 1))
+        deltas[name] = torch.cat([(w1[k].double() - w0[k].double()).flatten() for k in sorted(w0)])
+    ref = deltas["sync"]
+    rel = {k: float((d - ref).norm() / ref.norm()) for k, d in deltas.items() if k != "sync"}
+    floor = rel["sync_micro4"]
+    return {"step1_update_gap": rel["thundersync"], "step1_update_floor": floor,
+            "step1_update_gap_over_floor": rel["thundersync"] / floor if floor > 0 else float("inf"),
+            "step1_update_gap_bypass_vs_sync": rel["sync_bypass"],
+            "step1_update_norm": float(ref.norm())}
+
+
+# ----- the comparison ------------------------------------------------------------------------------
+def reporting_cost(run: dict) -> dict:
+    """ThunderSync's reporting: seconds spent inside the step timer, and the drawing moved to the background."""
+    def read(path: Path, key: str) -> list[float]:
+        return [json.loads(x)[key] for x in open(path)] if path.is_file() else []
+
+    in_step = read(run["run_dir"] / "report_cost.jsonl", "in_step_s")
+    drawn = read(run["run_dir"] / "timelines" / "draw_cost.jsonl", "draw_s")
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+    return {"report_in_step_s": mean(in_step), "timeline_draw_cpu_s_moved": mean(drawn), "timelines_drawn": len(drawn)}
+
+
+def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workload: str, rec: Path,
+               time_scale: float, repeat: int, traces: Path) -> tuple[dict, dict]:
+    """Every mode once, back to back; traces in the simulator's schema under ``traces``."""
+    runs, rows = {}, {}
+    traces.mkdir(parents=True, exist_ok=True)
+    for mode in modes_run:
+        runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale)
+        base = "sync" if mode == "sync_bypass" else mode
+        rows[mode] = modes.summarise(base, runs[mode])
+        rows[mode]["load_1min"] = runs[mode]["load_1min"]
+        if mode == "thundersync":
+            (traces / "grpo_thundersync.jsonl").write_text((runs[mode]["run_dir"] / "grpo_thundersync.jsonl").read_text())
+        else:
+            modes.write_sim_trace(base, runs[mode], traces / f"grpo_{mode}.jsonl")
+    return runs, rows
+
+
+def headline(rows: dict, runs: dict) -> dict:
+    out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
+           "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
+           "learner_busy": {m: round(r["learner_busy"], 3) for m, r in rows.items()},
+           "final_reward": {m: round(r["final_reward"], 3) for m, r in rows.items()},
+           "load_1min": {m: r["load_1min"] for m, r in rows.items()}}
+    syncs = [m for m in ("sync", "sync_bypass") if m in rows]
+    if syncs:
+        ref = min(syncs, key=lambda m: rows[m]["step_time_s"])
+        out["sync_reference"] = ref
+        out["sync_learner_wait_share"] = round(rows[ref]["wait_share"], 3)
+        out["sync_learner_wait_share_by_config"] = {m: round(rows[m]["wait_share"], 3) for m in syncs}
+    if syncs and "thundersync" in rows:
+        ts = rows["thundersync"]["step_time_s"]
+        out["speedup_vs_sync"] = round(rows[out["sync_reference"]]["step_time_s"] / ts, 3)
+        out["speedup_vs_sync_by_config"] = {m: round(rows[m]["step_time_s"] / ts, 3) for m in syncs}
+        out["thundersync_over_lower_bound"] = round(ts / modes.thundersync_lower_bound(runs["thundersync"]), 3)
+        out["reporting"] = reporting_cost(runs["thundersync"])
+    return out
+
+
+def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workload: str, results_dir) -> dict:
+    """Sync in bypass mode alone at each time scale: its learner wait share; the scale nearest 0.495."""
+    rec = make_recording(workload, steps + 2, inputs, work)
+    shares = {}
+    for scale in scales:
+        run = run_replay("sync_bypass", steps, inputs, work / "emulated" / "calibrate", workload, rec, scale,
+                         tag=f"_scale{scale}")
+        row = modes.summarise("sync", run)
+        shares[str(scale)] = {"sync_learner_wait_share": round(row["wait_share"], 3),
+                              "step_time_s": round(row["step_time_s"], 3), "load_1min": run["load_1min"]}
+        print(f"[calibrate] {workload} time scale {scale}: Sync (bypass) wait share {row['wait_share']:.3f}, "
+              f"step {row['step_time_s']:.2f}s", flush=True)
+    chosen = min(shares, key=lambda k: abs(shares[k]["sync_learner_wait_share"] - modes.TARGET_WAIT_SHARE))
+    result = {"rollout": "emulated", "workload": workload, "steps": steps, "calibrated_on": "sync_bypass",
+              "target_wait_share": modes.TARGET_WAIT_SHARE, "scales": shares, "chosen_scale": float(chosen)}
+    write_result(f"modes_emulated_calibration_{workload}", result, results_dir)
+    return result
+
+
+def main(args, inputs: dict, work: Path, results_dir) -> dict:
+    workload = args.workload
+    steps = 4 if args.quick else args.steps
+    if args.calibrate:
+        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, workload, results_dir)
+    time_scale = TIME_SCALE[workload] if args.time_scale is None else args.time_scale
+    modes_run = [m for m in (args.modes.split(",") if args.modes else EMULATED_MODES) if m]
+    rec = make_recording(workload, steps + 2, inputs, work)
+    t0 = time.time()
+    repeats = []
+    for r in range(args.repeats):
+        traces = results_dir / f"traces_emulated_{workload}{'_quick' if args.quick else ''}" / f"r{r}"
+        runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces)
+        modes.print_table(rows, "grpo")
+        repeats.append(headline(rows, runs))
+        print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
+            "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound")}), flush=True)
+    result = {"rollout": "emulated", "workload": workload, "steps": steps, "time_scale": time_scale,
+              "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
+              "learner_pinned": False, "recording": str(rec), "policy_model": str(inputs["student"]),
+              **_median_of(repeats), "per_repeat": repeats}
+    if not args.no_exactness and "thundersync" in modes_run:
+        result.update({k: float(f"{v:.4g}") for k, v in step1_update_gap(inputs, work, workload, rec).items()})
+    result["seconds"] = round(time.time() - t0, 1)
+    name = "modes_emulated" + ("" if workload == "recorded" else f"_{workload}") + ("_quick" if args.quick else "")
+    write_result(name, result, results_dir)
+    return result
+
+
+def _median_of(repeats: list[dict]) -> dict:
+    """The headline of the repeat whose speed-up is the median (all figures of one paired run), or the only one."""
+    if len(repeats) == 1 or "speedup_vs_sync" not in repeats[0]:
+        return dict(repeats[0])
+    order = sorted(range(len(repeats)), key=lambda i: repeats[i]["speedup_vs_sync"])
+    median = dict(repeats[order[len(order) // 2]])
+    median["speedup_vs_sync_per_repeat"] = [r["speedup_vs_sync"] for r in repeats]
+    median["speedup_vs_sync_median"] = statistics.median(r["speedup_vs_sync"] for r in repeats)
+    return median
