@@ -144,6 +144,21 @@ def worker_register_api():
     return register, Dispatch, make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
 
 
+def actor_dp_size(worker_group) -> int:
+    """How many parts verl cuts a batch into when it dispatches it to the actor mesh of ``worker_group``.
+
+    verl's ``make_nd_compute_dataproto_dispatch_fn("actor")`` chunks a batch into max(dp rank) + 1 parts;
+    ranks that differ only in TP/PP/CP (Megatron) or sequence-parallel rank (FSDP Ulysses) get the same
+    part. Cached in the group as verl caches it. A stand-in group without verl's query has one rank per part.
+    """
+    query = getattr(worker_group, "_query_dispatch_info", None)
+    if query is None:
+        return int(worker_group.world_size)
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = query("actor")
+    return max(worker_group._dispatch_info["actor"]) + 1
+
+
 def to_no_padding(td):
     """Left/right-padded batch -> verl's no-padding layout (nested input_ids, loss_mask)."""
     from verl.workers.utils.padding import left_right_2_no_padding

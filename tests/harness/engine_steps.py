@@ -47,8 +47,11 @@ def _old_log_probs(wg, data) -> torch.Tensor:
     return va.unpad_response(va.td_get(wg.compute_log_prob(td), "log_probs"), td).float()  # [B, R]
 
 
-def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int) -> dict:
-    """compute_log_prob -> compute_advantage (GRPO) -> update_actor, as verl's trainer does."""
+def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, advantage_scale: float = 1.0) -> dict:
+    """compute_log_prob -> compute_advantage (GRPO) -> update_actor, as verl's trainer does.
+
+    ``advantage_scale`` (a diagnostic) multiplies every advantage: with the gradient norm above verl's clip
+    the clipped step is mathematically unchanged, only verl's per-token loss scalars round differently."""
     import numpy as np
 
     from thundersync_verl.trainer.stream_loss import pad_batch
@@ -63,6 +66,8 @@ def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int) ->
                                          meta_info={"temperature": 1.0})
     data.batch["old_log_probs"] = _old_log_probs(wg, data)
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
+    if advantage_scale != 1.0:
+        data.batch["advantages"] = data.batch["advantages"] * advantage_scale
     return _verl_update(wg, data, len(rows))
 
 
@@ -106,7 +111,7 @@ class StreamingLearnerClient:
         self.wg = worker_group
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
-        self.dp_size = int(dp_size or worker_group.world_size)  # FSDP without sequence parallelism
+        self.dp_size = int(dp_size or va.actor_dp_size(worker_group))  # verl's split: TP/PP peers share a part
 
     def begin_batch(self, meta: dict) -> None:
         self.wg.stream_begin_batch(meta)

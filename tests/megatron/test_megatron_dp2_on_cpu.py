@@ -29,6 +29,9 @@ def test_dp2_distributed_optimizer_buckets_hold_one_data_parallel_shard(group):
 
 
 def test_dp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(group):
+    from thundersync_verl import verl_adapter as va
+
+    assert va.actor_dp_size(group.wg) == 2  # rows are split over the two data-parallel ranks
     out = streamed_vs_verl(group, GROUPS)
     assert float(out["sync"].norm()) > 1e-4
     assert out["gap"] < 1e-5, out["gap"]  # fp32 summation order (floor ~6e-7 on this layout)

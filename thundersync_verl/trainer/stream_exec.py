@@ -3,7 +3,9 @@
 1. Each trajectory is fetched from verl's TransferQueue once, when it lands (prompt, response,
    response mask with tool-observation tokens masked out, reward), and cached until its backward.
 2. A ``BackwardOp`` becomes one chunk in verl's no-padding layout (``build_stream_chunk``), padded to the
-   data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``.
+   data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``. The size is
+   the parts verl's actor-mesh dispatch cuts a batch into (``verl_adapter.actor_dp_size``), not the worker
+   count: Megatron's tensor/pipeline/context-parallel peers of one data-parallel rank receive the same rows.
 3. An OPD ``TurnBackwardOp`` carries its own rows (each turn's prefix and teacher log-probs): it becomes one
    per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``.
 4. ``OpPipeline`` keeps the next op queued on the learner while one computes (the worker's ``*_queued``
@@ -64,14 +66,16 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
     suffix = "_queued" if queued else ""
     if isinstance(op, FoldOp):
         return "stream_fold" + suffix, ((op.folds, seq) if queued else (op.folds,))
+    dp_size = va.actor_dp_size(worker_group)  # verl's split: TP/PP/CP peers share one part, so no padding for them
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
-        chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature).chunk(op)
+        chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature,
+                                dp_size=dp_size).chunk(op)
         method = "stream_token_backward"
     elif isinstance(op, BackwardOp):
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
         with_lp = all("rollout_lp" in r for r in chunk_rows)
         chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
-                                   op.dest, dp_size=worker_group.world_size, pad_token_id=pad_token_id,
+                                   op.dest, dp_size=dp_size, pad_token_id=pad_token_id,
                                    temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
                                    rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
         method = "stream_backward"

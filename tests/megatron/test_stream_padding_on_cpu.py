@@ -1,0 +1,83 @@
+"""Stream chunks are padded to the data-parallel size of verl's actor mesh, not to the worker count.
+
+Under Megatron, the tensor/pipeline-parallel peers of one data-parallel rank receive the same rows
+(verl's ``make_nd_compute_dataproto_dispatch_fn("actor")`` cuts a batch into max(dp rank) + 1 parts).
+Padding to the worker count added zero-weight rows to every chunk under TP/PP. These tests cut the chunk
+``stream_exec`` builds with verl's own splitter, for a group whose workers report a TP2 x DP2 layout, and
+hand each worker its part as verl's dispatch does (``arg[dp_rank_mapping[i]]``; the rest of verl's dispatch
+only puts the parts in Ray's object store). No processes, no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.trainer import stream_exec
+from thundersync_verl.trainer.stream_loss import COEF_KEY
+from thundersync_verl.trainer.stream_plan import BackwardOp
+
+ROWS = {f"t{i}": {"prompt": [11, 12 + i], "response": [20 + i] * (2 + i), "mask": [1] * (2 + i)} for i in range(5)}
+
+
+def _group(dp_ranks: list[int]):
+    """verl's ``WorkerGroup`` whose workers report these actor-mesh data-parallel ranks."""
+    from verl.single_controller.base.worker_group import WorkerGroup
+
+    class LayoutGroup(WorkerGroup):
+        def __init__(self):
+            super().__init__(resource_pool=None)
+            self._workers = [None] * len(dp_ranks)
+            self.queries = 0
+
+        def _query_dispatch_info(self, mesh_name: str):
+            assert mesh_name == "actor"
+            self.queries += 1
+            return list(dp_ranks)
+
+    return LayoutGroup()
+
+
+def _chunk(group, n_rows: int):
+    op = BackwardOp(tuple((0, f"t{i}") for i in range(n_rows)), tuple(0.5 + i for i in range(n_rows)), "direct",
+                    tuple(len(ROWS[f"t{i}"]["response"]) for i in range(n_rows)))
+    method, (chunk,) = stream_exec._request(group, op, ROWS, pad_token_id=0, temperature=1.0, queued=False)
+    assert method == "stream_backward"
+    return chunk
+
+
+@pytest.mark.parametrize("dp_ranks, want", [([0, 0, 1, 1], 2), ([0, 0, 0, 0], 1), ([0, 1, 2, 3], 4)])
+def test_actor_dp_size_is_the_number_of_parts_verl_dispatches(dp_ranks, want):
+    group = _group(dp_ranks)
+    assert va.actor_dp_size(group) == want
+    assert va.actor_dp_size(group) == want and group.queries == 1  # asked once, cached as verl caches it
+
+
+@pytest.mark.parametrize("n_rows", [1, 3, 5])
+def test_tp2_dp2_chunks_are_padded_to_dp_and_tp_peers_receive_the_same_rows(n_rows):
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
+    mapping = [0, 0, 1, 1]  # workers 0, 1: TP peers of DP rank 0; workers 2, 3: of DP rank 1
+    group = _group(mapping)
+    chunk = _chunk(group, n_rows)
+    assert chunk.batch_size[0] == n_rows + n_rows % 2  # a multiple of DP=2, not of the 4 workers
+    (split,), _ = _split_args_kwargs_data_proto(max(mapping) + 1, chunk)  # verl's split into its dp_size parts
+    coefs = [split[mapping[worker]][COEF_KEY] for worker in range(len(mapping))]
+    assert torch.equal(coefs[0], coefs[1]) and torch.equal(coefs[2], coefs[3])  # TP peers: the same rows
+    assert all(c.shape[0] == chunk.batch_size[0] // 2 for c in coefs)  # every DP rank runs as many rows
+    real = sorted(float(c) for c in torch.cat([coefs[0], coefs[2]]) if c != 0)
+    assert real == [0.5 + i for i in range(n_rows)]  # every trajectory exactly once over the DP ranks
+
+
+def test_a_layout_without_data_parallelism_adds_no_padding_row():
+    chunk = _chunk(_group([0, 0]), 3)  # TP2 (or PP2) with DP=1: 3 rows stay 3
+    assert chunk.batch_size[0] == 3 and bool((chunk[COEF_KEY] != 0).all())
+    assert _chunk(_group([0, 1]), 3).batch_size[0] == 4  # plain DP2: one zero-weight row, as verl needs
+
+
+def test_a_group_without_verls_dispatch_query_pads_to_its_worker_count():
+    class PlainGroup:  # e.g. a stand-in learner in the trainer's tests
+        world_size = 3
+
+    assert va.actor_dp_size(PlainGroup()) == 3
