@@ -3,7 +3,8 @@
 Each patch is listed, with the reason it exists and the upstream fix that would remove it, in
 ``patches/README.md``; ``APPLIED`` records which ones ran in a process. Where they apply:
 - CPU platform only (1, 2): ``apply_cpu_patches``, which the plugin calls only when the CPU
-  platform is active; a GPU machine never runs them.
+  platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
+  (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
 - Every platform (3, 4): the plugin applies them unconditionally. Neither changes what verl
   computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds.
 
