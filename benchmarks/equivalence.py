@@ -33,6 +33,14 @@ Why:
    as verl's loss rounds it (``gap_normaliser_matched``): what is left is the streaming machinery's
    own difference plus the micro-batch-composition noise the floor measures (streamed chunks of 1-4
    rows in arrival order); the rest of the plain gap is where the deferred normaliser is rounded.
+   A control runs verl's OWN update twice more, with every advantage multiplied by 16 and by 24
+   (``gap_verl_rescaled_over_floor``: x24 against x16, over the floor). Once 16 x the grad norm exceeds
+   verl's clip (1.0; checked and printed) both are clipped to the same step, mathematically, up to the
+   clip's eps (1e-6 / 48 / grad norm, printed). x16 rounds bit for bit as verl does, times a power of
+   two; x24 = x16 x 1.5 changes
+   only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
+   in each row's backward: the term the floor (same scalars, rows regrouped) never sees, and one a
+   streamed row (scalar A_i or 1, 1 / N applied at the barrier) cannot share with verl.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -83,15 +91,23 @@ def transposed_order(n_rows: int, micro: int) -> list[int]:
     return sorted(range(n_rows), key=lambda i: (i % stride, i))
 
 
-def grpo_steps(wg, batches, pad_id: int, micro: int, prescaled: bool = False) -> dict:
-    """``prescaled``: also the diagnostic stream with verl's rounding of 1/N (``prescaled_stream_step``)."""
-    steps = {"sync_a": [], "sync_b": [], "stream": []} | ({"stream_prescaled": []} if prescaled else {})
+CONTROL_POW2, CONTROL_OTHER = 16.0, 24.0  # advantage multipliers of the rescaling control (point 7)
+
+
+def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False) -> dict:
+    """``diagnostics``: also the stream with verl's rounding of 1/N (``prescaled_stream_step``) and verl's
+    update with the advantages x16 and x24 (the control of point 7)."""
+    kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other"] if diagnostics else [])
+    steps = {kind: [] for kind in kinds}
     for trajs, arrival in batches:
-        steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id))
+        in_order = list(range(len(trajs)))
+        steps["sync_a"].append(partial(sync_step, wg, trajs, in_order, pad_id))
         steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id))
-        if prescaled:
+        if diagnostics:
             steps["stream_prescaled"].append(partial(prescaled_stream_step, wg, trajs, arrival, pad_id))
+            steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_POW2))
+            steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_OTHER))
     return steps
 
 
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.algo == "opd":
             steps = opd_steps(wg, batches, pad_id, micro)
         else:
-            steps = grpo_steps(wg, batches, pad_id, micro, prescaled=megatron)
+            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron)
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
     finally:
         ray.shutdown()
@@ -192,13 +208,24 @@ def _report_opd_teacher(runs: dict, extra: dict) -> None:
           + ", ".join(f"{relative_gap(st, w):.3e}" for st, w in zip(ds, dw)))
 
 
-def _report_prescaled(runs: dict) -> dict:
-    """The stream with verl's rounding of 1/N: its gap to verl is the streaming machinery's own."""
-    da, dp_ = runs["sync_a"][0], runs["stream_prescaled"][0]
-    gaps = [relative_gap(p, a) for p, a in zip(dp_, da)]
+def _report_diagnostics(runs: dict) -> dict:
+    """The stream with verl's rounding of 1/N, and verl's own update with its loss scalars rounded otherwise."""
+    (da, info_a), db = runs["sync_a"], runs["sync_b"][0]
+    floors = [relative_gap(b, a) for b, a in zip(db, da)]
+    gaps = [relative_gap(p, a) for p, a in zip(runs["stream_prescaled"][0], da)]
+    (d_pow2, info_pow2), d_other = runs["sync_pow2"], runs["sync_other"][0]
+    control = [relative_gap(o, p) for o, p in zip(d_other, d_pow2)]
+    clipped = all(i["grad_norm"] > 1.0 for i in info_pow2)  # verl's clip: 1.0 (optim.clip_grad / actor.grad_clip)
+    eps = max(1e-6 * (1 / CONTROL_POW2 - 1 / CONTROL_OTHER) / i["grad_norm"] for i in info_a)
     print("  stream with 1/N rounded where verl rounds it (diagnostic), gap to verl per step: "
           + ", ".join(f"{g:.3e}" for g in gaps))
-    return {"gap_normaliser_matched": max(gaps)}
+    print(f"  control: verl's update with advantages x{CONTROL_OTHER:g} vs x{CONTROL_POW2:g} (grad norms "
+          + ", ".join(f"{i['grad_norm']:.3f}" for i in info_pow2)
+          + f": {'both clipped, the same step' if clipped else 'NOT all above the clip 1.0: no control'}; "
+          + f"clip eps term <= {eps:.1e}), gap (gap/floor) per step: "
+          + ", ".join(f"{g:.3e} ({g / f:.2f})" for g, f in zip(control, floors)))
+    return {"gap_normaliser_matched": max(gaps), "gap_verl_rescaled_over_floor": max(g / f for g, f in zip(control, floors)),
+            "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a)}
 
 
 def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
@@ -226,7 +253,7 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
               "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
     if args.engine == "megatron":
-        result.update(_report_prescaled(runs), distributed_optimizer=args.distributed_optimizer)
+        result.update(_report_diagnostics(runs), distributed_optimizer=args.distributed_optimizer)
         name = f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else "")
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)

@@ -9,7 +9,10 @@ Why:
 2. The streamed loss ignores verl's per-call ``batch_num_tokens`` and is multiplied by
    ``dp_size`` (``stream_loss.py``); Megatron averages over data-parallel ranks and verl's
    engine undoes the schedule's division by the micro-batch count, so each call adds exactly
-   ``sum_i coef_i * grad(sum_t w_{i,t} log pi)`` over all ranks' rows, as on FSDP2.
+   ``sum_i coef_i * grad(sum_t w_{i,t} log pi)`` over all ranks' rows, as on FSDP2. That round
+   trip (verl's loss x n, the schedule's / n, Megatron's loss scale 1 in fp32) seeds the backward
+   with fl(fl(1/n) * n): exactly 1 for every n <= 40 micro-batches (a streamed chunk of at most the
+   micro-batch size is n = 1), 1 - 2^-24 for 38 of the n <= 256, as in verl's own step.
 3. Buckets: a copy of the flat grad buffers (P / (TP x PP) values), or, with the distributed
    optimizer, the reduce-scattered region this rank keeps (P / (TP x PP x DP)); see ``grads.py``.
    A bucket backward sets the direct gradient aside (one copy, skipped while it is still zero).
