@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -156,11 +157,40 @@ def reporting_cost(run: dict) -> dict:
     return {"report_in_step_s": mean(in_step), "timeline_draw_cpu_s_moved": mean(drawn), "timelines_drawn": len(drawn)}
 
 
+def policy_params(model_path) -> int:
+    """Parameters of an HF folder's model (from its safetensors header, nothing loaded)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_path) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def reward_landing(run: dict, workload: str, time_scale: float) -> dict:
+    """From a trajectory's end in the agent loop to ThunderSync's driver having its reward: the verifier's own
+    latency (the configured model's mean) and the rest (reward loop, TransferQueue put, the driver's listing polls)."""
+    import random
+
+    from thundersync_verl.envs.latency import LatencyModel
+
+    recs = [json.loads(x) for x in open(run["run_dir"] / "grpo_thundersync.jsonl")]
+    land = sorted(r["t_reward"] - r["t_done"] for r in recs if r["kind"] == "trajectory" and r["step"] > 1)
+    shape = SHAPES["paper"]
+    cfg = ({"kind": "mixture"} if workload == "recorded" else
+           {"kind": "lognormal", "median_s": shape.reward_median_s, "sigma": shape.reward_sigma, "max_s": shape.reward_max_s})
+    model = LatencyModel.from_config({**cfg, "scale": env_scale(workload, time_scale)})
+    verifier = sum(model.sample_many(20000, random.Random(0))) / 20000
+    mean = sum(land) / max(len(land), 1)
+    return {"mean_s": round(mean, 3), "p90_s": round(land[int(0.9 * (len(land) - 1))], 3) if land else None,
+            "verifier_mean_s": round(verifier, 3), "rest_mean_s": round(mean - verifier, 3)}
+
+
 def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workload: str, rec: Path,
                time_scale: float, repeat: int, traces: Path) -> tuple[dict, dict]:
-    """Every mode once, back to back; traces in the simulator's schema under ``traces``."""
+    """Every mode once, back to back; traces in the simulator's schema under ``traces`` (with ``meta.json``)."""
     runs, rows = {}, {}
     traces.mkdir(parents=True, exist_ok=True)
+    (traces / "meta.json").write_text(json.dumps({"workload": workload, "time_scale": time_scale, "policy_model": str(
+        inputs["student"]), "policy_params": policy_params(inputs["student"])}) + "\n")
     for mode in modes_run:
         runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale)
         base = "sync" if mode == "sync_bypass" else mode
@@ -173,7 +203,7 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     return runs, rows
 
 
-def headline(rows: dict, runs: dict) -> dict:
+def headline(rows: dict, runs: dict, workload: str, time_scale: float) -> dict:
     out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
            "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
            "learner_busy": {m: round(r["learner_busy"], 3) for m, r in rows.items()},
@@ -191,6 +221,7 @@ def headline(rows: dict, runs: dict) -> dict:
         out["speedup_vs_sync_by_config"] = {m: round(rows[m]["step_time_s"] / ts, 3) for m in syncs}
         out["thundersync_over_lower_bound"] = round(ts / modes.thundersync_lower_bound(runs["thundersync"]), 3)
         out["reporting"] = reporting_cost(runs["thundersync"])
+        out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
     return out
 
 
@@ -227,7 +258,7 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
         traces = results_dir / f"traces_emulated_{workload}{'_quick' if args.quick else ''}" / f"r{r}"
         runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces)
         modes.print_table(rows, "grpo")
-        repeats.append(headline(rows, runs))
+        repeats.append(headline(rows, runs, workload, time_scale))
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound")}), flush=True)
     result = {"rollout": "emulated", "workload": workload, "steps": steps, "time_scale": time_scale,

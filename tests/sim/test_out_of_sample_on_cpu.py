@@ -1,0 +1,48 @@
+"""Out-of-sample replay: costs fitted on one trace predict the other modes' traces without refitting (CPU, no GPU).
+
+The traces here are synthetic (one cost model for every mode, ``simulate_validate.write_self_test_traces``), so an
+exact transfer must predict every other mode's step time; measured traces are what the benchmark is for.
+"""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+
+from thundersync_verl.sim.calibrate import Calibration, transferred
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_validate.py"  # a script, not a package
+
+
+@pytest.fixture(scope="module")
+def grpo_traces(tmp_path_factory):
+    validate = runpy.run_path(str(SCRIPT))
+    folder = tmp_path_factory.mktemp("traces")
+    validate["write_self_test_traces"](folder)
+    grpo = folder / "grpo"
+    grpo.mkdir()
+    for path in folder.glob("grpo_*.jsonl"):
+        shutil.move(str(path), grpo / path.name)
+    return validate, grpo
+
+
+@pytest.mark.parametrize("fit", ["grpo_sync.jsonl", "grpo_thundersync.jsonl"])
+def test_one_traces_costs_predict_the_other_modes(grpo_traces, fit):
+    validate, grpo = grpo_traces
+    out = validate["out_of_sample"](grpo / fit, [grpo])
+    assert len(out["per_target"]) == 3 and not any(fit in name for name in out["per_target"])
+    assert out["max_abs_rel_err_out_of_sample"] < 0.02
+
+
+def test_transferred_keeps_the_targets_configuration_and_takes_the_fits_system_costs():
+    own = Calibration(reward_timing=True, landing_s=0.0, step_gap_s=0.5, slots=64, partial_rollout=True,
+                      contention=2.0, contention_ops=9, rollout_contention=1.5, turn_latency_s=None)
+    fit = Calibration(reward_timing=False, landing_s=0.3, step_gap_s=0.01, slots=16, partial_rollout=False,
+                      contention=1.2, contention_ops=3, rollout_contention=1.0, turn_latency_s=0.2)
+    got = transferred(own, fit, fit_landing_s=0.3)
+    assert (got.slots, got.partial_rollout, got.turn_latency_s) == (64, True, None)
+    assert (got.reward_timing, got.landing_s, got.step_gap_s, got.contention, got.rollout_contention) == (
+        False, 0.3, 0.01, 1.2, 1.0)
