@@ -55,6 +55,7 @@ class _Learner:
 
     def stream_begin_batch(self, meta):
         self.calls.append(("begin", meta["loss_agg_mode"]))
+        self.meta = dict(meta)
 
     def stream_backward(self, chunk):
         if self.fail_on_chunk is not None and sum(c[0] == "backward" for c in self.calls) == self.fail_on_chunk:
@@ -70,26 +71,28 @@ class _Learner:
         return [{"grad_norm": 1.0, "lr": 1e-3}]
 
 
-def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True):
-    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4)
+def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True,
+          budget_buckets: int | None = None):
+    sizing = {} if budget_buckets is None else {"grad_numel": 1, "budget_bytes": 4 * (budget_buckets + 1)}
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4, **sizing)
     ctx = StepContext(
         worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
         make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
         forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=timeout_s, poll_s=0.001,
-        coalesce=coalesce, fused_forward=True)
+        coalesce=coalesce, fused_forward=True, memory_budget_bytes=None if budget_buckets is None else 4 * budget_buckets)
     return StreamedStep(ctx, GRPOArrivals(planner))
 
 
 REWARDS = {"a": [1.0, 0.0, 1.0], "b": [0.0, 0.0, 1.0]}
 
 
-@pytest.mark.parametrize("coalesce", [True, False])
-def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce):
+@pytest.mark.parametrize("coalesce,budget_buckets", [(True, None), (False, None), (True, 3)])
+def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce, budget_buckets):
     tq, learner = _TQ(), _Learner()
     for uid, rewards in REWARDS.items():
         for s, r in enumerate(rewards):
             tq.add(f"{uid}_{s}_0", r, visible_at=1 + 2 * s + (uid == "b"))  # the groups' members land interleaved
-    step = _step(tq, learner, ["a", "b"], 3, coalesce=coalesce)
+    step = _step(tq, learner, ["a", "b"], 3, coalesce=coalesce, budget_buckets=budget_buckets)
     out, state = step.run()
     metrics = step.metrics(out)
     assert sorted(state.keys) == sorted(f"{u}_{s}_0" for u in REWARDS for s in range(3))
@@ -105,7 +108,13 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
         elif call[0] == "fold":
             for key, coef in call[1].items():
                 effective += [coef] * bucket_rows.pop(key)
-    assert bucket_rows == {} and any(c[0] == "fold" for c in learner.calls)  # buckets were used, all folded
+    assert bucket_rows == {}  # every bucket folded
+    folds = sum(c[0] == "fold" for c in learner.calls)
+    assert folds > 0  # open groups streamed into buckets
+    if budget_buckets is not None:  # room for one open group's buckets: the other group's rows waited
+        assert metrics["thundersync/budget_waits"] > 0
+        assert learner.meta["memory_budget_bytes"] == 4 * budget_buckets
+        assert step.planner.memory()["peak_bytes"] <= 4 * (budget_buckets + 1)
     expected = []
     for rewards in REWARDS.values():  # verl's GRPO advantage: (r - mean) / (unbiased std + eps)
         r = torch.tensor(rewards)

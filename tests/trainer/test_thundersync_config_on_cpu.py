@@ -41,3 +41,28 @@ def test_the_shipped_thundersync_recipe_is_valid():
 def test_incompatible_settings_are_refused_naming_the_key(override, key):
     with pytest.raises(StreamingConfigError, match=key.replace(".", r"\.")):
         validate_thundersync_config(_cfg(override))
+
+
+def test_a_memory_budget_sizes_the_planner_to_the_learners_buckets():
+    from thundersync_verl.config import ThunderSyncConfig
+    from thundersync_verl.trainer.thundersync_trainer import build_planner
+
+    cfg = _cfg("thundersync.memory_budget_bytes=16000")  # rollout.n = 4 buckets of 4000 bytes
+    planner = build_planner(cfg, ThunderSyncConfig.from_verl(cfg), bucket_bytes=4000)
+    planner.begin_batch({"g": 4, "h": 4})
+    planner.arrive("g", "g0", 1.0, 3)
+    planner.arrive("h", "h0", 0.0, 3)
+    planner.next_ops()  # g opens (its bucket reserved); h waits: a second open group would exceed the budget
+    assert planner.ready_count == 1 and planner.memory()["reserved_bytes"] <= 16000 + 4000
+    unbudgeted = _cfg()
+    assert build_planner(unbudgeted, ThunderSyncConfig.from_verl(unbudgeted)) is not None
+
+
+def test_a_memory_budget_too_small_for_one_group_is_refused_naming_the_key():
+    from thundersync_verl.config import ThunderSyncConfig
+    from thundersync_verl.trainer.thundersync_trainer import build_planner
+
+    cfg = _cfg("thundersync.memory_budget_bytes=4000")
+    with pytest.raises(StreamingConfigError, match=r"thundersync.memory_budget_bytes=4000 cannot hold one open group"
+                                                   r"(.|\n)*one bucket = 4000 bytes(.|\n)*fix: raise thundersync.memory_budget_bytes to at least 4 x 4000"):
+        build_planner(cfg, ThunderSyncConfig.from_verl(cfg), bucket_bytes=4000)

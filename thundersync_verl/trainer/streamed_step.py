@@ -61,6 +61,7 @@ class StepContext:
     poll_s: float  # thundersync.poll_s
     coalesce: bool  # thundersync.coalesce
     fused_forward: bool  # thundersync.learner_forward == "fused"
+    memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
 
 
 @dataclass
@@ -76,6 +77,7 @@ class StepState:
     kl_sum: float = 0.0  # OPD: log pi - log p_teacher summed over scored tokens, from the backwards
     kl_tokens: float = 0.0
     rollout_makespan_s: float = 0.0
+    budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
 
 
 @dataclass
@@ -123,17 +125,23 @@ class StreamedStep:
         trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
         self.source = ArrivalSource(trajectories, algo.begin(ctx))
         self.pipe = ctx.make_pipeline(self._op_done)
+        self._held = 0  # ready rows the last plan could not place
 
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
         ctx, planner = self.ctx, self.planner
-        ctx.worker_group.stream_begin_batch({"loss_agg_mode": planner.loss_agg_mode})
+        meta = {"loss_agg_mode": planner.loss_agg_mode}
+        if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
+            meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
+        ctx.worker_group.stream_begin_batch(meta)
         try:
             while not self.source.done or planner.ready_count:
                 self._admit(self._wait())
                 if ctx.coalesce and not self._plan_now():
                     continue
                 ops = planner.next_ops()
+                self._held = planner.ready_count  # rows left: held back by the memory budget
+                self.state.budget_waits += bool(self._held)
                 for op in ops:
                     self.pipe.submit(op, self.state.rows)
                 if not ops and self.source.done:
@@ -157,14 +165,23 @@ class StreamedStep:
         if math.isfinite(state.lp_gap):
             metrics["training/rollout_logprob_diff_max"] = state.lp_gap
         metrics.update(self.ctx.recorder.finish_step(out, self.planner.memory()))
+        first = out[0] if isinstance(out, list) else out
+        metrics["thundersync/peak_bucket_bytes"] = first.get("thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0))
+        metrics["thundersync/budget_waits"] = state.budget_waits
         metrics.update(self.algo.metrics(self.state, self.ctx))
         return metrics
 
     # ----- stages ---------------------------------------------------------------------------
     def _plan_now(self) -> bool:
-        """Plan while the learner is idle, for a full chunk, or at the end; else arrivals share the next chunk."""
+        """Plan while the learner is idle, for a full chunk, or at the end; else arrivals share the next chunk.
+
+        Rows the last plan held back (their buckets did not fit the memory budget) can only run once
+        something new lands (a group closing frees its buckets), so they alone never trigger a plan.
+        """
         ready = self.planner.ready_count
-        return ready > 0 and (self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done)
+        if ready == 0 or (ready <= self._held and not self.source.done):
+            return False
+        return self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done
 
     def _wait(self) -> Arrivals:
         """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go."""

@@ -81,6 +81,38 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
     return ts
 
 
+def build_planner(config, ts: ThunderSyncConfig, *, bucket_bytes: int | None = None):
+    """OPD's turn planner, or GRPO's stream planner under ``thundersync.memory_budget_bytes``.
+
+    The budget bounds the bucket bytes one learner rank holds at once (``bucket_bytes``: one bucket,
+    a full local gradient shard of this learner). The planner counts the batch gradient as one buffer
+    too, so its budget is the buckets' plus one buffer; a group whose buckets do not fit waits, and a
+    budget that cannot hold even one open group is refused here, before any work, naming the key.
+    """
+    if opd_enabled(config):
+        return validate_opd_config(config, max_chunk_size=ts.chunk_size)
+    sizing, n = {}, int(config.actor_rollout_ref.rollout.n)
+    if ts.memory_budget_bytes is not None:
+        if not bucket_bytes:
+            raise ValueError("build_planner: a memory budget needs the learner's bucket size (bucket_bytes)")
+        sizing = {"grad_numel": max(int(bucket_bytes) // 4, 1), "budget_bytes": int(ts.memory_budget_bytes) + int(bucket_bytes)}
+    try:
+        planner = StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=ts.chunk_size, **sizing)
+        if sizing:  # one group of the run's size must fit: found now, not at the first batch (dropped by the next begin)
+            planner.begin_batch({"budget probe": n})
+        return planner
+    except StreamingConfigError as exc:
+        if not sizing:
+            raise
+        raise StreamingConfigError(rule_message(
+            f"thundersync.memory_budget_bytes={ts.memory_budget_bytes} cannot hold one open group's buckets on this "
+            f"learner (one bucket = {bucket_bytes} bytes: a local gradient shard)",
+            f"a group keeps its members' gradients in buckets until its last reward lands ({exc.args[0].splitlines()[0]})",
+            f"raise thundersync.memory_budget_bytes to at least {n} x {bucket_bytes} = {n * int(bucket_bytes)} bytes "
+            "(the worst case: each of a group's rollout.n members with its own reward bucket), shard the parameters "
+            "over more ranks, or set it to null (unbudgeted)")) from exc
+
+
 @api.register_trainer("thundersync")
 class ThunderSyncTrainer(api.PPOTrainer):
     _enable_hybrid_replicas = False  # rollout lives on its own pool (read by PPOTrainer._setup)
@@ -89,9 +121,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.ts = validate_thundersync_config(config)
         super().__init__(config)
         self.opd = opd_enabled(config)
-        chunk = self.ts.chunk_size  # one planner for the run; each batch begins on it
-        self.planner = (validate_opd_config(config, max_chunk_size=chunk) if self.opd
-                        else StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=chunk))
+        self.planner = None  # one planner for the run, built once the learner exists (on_init_end)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(self.ts.run_dir, mode="thundersync", algo="opd" if self.opd else "grpo",
                                      n_rollout_slots=n_slots)
@@ -122,7 +152,15 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     # -- hooks -----------------------------------------------------------------------------
     def on_init_end(self):
+        self.planner = self._build_planner()
         self.rollout_checkpoint.update_weights(self.global_steps)
+
+    def _build_planner(self):
+        """The run's planner, GRPO's sized to this learner's buckets (``build_planner``)."""
+        bucket = None
+        if not self.opd and self.ts.memory_budget_bytes is not None:
+            bucket = max(int(m["stream/buffer_bytes"]) for m in self.actor_rollout_wg.stream_memory())
+        return build_planner(self.config, self.ts, bucket_bytes=bucket)
 
     def prepare_step(self) -> dict:
         batch = self._next_train_batch()
@@ -164,7 +202,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
                 on_done=on_done, depth=ts.pipeline_depth),
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
-            fused_forward=ts.learner_forward == "fused")
+            fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes)
 
     def _forward_at_theta_k(self, keys: list, tags: list) -> dict:
         """``learner_forward=separate``: verl's old-log-prob forward for trajectories as they land.
