@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thundersync_verl.verl_patches import when_imported
+from thundersync_verl.patch_hooks import when_imported
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 CHECKPOINT_ENGINE_MODULE = "verl.checkpoint_engine.base"

@@ -27,57 +27,11 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
-from typing import Callable
+
+from thundersync_verl.patch_hooks import APPLIED, when_imported  # noqa: F401 (re-exported: the patch record)
 
 logger = logging.getLogger(__name__)
-APPLIED: list[str] = []
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs callbacks right after a named module finishes executing."""
-
-    def __init__(self) -> None:
-        self.hooks: dict[str, list[Callable]] = {}
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self.hooks:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                loader, callbacks = spec.loader, self.hooks.pop(fullname)
-
-                class _Loader(importlib.abc.Loader):
-                    def create_module(self, spec):
-                        return loader.create_module(spec)
-
-                    def exec_module(self, module):
-                        loader.exec_module(module)
-                        for cb in callbacks:
-                            cb(module)
-
-                spec.loader = _Loader()
-                return spec
-        return None
-
-
-_finder = _PostImportFinder()
-
-
-def when_imported(module_name: str, callback: Callable) -> None:
-    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
-    if module_name in sys.modules:
-        callback(sys.modules[module_name])
-        return
-    _finder.hooks.setdefault(module_name, []).append(callback)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
 
 
 def normalise_backend(backend):

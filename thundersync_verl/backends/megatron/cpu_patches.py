@@ -7,7 +7,7 @@ Why:
 2. They are applied from the CPU platform path (``verl_patches.apply_cpu_patches``) through
    post-import hooks, so a process that never imports Megatron pays nothing, and a GPU machine
    never runs any of them.
-3. The patches (names as recorded in ``verl_patches.APPLIED``):
+3. The patches (names as recorded in ``patch_hooks.APPLIED``):
    ``mcore_engines_on_cpu``  register verl's Megatron engines for device ``cpu``; every engine
                              entry point runs with the CUDA->CPU device mode (``cpu_device``)
    ``mcore_cuda_shims``      ``torch.cuda.current_device`` / ``synchronize`` get CPU meanings
@@ -43,7 +43,7 @@ LOCAL_TO_TE_NAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.laye
 
 
 def _record(name: str) -> None:
-    from thundersync_verl.verl_patches import APPLIED
+    from thundersync_verl.patch_hooks import APPLIED
 
     if name not in APPLIED:
         APPLIED.append(name)
@@ -159,7 +159,7 @@ def apply() -> None:
     """Install every patch (post-import hooks; no-op on a machine with an accelerator)."""
     if torch.cuda.is_available():
         return
-    from thundersync_verl.verl_patches import when_imported
+    from thundersync_verl.patch_hooks import when_imported
 
     if cpu_device.install_cuda_shims():
         _record("mcore_cuda_shims")
