@@ -14,14 +14,18 @@ Why:
    sender's and asks for a full push when they differ (a restart on either side); each receiver
    verifies the checksum and the chain before writing, and a refusal is logged, counted and
    repaired within the same push by a full resend of that shard.
-4. The receiver hands the server adapter the parameters that changed (all of them after a full
+4. ``$THUNDERSYNC_SPARSE_SYNC_LOG`` (benchmarks): each sender shard appends its per-push metrics
+   (density, bytes, full or not and why) to that file as JSON lines.
+5. The receiver hands the server adapter the parameters that changed (all of them after a full
    push) as full tensors in the rollout dtype, so any rollout that loads named tensors (hf_cpu,
    vLLM, SGLang) takes the update unchanged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any, AsyncGenerator
 
 import torch
@@ -33,6 +37,7 @@ from thundersync_verl.backends.sparse_sync.state import (DEFAULT_BUCKET_BYTES, D
 
 logger = logging.getLogger(__name__)
 BACKEND_NAME = "sparse_sync"
+PUSH_LOG_ENV = "THUNDERSYNC_SPARSE_SYNC_LOG"  # a file: each sender shard appends one JSON line per push
 GROUP_NAME = "thundersync_sparse_sync"
 
 
@@ -145,7 +150,14 @@ class SparseSyncCore:
         self.encoder.commit(payload)
         self.counters["pushes"] += 1
         self.counters["full_pushes"] += int(payload.full)
-        return self._metrics(stats, payload, bool(refused))
+        metrics = self._metrics(stats, payload, bool(refused))
+        logger.info("sparse_sync push v=%s shard %s: density %.5f, %d of %d bytes, full=%s %s", global_steps,
+                    payload.shard, stats.density, payload.nbytes, stats.dense_bytes, payload.full, payload.reason)
+        if os.environ.get(PUSH_LOG_ENV):
+            with open(os.environ[PUSH_LOG_ENV], "a") as f:
+                f.write(json.dumps({"version": global_steps, "shard": payload.shard, "reason": payload.reason,
+                                    **metrics}) + "\n")
+        return metrics
 
     def _metrics(self, stats, payload, resent: bool) -> dict:
         prefix = "checkpoint_engine/sparse_sync"
