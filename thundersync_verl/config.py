@@ -258,19 +258,27 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
 
         A missing or null section gives the defaults (the values the shipped recipes set).
         """
-        if isinstance(config, cls):
-            return config
-        section = config.get("thundersync") if isinstance(config, Mapping) or hasattr(config, "get") else None
-        if isinstance(section, cls):
-            return section
-        from omegaconf import OmegaConf
+        return section_of(config, cls, "thundersync", "it holds the streaming trainer's settings")
 
-        if OmegaConf.is_config(section):
-            section = OmegaConf.to_container(section, resolve=True)
-        if section is None:
-            return cls()
-        if not isinstance(section, Mapping):
-            raise StreamingConfigError(rule_message(
-                f"thundersync must be a mapping of keys, got {section!r}", "it holds the streaming trainer's settings",
-                f"write thundersync as a section with any of the keys {sorted(cls.key_docs())}"))
-        return cls.from_mapping(section)
+
+def section_of(config: Any, cls, name: str, purpose: str):
+    """The top-level section ``name`` of a run's config (OmegaConf or plain mapping) as ``cls``, typed.
+
+    A missing or null section gives the defaults; ``purpose`` says in an error what the section is for.
+    """
+    if isinstance(config, cls):
+        return config
+    section = config.get(name) if isinstance(config, Mapping) or hasattr(config, "get") else None
+    if isinstance(section, cls):
+        return section
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(section):
+        section = OmegaConf.to_container(section, resolve=True)
+    if section is None:
+        return cls()
+    if not isinstance(section, Mapping):
+        raise StreamingConfigError(rule_message(
+            f"{name} must be a mapping of keys, got {section!r}", purpose,
+            f"write {name} as a section with any of the keys {sorted(cls.key_docs())}"))
+    return cls.from_mapping(section)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.config import (_Refused, _Section, _choice, _integer, _key, _number, _optional, _path,
+from thundersync_verl.config import (section_of, _Refused, _Section, _choice, _integer, _key, _number, _optional, _path,
                                      _section)
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 
@@ -80,19 +80,4 @@ class SWEConfig(_Section, va.base_config_cls()):
     @classmethod
     def from_verl(cls, config: Any) -> "SWEConfig":
         """The ``swe`` section of a run's config (OmegaConf or plain mapping), typed; absent gives the defaults."""
-        if isinstance(config, cls):
-            return config
-        section = config.get("swe") if isinstance(config, Mapping) or hasattr(config, "get") else None
-        if isinstance(section, cls):
-            return section
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(section):
-            section = OmegaConf.to_container(section, resolve=True)
-        if section is None:
-            return cls()
-        if not isinstance(section, Mapping):
-            raise StreamingConfigError(rule_message(
-                f"swe must be a mapping of keys, got {section!r}", "it holds the SWE agent loop's settings",
-                f"write swe as a section with any of the keys {sorted(cls.key_docs())}"))
-        return cls.from_mapping(section)
+        return section_of(config, cls, "swe", "it holds the SWE agent loop's settings")
