@@ -18,7 +18,6 @@ from typing import Any, Callable, ClassVar
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.config import (section_of, _Refused, _Section, _choice, _integer, _key, _number, _optional, _path,
                                      _section)
-from thundersync_verl.core.errors import StreamingConfigError  # noqa: F401 (named in the docstring)
 
 SANDBOXES = ("local", "docker")
 DEFAULT_TEST_COMMAND = "python -m pytest -rA --tb=no -q -p no:cacheprovider"
