@@ -42,8 +42,10 @@ from thundersync_verl.backends.replay.synthesize import SHAPES
 from thundersync_verl.results import write_result
 
 WORKLOADS = ("recorded", "paper")
-# --calibrate on Sync in bypass mode alone (modes_emulated_calibration_<workload>.json), nearest 0.495:
-TIME_SCALE = {"recorded": 2.0, "paper": 0.3}
+# --calibrate on Sync in bypass mode alone (modes_emulated_calibration_<workload>.json), 6 steps: recorded 1.0 -> wait
+# share 0.542, 2.0 -> 0.606; paper 0.2 -> 0.538, 0.35 -> 0.616. Generation/learner time is linear in the scale, so
+# 0.495 is at 0.43 (recorded) and 0.14 (paper); the comparison runs report the share they measured.
+TIME_SCALE = {"recorded": 0.43, "paper": 0.14}
 EMULATED_MODES = ("sync_bypass", "thundersync", "sync", "async", "fully_async")
 BYPASS = ["algorithm.rollout_correction.bypass_mode=true"]
 # The paper workload's policy: the model factory's larger tiny architecture (the teacher's: 1.9 M parameters,
@@ -106,14 +108,25 @@ def replay_overrides(rec: Path, time_scale: float) -> list[str]:
 
 def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, rec: Path, time_scale: float,
                tag: str = "", extra: list[str] | None = None, env: dict | None = None) -> dict:
-    base = "sync" if mode == "sync_bypass" else mode
+    base, tag = ("sync", tag + "_bypass") if mode == "sync_bypass" else (mode, tag)
+    rewards = work / (base + tag) / REWARD_LOG  # the run's folder (modes.run_mode), emptied of *.jsonl at its start
     extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
-             + list(extra or []))
+             + reward_log_overrides(rewards) + list(extra or []))
     load0 = _load()
-    run = modes.run_mode(base, steps, inputs, work, latency_scale=env_scale(workload, time_scale),
-                         tag=(tag + "_bypass" if mode == "sync_bypass" else tag), extra=extra, env_extra=env)
+    run = modes.run_mode(base, steps, inputs, work, latency_scale=env_scale(workload, time_scale), tag=tag, extra=extra,
+                         env_extra=env)
     run["load_1min"] = [load0, _load()]
     return run
+
+
+REWARD_LOG = "rewards.jsonl"
+
+
+def reward_log_overrides(path: Path) -> list[str]:
+    """The task's real verifier, wrapped by the replay recorder: each call's start and end go to ``path``."""
+    fn = "reward.custom_reward_function"
+    return [f"{fn}.path=pkg://thundersync_verl.backends.replay.record", f"{fn}.name=record_compute_score_async",
+            f"+{fn}.reward_kwargs.record_path={path}"]
 
 
 # ----- step-1 update gap (point 5) ----------------------------------------------------------------
@@ -166,8 +179,9 @@ def policy_params(model_path) -> int:
 
 
 def reward_landing(run: dict, workload: str, time_scale: float) -> dict:
-    """From a trajectory's end in the agent loop to ThunderSync's driver having its reward: the verifier's own
-    latency (the configured model's mean) and the rest (reward loop, TransferQueue put, the driver's listing polls)."""
+    """From a trajectory's end in the agent loop to ThunderSync's driver having its reward: the verifier call as
+    measured (the recorder around it; the configured latency model's mean beside it) and the rest (the agent
+    loop's post-processing, the reward-loop hop, the TransferQueue put, the driver's listing polls and fetches)."""
     import random
 
     from thundersync_verl.envs.latency import LatencyModel
@@ -179,9 +193,12 @@ def reward_landing(run: dict, workload: str, time_scale: float) -> dict:
            {"kind": "lognormal", "median_s": shape.reward_median_s, "sigma": shape.reward_sigma, "max_s": shape.reward_max_s})
     model = LatencyModel.from_config({**cfg, "scale": env_scale(workload, time_scale)})
     verifier = sum(model.sample_many(20000, random.Random(0))) / 20000
+    calls = [json.loads(x) for x in open(run["run_dir"] / REWARD_LOG)][1:] if (run["run_dir"] / REWARD_LOG).is_file() else []
+    call_s = sum(r["landed_s"] - r["start_s"] for r in calls) / max(len(calls), 1) if calls else None
     mean = sum(land) / max(len(land), 1)
     return {"mean_s": round(mean, 3), "p90_s": round(land[int(0.9 * (len(land) - 1))], 3) if land else None,
-            "verifier_mean_s": round(verifier, 3), "rest_mean_s": round(mean - verifier, 3)}
+            "verifier_model_mean_s": round(verifier, 3), "verifier_call_mean_s": None if call_s is None else round(call_s, 3),
+            "rest_mean_s": round(mean - (verifier if call_s is None else call_s), 3)}
 
 
 def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workload: str, rec: Path,
@@ -194,7 +211,7 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     for mode in modes_run:
         runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale)
         base = "sync" if mode == "sync_bypass" else mode
-        rows[mode] = modes.summarise(base, runs[mode])
+        rows[mode] = with_medians(modes.summarise(base, runs[mode]), runs[mode])
         rows[mode]["load_1min"] = runs[mode]["load_1min"]
         if mode == "thundersync":
             (traces / "grpo_thundersync.jsonl").write_text((runs[mode]["run_dir"] / "grpo_thundersync.jsonl").read_text())
@@ -203,8 +220,19 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     return runs, rows
 
 
+def with_medians(row: dict, run: dict) -> dict:
+    """Step time and Sync wait share as the median over the timed steps (the mean is kept beside): a load spike
+    from other processes on the shared machine (one Sync step's update_actor took 80 s instead of 7 s) must not
+    decide a ratio."""
+    timed = [run["per_step"][s] for s in sorted(run["per_step"])[1:]] or list(run["per_step"].values())
+    return dict(row, step_time_mean_s=row["step_time_s"], wait_share_mean=row["wait_share"],
+                step_time_s=statistics.median(m["timing_s/step"] for m in timed),
+                wait_share=statistics.median(m.get("timing_s/gen", 0.0) / m["timing_s/step"] for m in timed))
+
+
 def headline(rows: dict, runs: dict, workload: str, time_scale: float) -> dict:
     out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
+           "step_time_mean_s": {m: round(r["step_time_mean_s"], 3) for m, r in rows.items()},
            "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
            "learner_busy": {m: round(r["learner_busy"], 3) for m, r in rows.items()},
            "final_reward": {m: round(r["final_reward"], 3) for m, r in rows.items()},
@@ -232,7 +260,7 @@ def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workloa
     for scale in scales:
         run = run_replay("sync_bypass", steps, inputs, work / "emulated" / "calibrate", workload, rec, scale,
                          tag=f"_scale{scale}")
-        row = modes.summarise("sync", run)
+        row = with_medians(modes.summarise("sync", run), run)
         shares[str(scale)] = {"sync_learner_wait_share": round(row["wait_share"], 3),
                               "step_time_s": round(row["step_time_s"], 3), "load_1min": run["load_1min"]}
         print(f"[calibrate] {workload} time scale {scale}: Sync (bypass) wait share {row['wait_share']:.3f}, "
