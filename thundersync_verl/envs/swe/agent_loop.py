@@ -2,7 +2,7 @@
 
 1. Registered with verl's ``@register`` like the embedded tool agent (``envs/agent_loop.py``), so any
    trainer mode that runs verl's AgentLoopWorker runs it; rows select it with ``agent_name``.
-2. Per trajectory: a workspace from ``swe.sandbox`` (``sandbox.py``) whose start-up is launched when the
+2. Per trajectory: a workspace from ``swe.sandbox`` (``backends.py``) whose start-up is launched when the
    trajectory starts and awaited at the first tool call, so it overlaps the first generation. Each turn
    generates on the rollout server, runs the one tool it calls (``tools.py``) and appends the tool turn
    with response_mask 0 (observations are not trained on, as in verl's tool agent). The loop ends on
