@@ -153,8 +153,9 @@ def test_constructor_rules():
 
 GOOD = dict(ppo_epochs=1, ppo_mini_batch_size=32, train_batch_size=32, rollout_n=8)
 CONFIG_CASES = {
-    "epochs": (dict(ppo_epochs=2), "actor_rollout_ref.actor.ppo_epochs"),
-    "mini-batches": (dict(ppo_mini_batch_size=8), "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    "epochs": (dict(ppo_epochs=0), "actor_rollout_ref.actor.ppo_epochs"),
+    "mini-batches": (dict(ppo_mini_batch_size=12), "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    "mini-batch above the batch": (dict(ppo_mini_batch_size=64), "actor_rollout_ref.actor.ppo_mini_batch_size"),
     "agg mode": (dict(loss_agg_mode="seq-mean"), "actor_rollout_ref.actor.loss_agg_mode"),
     "sum-norm divisor": (dict(loss_agg_mode="seq-mean-token-sum-norm"), "actor_rollout_ref.actor.loss_scale_factor"),
     "policy loss": (dict(policy_loss_mode="clip_cov"), "actor_rollout_ref.actor.policy_loss.loss_mode"),
@@ -181,6 +182,8 @@ def test_validate_streaming_config_names_the_verl_key(name):
 def test_validate_streaming_config_accepts_and_derives_settings():
     s = validate_streaming_config(**GOOD)
     assert s.estimator.name == "grpo" and s.ratio_is_one and not s.sign_buckets
+    s = validate_streaming_config(**{**GOOD, "ppo_mini_batch_size": 8, "ppo_epochs": 3})  # 4 mini-batches x 3 epochs
+    assert s.ratio_is_one
     s = validate_streaming_config(**GOOD, adv_estimator="rloo", rollout_is="sequence", rollout_is_threshold="0.5_2.0")
     assert s.estimator.name == "rloo" and (s.rollout_is_lower, s.rollout_is_upper) == (0.5, 2.0)
     s = validate_streaming_config(**GOOD, bypass_mode=True, sign_buckets=True)

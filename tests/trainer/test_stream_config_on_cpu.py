@@ -38,8 +38,8 @@ def test_a_streamable_grpo_config_gives_settings_and_a_planner(grpo_config):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({f"{ACTOR}.ppo_epochs": 2}, "ppo_epochs=2 must be 1"),
-        ({f"{ACTOR}.ppo_mini_batch_size": 4}, "one mini-batch per batch"),
+        ({f"{ACTOR}.ppo_epochs": 0}, "ppo_epochs=0 must be a positive int"),
+        ({f"{ACTOR}.ppo_mini_batch_size": 3}, "ppo_mini_batch_size=3 must divide data.train_batch_size=8"),
         ({"algorithm.adv_estimator": "gae"}, "not a group-wise outcome estimator"),
         ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "not supported for streaming"),
         ({f"{ACTOR}.use_kl_loss": True}, "policy-gradient term only"),
@@ -57,7 +57,8 @@ def test_settings_that_break_exactness_are_refused_naming_the_key(grpo_config, c
 def test_worker_side_validation_uses_the_batch_meta(grpo_config):
     arr = grpo_config.actor_rollout_ref  # what a worker holds: no data/algorithm sections
     assert settings_from_verl_config(arr, train_batch_size=8).loss_agg_mode == "token-mean"
-    with pytest.raises(StreamingConfigError, match="one mini-batch per batch"):
-        settings_from_verl_config(arr, train_batch_size=16)  # two mini-batches: two optimizer steps
+    assert settings_from_verl_config(arr, train_batch_size=16).loss_agg_mode == "token-mean"  # two mini-batches
+    with pytest.raises(StreamingConfigError, match="must divide data.train_batch_size=12"):
+        settings_from_verl_config(arr, train_batch_size=12)  # 1.5 mini-batches
     with pytest.raises(StreamingConfigError, match="asks for loss_agg_mode"):
         settings_from_verl_config(arr, loss_agg_mode="seq-mean-token-mean")

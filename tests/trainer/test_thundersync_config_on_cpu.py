@@ -24,8 +24,8 @@ def test_the_shipped_thundersync_recipe_is_valid():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("actor_rollout_ref.actor.ppo_epochs=2", "ppo_epochs"),
-        ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "ppo_mini_batch_size"),
+        ("actor_rollout_ref.actor.ppo_epochs=0", "ppo_epochs"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
         ("actor_rollout_ref.hybrid_engine=true", "hybrid_engine"),
         ("actor_rollout_ref.actor.use_kl_loss=true", "use_kl_loss"),
         ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff"),

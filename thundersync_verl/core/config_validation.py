@@ -1,9 +1,11 @@
 """Check, from plain values, that a verl configuration can be streamed exactly.
 
 Why:
-1. Streaming is exact only when one batch makes exactly one optimizer step at the weights the
-   batch was sampled with. A few verl settings break that silently (several PPO epochs, several
-   mini-batches, PPO's clip against rollout log-probs); they must be refused before training.
+1. Streaming is exact only for settings whose update it reproduces: one optimizer step per
+   mini-batch on a whole number of complete groups (several mini-batches and PPO epochs stream,
+   ``trainer/minibatch_plan.py``), a linear policy term at ratio 1 for the first mini-batch. A few
+   verl settings break that silently (batch statistics in the loss, PPO's clip against rollout
+   log-probs at ratio != 1); they must be refused before training.
 2. The function takes plain Python values, not a verl or omegaconf object, so the core stays
    importable without verl; the trainer reads the values from its config and passes them in.
    Every error names the verl config key to change.
@@ -68,22 +70,22 @@ def parse_is_threshold(threshold: object) -> tuple[float, float | None]:
 
 
 def _check_steps(ppo_epochs: int, ppo_mini_batch_size: int, train_batch_size: int, rollout_n: int) -> None:
+    """Several mini-batches and epochs stream (``trainer/minibatch_plan.py``); the partition must be exact.
+
+    verl cuts the batch into train_batch_size / ppo_mini_batch_size equal mini-batches (one optimizer
+    step each) and repeats them ppo_epochs times; the first mini-batch streams at ratio 1, later ones
+    run verl's PPO ratio and clip against the batch's log-probs.
+    """
     _positive_int("data.train_batch_size", train_batch_size)
     _positive_int("actor_rollout_ref.rollout.n", rollout_n)
-    if _positive_int(f"{_ACTOR}.ppo_epochs", ppo_epochs) != 1:
+    _positive_int(f"{_ACTOR}.ppo_epochs", ppo_epochs)
+    mini = _positive_int(f"{_ACTOR}.ppo_mini_batch_size", ppo_mini_batch_size)
+    if mini > train_batch_size or train_batch_size % mini:
         _fail(
-            f"{_ACTOR}.ppo_epochs={ppo_epochs} must be 1 for streaming",
-            "epochs after the first use weights that the earlier epochs changed, so their gradients "
-            "cannot be computed while the batch is still being generated",
-            f"set {_ACTOR}.ppo_epochs=1",
-        )
-    if _positive_int(f"{_ACTOR}.ppo_mini_batch_size", ppo_mini_batch_size) != train_batch_size:
-        _fail(
-            f"{_ACTOR}.ppo_mini_batch_size={ppo_mini_batch_size} must equal data.train_batch_size="
-            f"{train_batch_size} (one mini-batch per batch)",
-            "each extra mini-batch is an extra optimizer step; later mini-batches need the weights "
-            "that earlier ones produced",
-            f"set {_ACTOR}.ppo_mini_batch_size={train_batch_size}",
+            f"{_ACTOR}.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_batch_size}",
+            "each mini-batch is a whole number of complete prompt groups and one optimizer step; "
+            "verl's own mini-batch iterator needs an exact split too",
+            f"set {_ACTOR}.ppo_mini_batch_size to a divisor of {train_batch_size} (e.g. {train_batch_size})",
         )
 
 

@@ -210,6 +210,23 @@ class StreamPlanner:
         self._acc.add_chunk_grad(plan, [None], list(tokens))
         return BackwardOp(tuple(plan.items), coefs, dest, tokens)
 
+    # ----- mini-batches (minibatch_plan.py) ------------------------------------------------
+    def withdraw(self, keep_groups) -> list[Item]:
+        """Take back the ready trajectories whose group is not in ``keep_groups``; returns them.
+
+        Mini-batch 1 of a several-step batch is sealed with its own groups: the other groups' rows
+        run later, at the weights of their own mini-batch (``MiniBatchPlanner``).
+        """
+        keep = set(keep_groups)
+        taken = [item for item in self._ready if item[0] not in keep]
+        self._ready = [item for item in self._ready if item[0] in keep]
+        return taken
+
+    def end_batch(self) -> None:
+        """Drop the batch's bookkeeping without a barrier (the shadow holds no gradient)."""
+        if self._acc.batch_open:
+            self._acc.abort_batch()
+
     # ----- barrier ------------------------------------------------------------------------
     def finalize(self) -> FinalizeOp:
         """The deferred normaliser, once every group is folded and every trajectory planned."""
