@@ -17,6 +17,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from thundersync_verl import faults
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.latency import LatencyModel
 from thundersync_verl.envs.sandbox import SandboxResult, run_python_async
@@ -66,7 +67,7 @@ class PythonTool:
                 await asyncio.sleep(latency_s)
             return ToolOutcome(protocol.tool_response_text(protocol.RETRY_ERROR_TEXT), "retry", latency_s)
         result = await run_python_async(
-            call.code,
+            faults.tool_code(call.code) if faults.ACTIVE else call.code,  # $THUNDERSYNC_FAULTS: sandbox_kill
             timeout_s=self.timeout_s,
             mem_mb=self.mem_mb,
             max_output_bytes=self.max_output_bytes,

@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from thundersync_verl import faults
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.sandbox import run_blocking, run_python_async
 
@@ -106,6 +107,8 @@ async def verify_async(
     ``program`` replaces the check program (tests use it to simulate broken verifiers).
     """
     started = time.perf_counter()
+    if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: verifier_raise / verifier_hang
+        program = faults.verifier_program(program)
     try:
         result = await run_python_async(
             program, stdin=_job(response_text, ground_truth), timeout_s=timeout_s, extra_latency_s=extra_latency_s

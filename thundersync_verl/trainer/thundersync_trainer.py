@@ -28,11 +28,13 @@ import time
 
 import ray
 
+from thundersync_verl import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.agent.turn_teacher import attach_teacher_clients
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.core.errors import rule_message
+from thundersync_verl.trainer import resume
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
@@ -126,6 +128,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.recorder = StepRecorder(self.ts.run_dir, mode="thundersync", algo="opd" if self.opd else "grpo",
                                      n_rollout_slots=n_slots)
         self._batch_uids: list[str] = []
+        self.run_state = resume.RunState()  # counters kept across restarts (trainer/resume.py)
 
     # -- setup -----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
@@ -183,11 +186,37 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int):
         step = StreamedStep(self._step_context(), self._step_algorithm())
         with api.marked_timer("stream", timing_raw, color="red"):
-            out, state = step.run()
+            try:
+                out, state = step.run()
+            except ray.exceptions.RayActorError as exc:
+                raise resume.learner_lost(self.global_steps, exc, self.config) from exc
         timing_raw["gen"] = state.rollout_makespan_s  # verl's name for the rollout's makespan
         metrics.update(step.metrics(out))
+        if self.run_state.count_step(out):
+            logger.warning("step %s: non-finite gradient norm, the optimizer step was skipped", self.global_steps)
+        metrics.update(self.run_state.metrics())
         batch = api.KVBatchMeta(partition_id="train", keys=state.keys, tags=state.tags)
         return self._compute_advantage(batch, {})  # verl's own advantages, for verl's data metrics
+
+    # -- checkpoints: only between batches, with ThunderSync's run state (trainer/resume.py) --
+    def _save_checkpoint(self):
+        boundary = resume.check_step_boundary(self.actor_rollout_wg, self.global_steps)
+        try:
+            if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: disk_full
+                faults.checkpoint_disk(self.global_steps)
+            resume.save_state(resume.state_path(self.config, self.global_steps), self.run_state,
+                              global_step=self.global_steps, boundary=boundary)
+            super()._save_checkpoint()  # verl writes its "latest" tracker last
+        except OSError as exc:
+            raise resume.save_failed(self.global_steps, exc, self.config) from exc
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        saved = resume.load_state(resume.state_path(self.config, self.global_steps)) if self.global_steps else None
+        if saved is not None:
+            saved.resumes += 1
+            self.run_state = saved
+            logger.info("resumed thundersync run state at step %s: %s", self.global_steps, saved)
 
     def _step_algorithm(self):
         """What "landed" means for this algorithm: scored turns and trajectories (OPD) or trajectories."""

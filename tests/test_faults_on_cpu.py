@@ -1,0 +1,143 @@
+"""Fault injection hooks (``thundersync_verl/faults.py``) and the checkpoint run state (``trainer/resume.py``). CPU only.
+
+The hooks are exercised against the real components they change (the sandboxed tool and verifier
+processes, torch gradients, a write to a full disk); the main_ppo runs are in benchmarks/faults.py
+and tests/e2e/test_resume_on_cpu.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from thundersync_verl import faults
+from thundersync_verl.core import StreamingStateError
+from thundersync_verl.envs import protocol
+from thundersync_verl.envs.tool import PythonTool
+from thundersync_verl.envs.verifier import verify
+from thundersync_verl.trainer import resume
+
+
+@pytest.fixture(autouse=True)
+def plan(monkeypatch, tmp_path):
+    """Each test sets its own plan; the log goes to a temp file; faults are off again afterwards."""
+    monkeypatch.setenv(faults.LOG_ENV, str(tmp_path / "faults.jsonl"))
+    yield tmp_path / "faults.jsonl"
+    faults.reload("")
+
+
+def test_off_by_default_changes_nothing():
+    assert faults.reload("").faults == {} and faults.ACTIVE is False
+    assert faults.tool_code("print(1)") == "print(1)"
+    assert faults.verifier_program("P") == "P"
+    faults.checkpoint_disk(1)  # no fault: no error
+
+
+@pytest.mark.parametrize("spec, named", [("disk_ful@step=1", "disk_ful"), ("nan_grad@every=2", "batch=<int>"),
+                                         ("sandbox_kill@every=x", "every=<int>")])
+def test_bad_spec_is_refused_naming_the_problem(spec, named):
+    with pytest.raises(faults.FaultSpecError) as err:
+        faults.reload(spec)
+    assert named in str(err.value) and "fix:" in str(err.value)
+
+
+def test_sandbox_kill_kills_the_real_sandbox_process_and_the_tool_reports_it(plan):
+    faults.reload("sandbox_kill@every=2")
+    tool = PythonTool(retry_prob=0.0)
+    call = protocol.ToolCall(name="python", code="print(6 * 7)")
+    outcomes = [asyncio.run(tool.execute(call, random.Random(0))) for _ in range(4)]
+    assert [o.kind for o in outcomes] == ["ok", "program_error", "ok", "program_error"]
+    assert outcomes[1].sandbox.error == "killed" and outcomes[0].sandbox.stdout.strip() == "42"
+    assert [r["call"] for r in faults.read_log(plan)] == [2, 4]
+
+
+def test_verifier_crash_scores_zero_with_reason_and_hang_is_cut_by_its_timeout():
+    faults.reload("verifier_raise@call=1")
+    crashed = verify("<answer>4</answer>", "4")
+    assert crashed.score == 0.0 and "RuntimeError" in crashed.reason
+    assert verify("<answer>4</answer>", "4").score == 1.0  # only the first call was hit
+    faults.reload("verifier_hang@after=0")
+    hung = verify("<answer>4</answer>", "4", timeout_s=1.0)
+    assert hung.score == 0.0 and "timeout" in hung.reason and hung.duration_s < 10
+
+
+class _Batch:
+    """A learner batch's identity and buckets, as ``after_backward`` sees them."""
+
+    def __init__(self):
+        self.buckets = {"g0/r1": [torch.zeros(3)]}
+
+
+def test_nan_grad_hits_exactly_the_named_batch_and_chunk(plan):
+    faults.reload("nan_grad@batch=2,chunk=2")
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.zeros(4)
+    finite = []
+    for batch in (_Batch(), _Batch()):
+        for _ in range(3):
+            faults.after_backward(batch, [p])
+            finite.append(bool(torch.isfinite(p.grad).all()))
+    assert finite == [True, True, True, True, False, False]  # poisoned at batch 2, chunk 2; the NaN stays
+    assert [(r["batch"], r["chunk"]) for r in faults.read_log(plan)] == [(2, 2)]
+
+
+def test_nan_grad_reaches_the_bucket_when_no_direct_gradient_exists():
+    faults.reload("nan_grad@batch=1,chunk=1")
+    p = torch.nn.Parameter(torch.ones(4))
+    batch = _Batch()
+    faults.after_backward(batch, [p])
+    assert p.grad is None and math.isnan(float(batch.buckets["g0/r1"][0][0]))
+
+
+def test_disk_full_fails_the_named_step_with_enospc():
+    faults.reload("disk_full@step=2")
+    faults.checkpoint_disk(1)
+    with pytest.raises(OSError) as err:
+        faults.checkpoint_disk(2)
+    assert err.value.errno == errno.ENOSPC
+
+
+def test_run_state_counts_skipped_steps_and_round_trips(tmp_path):
+    state = resume.RunState()
+    assert state.count_step([{"grad_norm": 0.5}]) is False
+    assert state.count_step({"grad_norm": float("nan")}) is True
+    assert state.metrics()["thundersync/steps_skipped_nonfinite"] == 1
+    path = str(tmp_path / "global_step_2" / resume.STATE_FILE)
+    resume.save_state(path, state, global_step=2, boundary={"open_batches": 0})
+    assert json.load(open(path))["global_step"] == 2
+    assert resume.load_state(path) == state
+    assert resume.load_state(str(tmp_path / "none.json")) is None
+
+
+class _Learners:
+    """``stream_memory()`` rows of a two-rank learner group."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def stream_memory(self):
+        return self.rows
+
+
+def test_checkpoint_refused_inside_a_step():
+    idle = {"stream/batch_open": False, "stream/open_buckets": []}
+    assert resume.check_step_boundary(_Learners([idle, idle]), 3)["open_batches"] == 0
+    for busy in ({"stream/batch_open": True, "stream/open_buckets": []},
+                 {"stream/batch_open": True, "stream/open_buckets": ["g1/r0"]}):
+        with pytest.raises(StreamingStateError) as err:
+            resume.check_step_boundary(_Learners([idle, busy]), 3)
+        assert "step 3" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_save_failure_names_the_step_and_the_resume():
+    class Cfg:
+        class trainer:
+            default_local_dir = "/ckpt"
+    err = resume.save_failed(4, OSError(errno.ENOSPC, "No space left on device"), Cfg)
+    assert "step 4" in str(err) and "resume_mode=auto" in str(err) and "No space left" in str(err)
