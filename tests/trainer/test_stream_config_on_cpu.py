@@ -42,9 +42,8 @@ def test_a_streamable_grpo_config_gives_settings_and_a_planner(grpo_config):
         ({f"{ACTOR}.ppo_mini_batch_size": 3}, "ppo_mini_batch_size=3 must divide data.train_batch_size=8"),
         ({"algorithm.adv_estimator": "gae"}, "not a group-wise outcome estimator"),
         ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "not supported for streaming"),
-        ({f"{ACTOR}.use_kl_loss": True}, "policy-gradient term only"),
-        ({f"{ACTOR}.entropy_coeff": 0.01}, "policy-gradient term only"),
-        ({"algorithm.rollout_correction.rollout_is": "token"}, "policy-gradient term only"),
+        ({"algorithm.rollout_correction.rollout_is": "token"}, "no IS weights"),
+        ({f"{ACTOR}.use_kl_loss": True, f"{ACTOR}.kl_loss_type": "full"}, "kl_loss_type='full' is unknown"),
         ({f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_scale_factor"),
     ],
 )
@@ -52,6 +51,12 @@ def test_settings_that_break_exactness_are_refused_naming_the_key(grpo_config, c
     with pytest.raises(StreamingConfigError, match=match) as info:
         settings_from_verl_config(_with(grpo_config, **changes))
     assert "fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("kl_type", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "low_var_kl+"])
+def test_kl_loss_and_entropy_bonus_stream(grpo_config, kl_type):
+    changes = {f"{ACTOR}.use_kl_loss": True, f"{ACTOR}.kl_loss_type": kl_type, f"{ACTOR}.entropy_coeff": 0.01}
+    assert settings_from_verl_config(_with(grpo_config, **changes)).loss_agg_mode == "token-mean"
 
 
 def test_worker_side_validation_uses_the_batch_meta(grpo_config):

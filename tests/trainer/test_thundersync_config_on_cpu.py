@@ -27,8 +27,6 @@ def test_the_shipped_thundersync_recipe_is_valid():
         ("actor_rollout_ref.actor.ppo_epochs=0", "ppo_epochs"),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
         ("actor_rollout_ref.hybrid_engine=true", "hybrid_engine"),
-        ("actor_rollout_ref.actor.use_kl_loss=true", "use_kl_loss"),
-        ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff"),
         ("actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "checkpoint_engine.backend"),
         ("actor_rollout_ref.rollout.n_gpus_per_node=0", "n_gpus_per_node"),
         ("thundersync.learner_forward=twice", "thundersync.learner_forward"),

@@ -24,18 +24,33 @@ Why:
    ``ts_teacher_log_prob`` [B, R] the loss multiplies each coefficient by the OPD advantage
    A_t = -(log pi(a_t) - log p_teacher(a_t)), computed from the row's own forward and detached,
    as verl's distillation loss computes it from its forward; the normaliser stays deferred.
+6. KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``): verl adds
+   ``kl_loss_coef * agg_loss(kl_penalty(log pi, log p_ref))`` and ``-entropy_coeff * agg_loss(H)``
+   to the policy loss, with the same ``loss_agg_mode`` and global normaliser. Neither depends on
+   the advantage, so row i contributes c_batch * grad(sum_t w_{i,t} (kl_coef kl_{i,t} - ent_coef
+   H_{i,t})) whatever its group's rewards: the same token weights w, the same deferred c_batch.
+   A row of a closed group carries both parts in one backward (``ts_part`` "all"). A row of an
+   OPEN group must not: its bucket is later multiplied by A(r) at the fold, which would scale the
+   KL/entropy gradient too. Such a chunk runs twice: the policy part into the bucket (``ts_part``
+   "policy", inside ``learner.isolated()``), then the KL/entropy part straight into the batch
+   gradient (``ts_part`` "independent"). The bucket holds the policy part only, so the fold
+   multiplies exactly that by A(r). The reference log-probs ride in the chunk
+   (``ts_ref_log_prob`` [B, R], computed per arrival by verl's ``compute_ref_log_prob``: the
+   reference model is fixed for the whole run); the entropy comes from the backward's own forward
+   (verl's ``calculate_entropy``), as in verl's ``ppo_loss``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingInputError, token_weights
+from thundersync_verl.core import StreamingConfigError, StreamingInputError, kl_per_token, token_weights
 from thundersync_verl.core.errors import rule_message
 
 COEF_KEY = "ts_coef"  # [B] per-trajectory coefficient (A_i, or 1 for a bucket)
@@ -48,6 +63,11 @@ LP_DIFF_METRIC = "stream/rollout_logprob_diff_max"  # max |log p_rollout - log p
 KL_SUM_METRIC = "stream/opd_reverse_kl_sum"  # OPD: sum of log pi - log p_teacher over scored tokens (at θ_k)
 KL_TOKENS_METRIC = "stream/opd_reverse_kl_tokens"
 ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
+REF_LP_KEY = "ts_ref_log_prob"  # [B, R] reference log-probs of the response tokens (actor.use_kl_loss)
+PART_KEY = "ts_part"  # non-tensor: the terms this backward carries, one of PARTS (point 6)
+PARTS = ("all", "policy", "independent")
+KL_LOSS_METRIC = "stream/kl_loss_sum"  # sum_{i,t} w_{i,t} kl_{i,t} of the chunk (unnormalised)
+ENTROPY_METRIC = "stream/entropy_sum"  # sum_{i,t} w_{i,t} H_{i,t} of the chunk (unnormalised)
 
 
 def _refused(rule: str, why: str, fix: str) -> StreamingInputError:
@@ -55,21 +75,82 @@ def _refused(rule: str, why: str, fix: str) -> StreamingInputError:
     return StreamingInputError(rule_message(rule, why, fix))
 
 
-def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str):
-    """-dp_size * sum_i ts_coef_i * sum_t w_{i,t} log pi(a_{i,t}) for one micro-batch.
+@dataclass(frozen=True)
+class IndependentTerms:
+    """The advantage-free terms of verl's actor loss (point 6): KL to the reference, entropy bonus."""
 
-    Signature of a verl loss function (``TrainingWorker.set_loss_fn``); returns (loss, metrics).
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.0
+    entropy_coeff: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        """True when a chunk's loss has more than the policy term."""
+        return self.use_kl_loss or self.entropy_coeff != 0.0
+
+    @classmethod
+    def from_actor_config(cls, actor: Any) -> "IndependentTerms":
+        """From verl's ``actor_rollout_ref.actor`` section (the keys verl's ``ppo_loss`` reads)."""
+        read = actor.get if hasattr(actor, "get") else (lambda key, default=None: getattr(actor, key, default))
+        terms = cls(use_kl_loss=bool(read("use_kl_loss", False)), kl_loss_type=str(read("kl_loss_type", "low_var_kl")),
+                    kl_loss_coef=float(read("kl_loss_coef", 0.0) or 0.0),
+                    entropy_coeff=float(read("entropy_coeff", 0.0) or 0.0))
+        if terms.use_kl_loss:
+            kl_per_token(torch.zeros(1, 1), torch.zeros(1, 1), terms.kl_loss_type)  # refuses an unknown type now
+        if not (math.isfinite(terms.kl_loss_coef) and math.isfinite(terms.entropy_coeff)):
+            raise StreamingConfigError(rule_message(
+                f"actor_rollout_ref.actor.kl_loss_coef={terms.kl_loss_coef} and entropy_coeff={terms.entropy_coeff} "
+                "must be finite",
+                "they multiply every token's KL and entropy gradient", "set both to finite numbers"))
+        return terms
+
+
+NO_TERMS = IndependentTerms()
+
+
+def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str, terms: IndependentTerms = NO_TERMS):
+    """dp_size * sum_{i,t} w_{i,t} (-ts_coef_i log pi + kl_coef kl_{i,t} - ent_coef H_{i,t}) for one micro-batch.
+
+    ``ts_part`` picks the terms (point 6): "all", "policy" (the ts_coef term) or "independent"
+    (KL and entropy). Signature of a verl loss function (``TrainingWorker.set_loss_fn``); returns
+    (loss, metrics).
     """
     log_prob = va.response_log_probs(model_output, data)  # [B, T]
     fields = va.padded_fields(data, "response_mask", COEF_KEY)
     mask = fields["response_mask"].to(log_prob.device)  # [B, T]
     coef = fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B]
     weights = token_weights(loss_agg_mode, mask, dtype=log_prob.dtype)  # [B, T], 0 off the mask
-    per_seq = (weights * log_prob).sum(dim=-1)  # [B]
+    part = va.non_tensor(data, PART_KEY, "all")
+    metrics = {"stream/scored_tokens": int((mask != 0).sum()), **_rollout_gap(data, log_prob, mask != 0)}
+    loss = log_prob.new_zeros(())  # scalar
+    if part != "independent":
+        loss = loss - (coef * (weights * log_prob).sum(dim=-1)).sum()  # scalar
+    if part != "policy" and terms.active:
+        loss = loss + _independent_loss(model_output, data, log_prob, weights, terms, metrics)
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
-    loss = -(coef * per_seq).sum() * dp_size  # scalar
-    scored = int((mask != 0).sum())
-    return loss, {"stream/scored_tokens": scored, **_rollout_gap(data, log_prob, mask != 0)}
+    return loss * dp_size, metrics
+
+
+def _independent_loss(model_output, data, log_prob, weights, terms: IndependentTerms, metrics: dict):
+    """sum_{i,t} w_{i,t} (kl_coef kl_{i,t} - ent_coef H_{i,t}): verl's KL and entropy terms before c_batch."""
+    loss = log_prob.new_zeros(())  # scalar
+    if terms.use_kl_loss:
+        if REF_LP_KEY not in data.keys():
+            raise _refused(
+                f"actor_rollout_ref.actor.use_kl_loss is on but the chunk has no {REF_LP_KEY}",
+                "the KL term compares every scored token's log-prob with the reference model's",
+                "compute the reference log-probs per arrival (stream_loss.attach_ref_log_probs) before the backward")
+        ref = va.padded_fields(data, REF_LP_KEY)[REF_LP_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
+        kl_sum = (weights * kl_per_token(log_prob, ref, terms.kl_loss_type)).sum()  # scalar
+        loss = loss + terms.kl_loss_coef * kl_sum
+        metrics[KL_LOSS_METRIC] = float(kl_sum.detach())
+    if terms.entropy_coeff != 0.0:
+        entropy = va.unpad_response(model_output["entropy"], data)  # [B, T], verl's calculate_entropy
+        entropy_sum = (weights * entropy).sum()  # scalar
+        loss = loss - terms.entropy_coeff * entropy_sum
+        metrics[ENTROPY_METRIC] = float(entropy_sum.detach())
+    return loss
 
 
 def _rollout_gap(data, log_prob, scored) -> dict:
@@ -90,10 +171,17 @@ def exact_micro_batch_size(rows: int, cap: int | None) -> int:
     return max(d for d in range(1, min(rows, int(cap or rows)) + 1) if rows % d == 0)
 
 
-def make_stream_loss(loss_agg_mode: str):
-    """The loss function bound to one batch's ``loss_agg_mode``."""
+def make_stream_loss(loss_agg_mode: str, terms: IndependentTerms = NO_TERMS):
+    """The loss function bound to one batch's ``loss_agg_mode`` and KL/entropy settings."""
     token_weights(loss_agg_mode, torch.ones(1, 1))  # raises for an unknown mode, before any backward
-    return partial(stream_policy_loss, loss_agg_mode=loss_agg_mode)
+    return partial(stream_policy_loss, loss_agg_mode=loss_agg_mode, terms=terms)
+
+
+def set_chunk_part(chunk, part: str, terms: IndependentTerms) -> None:
+    """Mark which terms the next backward of ``chunk`` carries; the engine computes entropy only when used."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    va.assign_non_tensor(chunk, **{PART_KEY: part}, calculate_entropy=part != "policy" and terms.entropy_coeff != 0.0)
 
 
 # ----- driver side: the chunk layout ----------------------------------------------------------
@@ -143,6 +231,7 @@ def build_stream_chunk(
     temperature: float = 1.0,
     response_masks: Sequence[Sequence[int]] | None = None,
     rollout_log_probs: Sequence[Sequence[float]] | None = None,
+    ref_log_probs: Sequence[Sequence[float]] | None = None,
 ):
     """The TensorDict ``stream_backward`` takes, padded to a multiple of ``dp_size`` rows.
 
@@ -151,10 +240,17 @@ def build_stream_chunk(
     ``rollout_log_probs`` (optional, one list per response): the loss then also reports
     ``stream/rollout_logprob_diff_max``, the rollout-vs-learner check verl's old-log-prob
     forward exists for, from the backward's own forward (same weights θ_k).
+    ``ref_log_probs`` (optional, one list per response): the reference model's log-probs of the
+    response tokens, for the KL term (point 6; ``attach_ref_log_probs`` computes them on the engine).
     """
     from tensordict import TensorDict
 
     _check_rows(prompts, responses, coefs, dest, response_masks)
+    if ref_log_probs is not None and (len(ref_log_probs) != len(responses) or any(
+            len(r) < len(o) for r, o in zip(ref_log_probs, responses))):
+        raise _refused("ref_log_probs must give one value per response token of every row",
+                       "the KL term pairs each token's log-prob with the reference's at the same position",
+                       "pass the reference log-probs of each trajectory's response, unshifted")
     n_pad = (-len(prompts)) % int(dp_size)
     prompts = list(prompts) + [prompts[-1]] * n_pad
     responses = list(responses) + [responses[-1]] * n_pad
@@ -165,9 +261,33 @@ def build_stream_chunk(
     tensors[COEF_KEY] = torch.tensor([float(c) for c in coefs] + [0.0] * n_pad, dtype=torch.float64)  # [B]
     if rollout_log_probs is not None:
         tensors[ROLLOUT_LP_KEY] = _rows_to_tensor(rollout_log_probs, tensors["responses"].shape[1], torch.float32, n_pad)
+    if ref_log_probs is not None:
+        width = tensors["responses"].shape[1]
+        tensors[REF_LP_KEY] = _rows_to_tensor([list(r)[:width] for r in ref_log_probs], width, torch.float32, n_pad)
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
     return va.to_no_padding(td)
+
+
+def attach_ref_log_probs(chunk, worker_group, *, ref_in_actor: bool = False, dp_size: int = 1,
+                         micro_batch_cap: int | None = None) -> torch.Tensor:
+    """``chunk[ts_ref_log_prob]`` := the reference log-probs of its rows, computed as verl's trainer does.
+
+    verl's ``_compute_ref_log_prob``: ``compute_ref_log_prob`` on the worker group holding the
+    reference model, or (``ref_in_actor``: LoRA) the actor's ``compute_log_prob`` with the adapter
+    disabled; no entropy, no loss. Per chunk, before its backward: the reference model never
+    changes, so a row's reference log-probs are the same whenever they are computed. Returns them [B, R].
+    """
+    query = chunk.copy()
+    rows = int(chunk.batch_size[0])
+    extra = {"no_lora_adapter": True} if ref_in_actor else {}
+    va.assign_non_tensor(query, calculate_entropy=False, compute_loss=False,
+                         micro_batch_size_per_gpu=exact_micro_batch_size(rows // max(int(dp_size), 1), micro_batch_cap),
+                         **extra)
+    output = worker_group.compute_log_prob(query) if ref_in_actor else worker_group.compute_ref_log_prob(query)
+    ref = va.unpad_response(va.td_get(output, "log_probs"), query).float()  # [B, R]
+    chunk[REF_LP_KEY] = ref
+    return ref
 
 
 # ----- per-token chunks (OPD turns) ----------------------------------------------------------

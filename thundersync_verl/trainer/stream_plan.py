@@ -329,20 +329,18 @@ def settings_from_verl_config(config: Any, *, train_batch_size: int | None = Non
 
 
 def _check_policy_term_only(actor: Any, settings: StreamingSettings) -> None:
-    """The streaming worker's loss is the policy term at ratio 1, nothing else."""
+    """The streaming worker's loss is the policy term at ratio 1 plus verl's KL loss and entropy bonus
+    (``stream_loss.py`` point 6: advantage-free per-token terms), no importance weights."""
     extra = []
-    if bool(_get(actor, "use_kl_loss", False)):
-        extra.append("actor_rollout_ref.actor.use_kl_loss=false")
-    if float(_get(actor, "entropy_coeff", 0.0)) != 0.0:
-        extra.append("actor_rollout_ref.actor.entropy_coeff=0")
     if settings.rollout_is is not None or not settings.ratio_is_one:
         extra.append("algorithm.rollout_correction.rollout_is=null and bypass_mode=false")
     if extra:
         raise StreamingConfigError(
             rule_message(
-                "the streaming learner streams the policy-gradient term only (ratio 1, no IS weights)",
-                "KL, entropy and importance-weight terms are not part of its chunk loss, so the update "
-                "would silently differ from verl's",
+                "the streaming learner streams the policy-gradient term (ratio 1, no IS weights), KL loss and "
+                "entropy bonus only",
+                "importance-weight terms are not part of its chunk loss, so the update would silently differ "
+                "from verl's",
                 "set " + ", ".join(extra),
             )
         )
