@@ -1,0 +1,190 @@
+"""GRPO with verl's KL loss and entropy bonus on the engine: verl's batch-synchronous step and the streamed one.
+
+Why:
+1. ``actor.use_kl_loss`` / ``actor.entropy_coeff`` add advantage-free per-token terms to verl's
+   actor loss (``ppo_loss``). The streamed step must give the same update: this module runs both
+   on verl's FSDP2 engine with the same settings, for ``benchmarks/equivalence.py --kl --entropy``
+   and the engine test.
+2. The reference model lives in its own worker group, as verl's trainer builds it for a learner
+   on its own pool (role ``ref``, verl's ``compute_ref_log_prob``). It is the start policy with
+   seeded noise added, so the KL term pulls from the first step on (a reference equal to the start
+   policy gives k3 a zero gradient at step 1, and hides a wrong KL path there).
+3. Synchronous: verl's own ``compute_log_prob``, ``compute_ref_log_prob`` (whole batch),
+   ``compute_advantage`` and ``update_actor`` with ``calculate_entropy`` as verl's trainer sets it.
+   Streamed: the planner routes rows direct or into buckets; each chunk's reference log-probs are
+   computed on arrival (``stream_loss.attach_ref_log_probs``) before its backward.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from thundersync_harness.engine_setup import GROUP_SIZE, Traj, verl_config
+from thundersync_harness.engine_steps import StreamingLearnerClient, _old_log_probs
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.trainer.stream_loss import attach_ref_log_probs, build_stream_chunk
+from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
+
+ACTOR, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
+KL_COEF, ENTROPY_COEF = 0.5, 0.05  # large enough that both terms move the update (verl's defaults: 0.001, 0)
+REF_NOISE_STD = 0.05
+LOSS_SCALE_FACTOR = 16  # seq-mean-token-sum-norm needs a fixed divisor (core/normalizers.py point 4)
+
+
+def build_reference(student: Path, folder: Path, seed: int = 7, std: float = REF_NOISE_STD) -> Path:
+    """The start policy plus N(0, std^2) noise on every weight (seeded), with the same tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(student).save_pretrained(folder)
+    return folder
+
+
+def kl_entropy_config(model_path: Path, *, groups: int, micro: int, kl_type: str | None, entropy: bool,
+                      loss_agg_mode: str = "token-mean", optimizer: str = "SGD"):
+    """verl's config of ``engine_setup.verl_config`` with the KL loss, entropy bonus and an fp32 reference."""
+    from omegaconf import OmegaConf
+
+    config = verl_config(model_path, groups=groups, micro=micro, optimizer=optimizer, loss_agg_mode=loss_agg_mode)
+    changes = {
+        f"{ACTOR}.use_kl_loss": kl_type is not None, f"{ACTOR}.kl_loss_type": kl_type or "low_var_kl",
+        f"{ACTOR}.kl_loss_coef": KL_COEF if kl_type else 0.0, f"{ACTOR}.entropy_coeff": ENTROPY_COEF if entropy else 0.0,
+        f"{REF}.log_prob_micro_batch_size_per_gpu": micro, f"{REF}.fsdp_config.use_torch_compile": False,
+        f"{REF}.use_torch_compile": False,
+    }
+    changes.update({f"{REF}.fsdp_config.mixed_precision.{k}": "fp32" for k in ("param_dtype", "reduce_dtype", "buffer_dtype")})
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        changes[f"{ACTOR}.loss_scale_factor"] = LOSS_SCALE_FACTOR
+    for key, value in changes.items():
+        OmegaConf.update(config, key, value, force_add=True)
+    return config
+
+
+def start_kl_workers(config, dp: int, ref_path: Path | None):
+    """``(actor group, reference group)``: StreamingActorWorker (role actor) and verl's worker (role ref).
+
+    No reference group (None) without ``ref_path``: the entropy bonus alone needs no reference model.
+    """
+    import ray
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+
+    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    ray.init(num_cpus=4 * dp + 2, num_gpus=2 * dp, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
+    wg = va.ray_worker_group_with(StreamingActorWorker, config=config.actor_rollout_ref, role="actor", n_workers=dp,
+                                  name_prefix="actor")
+    wg.init_model()
+    if ref_path is None:
+        return wg, None
+    ref_config = OmegaConf.create(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    ref_config.model.path = str(ref_path)
+    ref_wg = va.ray_worker_group_with(va.tinker_actor_worker_base(), config=ref_config, role="ref", n_workers=dp,
+                                      name_prefix="ref")
+    ref_wg.init_model()
+    return wg, ref_wg
+
+
+# ----- verl's synchronous step ----------------------------------------------------------------
+def sync_kl_step(wg, ref_wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, *, entropy: bool) -> dict:
+    """verl's trainer order: old log-probs, reference log-probs, GRPO advantages, ``update_actor``."""
+    import numpy as np
+
+    from thundersync_verl.trainer.stream_loss import pad_batch
+
+    rows = [trajs[i] for i in row_order]
+    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
+    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
+    for b, t in enumerate(rows):
+        rewards[b, len(t.response) - 1] = t.reward
+    data = va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
+                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
+                                         meta_info={"temperature": 1.0})
+    data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    if ref_wg is not None:
+        ref_td = va.to_no_padding(data.to_tensordict())
+        va.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)  # verl's _compute_ref_log_prob
+        data.batch["ref_log_prob"] = va.unpad_response(va.td_get(ref_wg.compute_ref_log_prob(ref_td), "log_probs"),
+                                                       ref_td).float()  # [B, R]
+    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
+    td = va.to_no_padding(data.to_tensordict())
+    n = len(rows)
+    va.assign_non_tensor(td, calculate_entropy=entropy, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    metrics = va.td_get(wg.update_actor(td), "metrics")
+    return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
+
+
+# ----- the streamed step ------------------------------------------------------------------------
+class KLStreamingClient(StreamingLearnerClient):
+    """The harness client plus the reference log-probs of every chunk, computed just before its backward."""
+
+    def __init__(self, worker_group, ref_group, **kwargs):
+        super().__init__(worker_group, **kwargs)
+        self.ref_wg = ref_group
+        self.ref_calls = 0
+
+    def run(self, ops, trajectories) -> list:
+        results = []
+        for op in ops:
+            if isinstance(op, FoldOp):
+                self.wg.stream_fold(op.folds)
+                continue
+            assert isinstance(op, BackwardOp), op
+            rows = [trajectories[item] for item in op.items]
+            chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
+                                       dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
+            if self.ref_wg is not None:
+                attach_ref_log_probs(chunk, self.ref_wg, dp_size=self.dp_size)
+                self.ref_calls += 1
+            results.append(self.wg.stream_backward(chunk))
+        return results
+
+
+def stream_kl_step(wg, ref_wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, loss_agg_mode: str,
+                   every: int = 2, max_chunk: int = 4) -> dict:
+    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops run (reference log-probs first)."""
+    from thundersync_verl.trainer.stream_plan import StreamPlanner
+
+    scale_factor = LOSS_SCALE_FACTOR if loss_agg_mode == "seq-mean-token-sum-norm" else None
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, loss_scale_factor=scale_factor,
+                            max_chunk_size=max_chunk)
+    client = KLStreamingClient(wg, ref_wg, pad_token_id=pad_token_id)
+    groups = sorted({t.gid for t in trajs})
+    planner.begin_batch({g: GROUP_SIZE for g in groups})
+    client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
+    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
+    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
+    kinds = {"direct": 0, "bucket": 0, "fold": 0}
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = planner.next_ops()
+            for op in ops:
+                kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
+            client.run(ops, table)
+    metrics = client.finalize(planner.finalize())
+    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "ref_calls": client.ref_calls}
+
+
+def kl_entropy_steps(wg, ref_wg, batches, pad_id: int, row_orders, *, loss_agg_mode: str, entropy: bool) -> dict:
+    """``{sync_a, sync_b, stream}``: step functions per batch; ``row_orders(n)`` gives (order a, order b)."""
+    steps = {"sync_a": [], "sync_b": [], "stream": []}
+    for trajs, arrival in batches:
+        order_a, order_b = row_orders(len(trajs))
+        steps["sync_a"].append(partial(sync_kl_step, wg, ref_wg, trajs, order_a, pad_id, entropy=entropy))
+        steps["sync_b"].append(partial(sync_kl_step, wg, ref_wg, trajs, order_b, pad_id, entropy=entropy))
+        steps["stream"].append(partial(stream_kl_step, wg, ref_wg, trajs, arrival, pad_id, loss_agg_mode=loss_agg_mode))
+    return steps
