@@ -41,6 +41,10 @@ Why:
    only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
    in each row's backward: the term the floor (same scalars, rows regrouped) never sees, and one a
    streamed row (scalar A_i or 1, 1 / N applied at the barrier) cannot share with verl.
+9. ``--mini-batches K [--ppo-epochs E]``: K optimizer steps per batch (and E epochs), streamed
+   (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
+   with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
+   it, shuffle off); the floor regroups rows inside each mini-batch (``thundersync_harness.minibatch_steps``).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -144,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--groups", type=int, default=None, help="prompt groups per step (quick: 4, full: 8)")
     parser.add_argument("--optimizer", default="SGD", choices=["SGD", "AdamW"])
     parser.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
+    parser.add_argument("--mini-batches", type=int, default=1, help="K optimizer steps per batch (point 9)")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (point 9)")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
@@ -164,6 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
     extra = {}
+    if args.mini_batches > 1 or args.ppo_epochs > 1:
+        if megatron or args.algo != "grpo":
+            parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
+        return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.algo == "opd":
         batches = []
         for s in range(args.steps):
@@ -189,6 +199,22 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return report(args, runs, time.time() - t0, extra)
+
+
+def run_minibatch(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
+                  ray_tmp: Path, t0: float) -> dict:
+    """Point 9: K mini-batches x E epochs, streamed vs verl's sync loop on the same partition; JSON equivalence_minibatch*."""
+    import ray
+
+    from thundersync_harness.minibatch_steps import run_minibatches
+
+    try:
+        runs, extra = run_minibatches(args, model_path, pad_id, vocab, groups, micro)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return report(args, runs, time.time() - t0, {"minibatch": extra})
 
 
 def _ops_text(info: dict) -> str:
@@ -252,6 +278,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     result = {"algo": args.algo, "engine": args.engine, "tp": args.tp, "pp": args.pp, "dp": args.dp,
               "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
+    if "minibatch" in extra:  # point 9: --mini-batches / --ppo-epochs
+        result.update(extra["minibatch"])
+        name = f"equivalence_minibatch{args.mini_batches}" + (f"_epochs{args.ppo_epochs}" if args.ppo_epochs > 1 else "")
     if args.engine == "megatron":
         result.update(_report_diagnostics(runs), distributed_optimizer=args.distributed_optimizer)
         name = f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else "")

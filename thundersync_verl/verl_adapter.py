@@ -269,6 +269,13 @@ def grpo_compute_advantage(data, *, adv_estimator: str, norm_adv_by_std_in_grpo:
     return compute_advantage(data, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
 
 
+def policy_loss_fn(loss_mode: str):
+    """verl's registered policy loss (``actor.policy_loss.loss_mode``): the PPO ratio, clip and ``agg_loss``."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    return get_policy_loss_fn(loss_mode)
+
+
 def td_get(data, key: str, default=None):
     """A value of a TensorDict returned by a worker group, unwrapped to plain Python/tensors."""
     from verl.utils import tensordict_utils as tu

@@ -24,6 +24,8 @@ from typing import Callable
 import ray
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
+from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
 from thundersync_verl.trainer.stream_loss import SEQ_KEY, build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
@@ -71,13 +73,21 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
         chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature,
                                 dp_size=dp_size).chunk(op)
         method = "stream_token_backward"
+    elif isinstance(op, PPOBackwardOp):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
+        chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+        chunk = build_ppo_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
+                                [r["rollout_lp"] for r in chunk_rows], dp_size=dp_size, pad_token_id=pad_token_id,
+                                temperature=temperature, response_masks=[r["mask"] for r in chunk_rows])
+        method = "stream_backward"
     elif isinstance(op, BackwardOp):
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
         with_lp = all("rollout_lp" in r for r in chunk_rows)
+        with_ref = all("ref_lp" in r for r in chunk_rows)  # use_kl_loss: taken on arrival (streamed_step)
         chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                                    op.dest, dp_size=dp_size, pad_token_id=pad_token_id,
                                    temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
-                                   rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None)
+                                   rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None,
+                                   ref_log_probs=[r["ref_lp"] for r in chunk_rows] if with_ref else None)
         method = "stream_backward"
     else:
         raise TypeError(f"unknown stream op {op!r}")

@@ -13,8 +13,12 @@ Why:
    plan (``stream_plan.py`` / ``opd_stream.py``) -> backward/fold (``stream_exec.py`` -> the learner's
    ``streaming_worker.py``) -> barrier (the planner's ``finalize``) -> step (``finalize_step``) -> push
    (the trainer's ``on_step_end``).
+   With several mini-batches (``minibatch_plan.py``) the planner's ``StepOp`` s come in the op stream:
+   the pipeline drains, the learner steps (no LR step) and a new learner batch opens for the next
+   mini-batch; the last step is still ``finalize``'s.
 4. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
-   raises before ``finalize_step``, so the optimizer never steps on part of a batch.
+   raises before ``finalize_step``, so the optimizer never steps on part of a batch. With several
+   mini-batches the steps of the mini-batches already complete stay applied (each is a whole mini-batch).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Callable, Protocol
 
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
+from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
 from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
 
@@ -62,6 +67,7 @@ class StepContext:
     coalesce: bool  # thundersync.coalesce
     fused_forward: bool  # thundersync.learner_forward == "fused"
     memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
+    ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
 
 
 @dataclass
@@ -78,6 +84,7 @@ class StepState:
     kl_tokens: float = 0.0
     rollout_makespan_s: float = 0.0
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
+    minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
 
 
 @dataclass
@@ -133,6 +140,7 @@ class StreamedStep:
         meta = {"loss_agg_mode": planner.loss_agg_mode}
         if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
             meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
+        self._meta = meta
         ctx.worker_group.stream_begin_batch(meta)
         try:
             while not self.source.done or planner.ready_count:
@@ -143,7 +151,7 @@ class StreamedStep:
                 self._held = planner.ready_count  # rows left: held back by the memory budget
                 self.state.budget_waits += bool(self._held)
                 for op in ops:
-                    self.pipe.submit(op, self.state.rows)
+                    self._submit(op)
                 if not ops and self.source.done:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
             times = self.source.trajectories.arrival_time.values()
@@ -172,6 +180,19 @@ class StreamedStep:
         return metrics
 
     # ----- stages ---------------------------------------------------------------------------
+    def _submit(self, op) -> None:
+        """Queue ``op`` on the learner; a mini-batch's ``StepOp`` steps in order, then opens the next mini-batch."""
+        if not isinstance(op, StepOp):
+            self.pipe.submit(op, self.state.rows)
+            return
+        self.pipe.drain()  # every backward of this mini-batch is in the gradient
+        t0 = time.time()
+        self.ctx.worker_group.finalize_step(op.scale, op.lr_step)
+        self.ctx.recorder.learner_op("optimizer", t0, time.time())
+        self.state.minibatch_steps += 1
+        self.ctx.worker_group.stream_begin_batch(self._meta)  # tickets restart at 0: a new pipeline
+        self.pipe = self.ctx.make_pipeline(self._op_done)
+
     def _plan_now(self) -> bool:
         """Plan while the learner is idle, for a full chunk, or at the end; else arrivals share the next chunk.
 
@@ -210,6 +231,12 @@ class StreamedStep:
             self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
             state.keys.append(key)
             state.tags.append(tag)
+        if self.ctx.ref_log_probs is not None:  # KL loss: the reference never changes, so it scores rows on arrival
+            t0 = time.time()
+            for key, lp in self.ctx.ref_log_probs(keys, [t for _, t in arrivals.trajectories]).items():
+                rows[key]["ref_lp"] = lp
+            tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+            self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
         if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
             for key, lp in self._old_log_probs_from_rollout(keys).items():
                 rows[key]["rollout_lp"] = lp
@@ -265,13 +292,14 @@ class GRPOArrivals:
     def describe_op(self, op, state: StepState, t0: float) -> tuple[str, tuple, int]:
         items = getattr(op, "items", ())
         tokens = sum(len(state.rows[k]["prompt"]) + len(state.rows[k]["response"]) for _, k in items)
-        return ("backward" if isinstance(op, BackwardOp) else "fold"), items, tokens
+        return ("backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"), items, tokens
 
     def check_complete(self, state: StepState) -> None:
         return None  # the planner's finalize refuses an incomplete batch
 
     def metrics(self, state: StepState, ctx: StepContext) -> dict:
-        return {}
+        """Several mini-batches (``MiniBatchPlanner``): optimizer steps and each step's policy lag."""
+        return self.planner.metrics() if hasattr(self.planner, "metrics") else {}
 
     def close(self) -> None:
         return None

@@ -59,6 +59,7 @@ from thundersync_verl.trainer.stream_loss import (
     make_stream_loss,
     make_token_stream_loss,
 )
+from thundersync_verl.trainer.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.trainer.stream_plan import settings_from_verl_config
 
@@ -209,7 +210,7 @@ class StreamingActorWorker(_Base):
         Returns a one-row TensorDict per data-parallel rank: ``ts_loss``, ``ts_rows``.
         """
         with self._exclusive("stream_backward"):
-            return self._stream_backward(chunk)
+            return self._stream_backward(chunk, loss_fn=ppo_chunk_loss(self.config.actor, chunk))
 
     @register(dispatch_mode=ACTOR_MESH)
     def stream_token_backward(self, chunk):
@@ -225,7 +226,8 @@ class StreamingActorWorker(_Base):
     @register(dispatch_mode=ACTOR_MESH, blocking=False)
     async def stream_backward_queued(self, chunk):
         """``stream_backward`` the caller does not wait for; runs after ticket ``chunk["ts_seq"] - 1``."""
-        return await self._queued(va.non_tensor(chunk, SEQ_KEY), "stream_backward", lambda: self._stream_backward(chunk))
+        return await self._queued(va.non_tensor(chunk, SEQ_KEY), "stream_backward",
+                                  lambda: self._stream_backward(chunk, loss_fn=ppo_chunk_loss(self.config.actor, chunk)))
 
     @register(dispatch_mode=ACTOR_MESH, blocking=False)
     async def stream_token_backward_queued(self, chunk):
@@ -326,12 +328,15 @@ class StreamingActorWorker(_Base):
             state.folds += 1
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def finalize_step(self, scale: float) -> dict:
-        """The barrier: grad *= scale, clip as verl's engine does, optimizer step, LR step, zero."""
-        with self._exclusive("finalize_step"):
-            return self._finalize_step(scale)
+    def finalize_step(self, scale: float, lr_step: bool = True) -> dict:
+        """The barrier: grad *= scale, clip as verl's engine does, optimizer step, LR step, zero.
 
-    def _finalize_step(self, scale: float) -> dict:
+        ``lr_step=False``: a mini-batch step before the batch's last (verl steps the LR scheduler once per batch).
+        """
+        with self._exclusive("finalize_step"):
+            return self._finalize_step(scale, lr_step)
+
+    def _finalize_step(self, scale: float, lr_step: bool = True) -> dict:
         state = self._state("finalize_step")
         if state.buckets:
             raise StreamingStateError(
@@ -345,7 +350,7 @@ class StreamingActorWorker(_Base):
             )
         scale = check_scale(scale)
         try:
-            step = self._learner().finalize(scale)  # scale, reduce once, clip, step, LR step, zero
+            step = self._learner().finalize(scale, lr_step=bool(lr_step))  # scale, reduce once, clip, step, LR step, zero
         except Exception as exc:
             state.failed = f"finalize_step: {type(exc).__name__}: {exc}"
             raise

@@ -19,6 +19,13 @@ the per-step work and a few hooks change:
    trajectory: the agent loop scores each turn with verl's teacher client at its boundary and the
    same step backpropagates it at once (``OPDArrivals`` in ``opd_trainer_step.py``).
 5. The ``thundersync.*`` keys are read once, typed, into ``ThunderSyncConfig`` (``config.py``).
+6. verl's mini-batches and PPO epochs (``ppo_mini_batch_size < train_batch_size``, ``ppo_epochs > 1``)
+   give several optimizer steps per batch (``minibatch_plan.py``): mini-batch 1 streams as above, the
+   later ones run verl's PPO ratio and clip against the rollout's log-probs once the step before
+   theirs is taken; generation stays at the batch's weights, so ``learner_forward=fused`` is needed.
+7. Reporting reaches the loggers verl users run (``trainer.logger``): the ``thundersync/*`` metrics
+   ride in the step's metrics, and each timeline PNG, once drawn, goes to tensorboard / wandb as an
+   image through ``verl_adapter.log_image`` (after verl's step timer, and at the end of ``fit``).
 """
 
 from __future__ import annotations
@@ -35,12 +42,14 @@ from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer import resume
+from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
 from thundersync_verl.trainer.stream_loss import exact_micro_batch_size
 from thundersync_verl.trainer.stream_plan import StreamPlanner, settings_from_verl_config
 from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
+from thundersync_verl.trainer.timeline import TimelineFeed
 
 logger = logging.getLogger(__name__)
 api = va.trainer_api()
@@ -80,7 +89,33 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
     if opd_enabled(config):
         validate_opd_config(config, max_chunk_size=ts.chunk_size)  # k1 policy gradient, no task rewards, one teacher
+    _check_minibatch_forward(config, ts)
     return ts
+
+
+def steps_per_batch(config) -> tuple[int, int]:
+    """(K mini-batches, E epochs) of verl's update: K = train_batch_size / ppo_mini_batch_size."""
+    actor = config.actor_rollout_ref.actor
+    return int(config.data.train_batch_size) // int(actor.ppo_mini_batch_size), int(actor.get("ppo_epochs", 1))
+
+
+def _check_minibatch_forward(config, ts: ThunderSyncConfig) -> None:
+    """Several steps per batch take the old log-probs from the rollout (``minibatch_plan.py``)."""
+    k, epochs = steps_per_batch(config)
+    if k * epochs == 1:
+        return
+    if opd_enabled(config):
+        raise StreamingConfigError(rule_message(
+            f"OPD turn streaming takes one optimizer step per batch (got {k} mini-batches x {epochs} epochs)",
+            "its turns are backpropagated as they are scored, at the batch's weights",
+            "set actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size and ppo_epochs=1"))
+    if ts.learner_forward != "fused":
+        raise StreamingConfigError(rule_message(
+            f"{k} mini-batches x {epochs} epochs per batch need thundersync.learner_forward=fused",
+            "mini-batches after the first clip against old log-probs of the batch's weights; a trajectory that "
+            "lands after the first step can no longer be forwarded at those weights, the rollout's log-probs "
+            "(generated at them: staleness 0) are the old log-probs",
+            "set thundersync.learner_forward=fused (with actor_rollout_ref.rollout.calculate_log_probs=true)"))
 
 
 def build_planner(config, ts: ThunderSyncConfig, *, bucket_bytes: int | None = None):
@@ -102,6 +137,10 @@ def build_planner(config, ts: ThunderSyncConfig, *, bucket_bytes: int | None = N
         planner = StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=ts.chunk_size, **sizing)
         if sizing:  # one group of the run's size must fit: found now, not at the first batch (dropped by the next begin)
             planner.begin_batch({"budget probe": n})
+        k, epochs = steps_per_batch(config)
+        if k * epochs > 1:  # verl's mini-batches and epochs: one optimizer step per mini-batch (minibatch_plan.py)
+            return MiniBatchPlanner(planner, minibatch_groups=int(config.actor_rollout_ref.actor.ppo_mini_batch_size),
+                                    epochs=epochs)
         return planner
     except StreamingConfigError as exc:
         if not sizing:
@@ -129,6 +168,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
                                      n_rollout_slots=n_slots)
         self._batch_uids: list[str] = []
         self.run_state = resume.RunState()  # counters kept across restarts (trainer/resume.py)
+        self.timeline_feed = TimelineFeed(self.recorder.run_dir / "timelines") if self.recorder.run_dir else None
 
     # -- setup -----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
@@ -182,6 +222,24 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.recorder.learner_op("weight_sync", t0, time.time())
         self.recorder.flush()
 
+    # -- reporting: the timeline PNGs reach verl's loggers as images (the thundersync/* scalars ride in the step's metrics)
+    def fit(self, *args, **kwargs):
+        super().fit(*args, **kwargs)
+        self.recorder.close()  # the last steps' drawings, before main_ppo finishes the loggers
+        self._publish_timelines()
+
+    def _compute_metrics(self, *args, **kwargs):
+        super()._compute_metrics(*args, **kwargs)
+        self._publish_timelines()  # after verl's step timer: reporting stays off the measured step
+
+    def _publish_timelines(self) -> None:
+        tracking = getattr(self, "logger", None)  # verl's Tracking, made by fit()
+        if self.timeline_feed is None or tracking is None:
+            return
+        for step, png in self.timeline_feed.new():
+            step = self.global_steps if step is None else step
+            va.log_image(tracking, "thundersync/timeline", png, step, caption=f"thundersync step {step}")
+
     # -- the streamed step (streamed_step.py) -----------------------------------------------
     def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int):
         step = StreamedStep(self._step_context(), self._step_algorithm())
@@ -231,7 +289,18 @@ class ThunderSyncTrainer(api.PPOTrainer):
                 on_done=on_done, depth=ts.pipeline_depth),
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
-            fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes)
+            fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
+            ref_log_probs=self._ref_log_probs if self.use_reference_policy else None)
+
+    def _ref_log_probs(self, keys: list, tags: list) -> dict[str, list[float]]:
+        """``use_kl_loss``: verl's ``_compute_ref_log_prob`` (its ref worker group, or with LoRA the actor
+        without its adapter) for trajectories as they land; the reference model is fixed for the run."""
+        cap = self.config.actor_rollout_ref.ref.get("log_prob_micro_batch_size_per_gpu")
+        meta = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags,
+                               extra_info={"micro_batch_size_per_gpu": exact_micro_batch_size(len(keys), cap)})
+        self._compute_ref_log_prob(meta, {})
+        data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["ref_log_prob"])
+        return {key: data["ref_log_prob"][i].tolist() for i, key in enumerate(keys)}
 
     def _forward_at_theta_k(self, keys: list, tags: list) -> dict:
         """``learner_forward=separate``: verl's old-log-prob forward for trajectories as they land.

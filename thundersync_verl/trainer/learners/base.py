@@ -70,8 +70,9 @@ class StreamLearner(abc.ABC):
 
     # ----- the barrier -----------------------------------------------------------------------
     @abc.abstractmethod
-    def finalize(self, scale: float) -> dict:
-        """gradient *= scale, one reduction, clip, optimizer step, LR step, zero: ``{grad_norm, lr}``."""
+    def finalize(self, scale: float, lr_step: bool = True) -> dict:
+        """gradient *= scale, one reduction, clip, optimizer step, LR step (unless ``lr_step`` is False: a
+        mini-batch step before the batch's last), zero: ``{grad_norm, lr}``."""
 
     # ----- equivalence checks ----------------------------------------------------------------
     @abc.abstractmethod

@@ -69,14 +69,15 @@ class FSDPLearner(StreamLearner):
                 p.grad = torch.zeros_like(p)
         axpy_([va.local_view(p.grad) for p in params], bucket, coef)
 
-    def finalize(self, scale: float) -> dict:
+    def finalize(self, scale: float, lr_step: bool = True) -> dict:
         engine = self._engine()
         for p in self._params():
             if p.grad is not None:
                 va.local_view(p.grad).mul_(scale)
         with engine.train_mode(zero_grad_on_exit=True):
             grad_norm = engine.optimizer_step()  # clips the full batch gradient, steps (skips if non-finite)
-        return {"grad_norm": float(grad_norm), "lr": float(engine.lr_scheduler_step())}
+        lr = engine.lr_scheduler_step() if lr_step else float("nan")  # mini-batch steps before the last: no LR step
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def flat_params(self) -> torch.Tensor:
         with torch.no_grad():

@@ -137,14 +137,14 @@ class MegatronLearner(StreamLearner):
         axpy_(mg.own_regions(chunks) if self._sharded() else mg.grad_buffers(chunks), bucket, coef)
         self._direct_nonzero = True
 
-    def finalize(self, scale: float) -> dict:
+    def finalize(self, scale: float, lr_step: bool = True) -> dict:
         engine, chunks = self._engine(), self._chunks()
         for b in mg.grad_buffers(chunks):
             b.mul_(scale)
         mg.finalize(chunks)  # once: DP reduce(-scatter), sequence-parallel norms, tied embeddings
         with engine.train_mode(zero_grad_on_exit=True):
             grad_norm = engine.optimizer_step()  # Megatron's optimizer clips the reduced gradient, then steps
-        lr = engine.lr_scheduler_step()
+        lr = engine.lr_scheduler_step() if lr_step else float("nan")  # mini-batch steps before the last: no LR step
         self._direct_nonzero = False
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
