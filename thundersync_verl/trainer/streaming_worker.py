@@ -23,6 +23,10 @@ Why:
    ``p.grad`` shards; ``megatron``: the DDP grad buffer, finalised once at the barrier). A bucket
    backward runs inside ``learner.isolated()``: the direct gradient is set aside, the chunk's
    gradient is added to the bucket, and the direct gradient is put back.
+   With a KL loss or an entropy bonus (verl's ``use_kl_loss`` / ``entropy_coeff``, read from this
+   worker's actor config) a bucket chunk runs twice: its policy part into the bucket, its KL/entropy
+   part straight into ``.grad``, so the fold's A(r) multiplies the policy part only
+   (``stream_loss.py`` point 6). A direct chunk carries every term in one backward.
 4. Every method is collective-safe at any data-parallel size: checks that could differ between
    ranks (non-finite coefficients in a rank's rows) are agreed with one all-reduce first, and
    checks on replicated state (bucket keys, scale) fail identically everywhere, before any
@@ -50,14 +54,17 @@ from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.stream_loss import (
     exact_micro_batch_size,
     COEF_KEY,
+    IndependentTerms,
     KL_SUM_METRIC,
     KL_TOKENS_METRIC,
     LP_DIFF_METRIC,
+    REF_LP_KEY,
     SEQ_KEY,
     TEACHER_KEY,
     TOKEN_COEF_KEY,
     make_stream_loss,
     make_token_stream_loss,
+    set_chunk_part,
 )
 from thundersync_verl.trainer.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
@@ -72,11 +79,12 @@ register, Dispatch, ACTOR_MESH = va.worker_register_api()
 class _BatchState:
     """Per-batch streaming state of one rank: bucket buffers and counters."""
 
-    def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict):
+    def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict, terms: IndependentTerms | None = None):
         self.pool = BufferPool(layout, budget_bytes=meta.get(BUDGET_KEY))
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.loss_agg_mode = loss_agg_mode
-        self.loss_fn = make_stream_loss(loss_agg_mode)
+        self.terms = terms or IndependentTerms()
+        self.loss_fn = make_stream_loss(loss_agg_mode, self.terms)
         self.meta = dict(meta)
         self.failed: str | None = None
         self.chunks = self.rows = self.folds = 0
@@ -198,7 +206,8 @@ class StreamingActorWorker(_Base):
         with self._exclusive("stream_begin_batch"):
             learner = self._learner()
             layout = learner.bucket_layout()
-            state = _BatchState(layout, settings.loss_agg_mode, meta)  # checks the budget before anything changes
+            terms = IndependentTerms.from_actor_config(self.config.actor)  # KL / entropy, as verl's ppo_loss reads them
+            state = _BatchState(layout, settings.loss_agg_mode, meta, terms)  # checks the budget before anything changes
             learner.begin_batch()
             self._ts = state
             self._ts_next = 0  # every call runs on the actor's one event loop thread
@@ -252,6 +261,12 @@ class StreamingActorWorker(_Base):
                     "check the teacher's scores before planning the turn",
                 )
             )
+        if self._state("stream_token_backward").terms.active:
+            raise StreamingInputError(rule_message(
+                "per-token (OPD turn) chunks carry no KL or entropy term",
+                "their loss is the distillation policy gradient; a KL/entropy term configured on the actor would be "
+                "silently dropped",
+                "set actor_rollout_ref.actor.use_kl_loss=false and entropy_coeff=0 for OPD turn streaming"))
         return self._stream_backward(chunk, loss_fn=make_token_stream_loss())
 
     def _stream_backward(self, chunk, loss_fn=None):
@@ -266,19 +281,30 @@ class StreamingActorWorker(_Base):
                     "check the rewards and the estimator before planning the chunk",
                 )
             )
+        if loss_fn is None and state.terms.use_kl_loss and REF_LP_KEY not in chunk.keys():
+            raise StreamingInputError(rule_message(
+                f"actor_rollout_ref.actor.use_kl_loss is on but the chunk has no {REF_LP_KEY}",
+                "the KL term compares every scored token's log-prob with the reference model's",
+                "compute them per arrival (stream_loss.attach_ref_log_probs) before sending the chunk"))
         if dest != DIRECT and dest not in state.buckets:
             state.pool.check_fits(dest, 1)  # refused before the backward: the batch stays usable
         self._fit_micro_batches(chunk)
         learner = self._learner()
         previous = va.actor_loss_fn(self)
         va.set_actor_loss_fn(self, loss_fn or state.loss_fn)
+        split = loss_fn is None and state.terms.active and dest != DIRECT  # policy -> bucket, KL/entropy -> .grad
         try:
+            if loss_fn is None:
+                set_chunk_part(chunk, "policy" if split else "all", state.terms)
             if dest == DIRECT:
                 output = learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
             else:
                 with learner.isolated():
                     output = learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
                     self._harvest(state, dest, learner.bucket_gradient())
+            if split:
+                set_chunk_part(chunk, "independent", state.terms)
+                learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
         except Exception as exc:
             state.failed = f"stream_backward: {type(exc).__name__}: {exc}"
             raise
