@@ -182,19 +182,55 @@ def test_chunks_buckets_dtypes_and_shards_leave_the_result_unchanged():
     assert all(lo % codec.ALIGN_ELEMS == 0 for lo, _ in cover)
 
 
-def test_every_diff_kernel_finds_exactly_the_changed_elements():
+def test_every_diff_kernel_finds_exactly_the_changed_elements_and_updates_the_snapshot():
     torch.manual_seed(5)
     for dtype, n in ((torch.bfloat16, 4099), (torch.float32, 1001), (torch.float64, 513), (torch.uint8, 77)):
         old = torch.randint(-100, 100, (n,)).to(dtype)
         new = old.clone()
         flip = torch.randperm(n)[: n // 10]
         _bits(new)[flip] ^= 1
+        _bits(new)[flip[:3]] ^= 1 << (8 * new.element_size() - 1)  # sign bits too: -0.0 vs +0.0 style flips
+        want = torch.sort(flip).values
         for kernel in ("numpy", "torch"):  # the CPU kernel and the one GPUs run
-            for words in (False, True):  # element-wise, and eight bytes at a time (the tail element-wise)
-                got = codec.changed_positions(_bits(new), _bits(old), words=words, kernel=kernel)
-                assert torch.equal(got, torch.sort(flip).values), (dtype, kernel, words)
-                shifted = codec.changed_positions(_bits(new)[1:], _bits(old)[1:], words=words, kernel=kernel)
-                assert torch.equal(shifted + 1, torch.sort(flip[flip > 0]).values), (dtype, kernel, words)
+            for words in (False, True):  # element-wise, and eight bytes at a time (odd tails element-wise)
+                # a whole-word aligned view (the word kernel runs), an odd size and an odd offset (it cannot)
+                for lo, hi in ((64, 64 + (n - 64) // 8 * 8), (0, n), (3, n)):
+                    snapshot = old.clone()
+                    pos, values = codec.diff_update(_bits(new)[lo:hi], _bits(snapshot)[lo:hi], words=words,
+                                                    kernel=kernel)
+                    expected = want[(want >= lo) & (want < hi)] - lo
+                    assert pos.dtype == codec.INDEX_DTYPE and torch.equal(pos.long(), expected), (dtype, kernel, words)
+                    assert torch.equal(values, _bits(new)[lo:hi][expected])
+                    assert torch.equal(_bits(snapshot)[lo:hi], _bits(new)[lo:hi])  # updated where it changed
+                    assert torch.equal(_bits(snapshot)[:lo], _bits(old)[:lo])  # untouched outside the view
+                    assert torch.equal(_bits(snapshot)[hi:], _bits(old)[hi:])
+
+
+def test_a_diff_with_nothing_changed_is_empty():
+    old = torch.randn(4096).to(torch.bfloat16)
+    for kernel in ("numpy", "torch"):
+        for words in (False, True):
+            pos, values = codec.diff_update(_bits(old.clone()), _bits(old), words=words, kernel=kernel)
+            assert pos.numel() == 0 and values.numel() == 0
+
+
+def test_the_digest_is_the_same_on_every_kernel_and_catches_any_single_flipped_bit():
+    torch.manual_seed(8)
+    for n, dtype in ((3 * 1024 * 4 + 5, torch.int32), (100_003, torch.int16), (7, torch.uint8), (0, torch.int16)):
+        t = torch.randint(-(1 << 14), 1 << 14, (n,)).to(dtype)
+        digest = codec.block_digest(t, kernel="numpy")
+        assert digest == codec.block_digest(t, kernel="torch")  # what a GPU computes: same numbers
+        for byte in {0, n // 2, t.element_size() * n - 1} if n else ():
+            for bit in (0, 7):
+                flipped = t.clone()
+                flipped.view(torch.uint8)[byte] ^= 1 << bit
+                assert codec.block_digest(flipped, kernel="numpy") != digest, (n, dtype, byte, bit)
+        if n > 2 * 1024 * 2:  # two blocks swapped (each keeps its sum): the block positions tell them apart
+            words = t[: (t.element_size() * n) // 8 * 8 // t.element_size()].view(torch.int64)
+            swapped = t.clone()
+            sw = swapped[: words.numel() * 8 // t.element_size()].view(torch.int64)
+            sw[:1024], sw[1024:2048] = words[1024:2048].clone(), words[:1024].clone()
+            assert codec.block_digest(swapped) != digest
 
 
 def test_the_word_wide_kernel_is_chosen_for_parameters_that_barely_change():
@@ -204,7 +240,7 @@ def test_the_word_wide_kernel_is_chosen_for_parameters_that_barely_change():
     _push(enc, [mirror], w)
     for step in range(3):
         w["still"][step] += 1.0  # 1 of 16384 elements per push
-        w["moving"][::10] += 1.0  # 10% per push
+        w["moving"][::4] += 1.0  # 25% per push
         _push(enc, [mirror], w)
         _assert_mirror_equals(mirror, w)
     assert enc.snaps["still"].density < codec.WORDS_BELOW_DENSITY < enc.snaps["moving"].density

@@ -1,9 +1,10 @@
 """GPU check of sparse_sync (``ci/gpu_check.sh``): UNVERIFIED until it has run on a GPU machine.
 
-1. Codec on CUDA: the torch kernels (word-wide compare, nonzero, index_select / index_copy_) encode
-   and apply pushes of bf16 weights that drift like an RL run's (a few % of elements cross a bf16
-   rounding step per push); the receiver's copy must equal the weights bit for bit after every
-   push, and encode + apply throughput is printed next to a device-to-device copy of the same bytes.
+1. Codec on CUDA: the torch kernels (word-wide compare, nonzero, lane split, index_select /
+   index_copy_, the wrapping int64 block digest) encode and apply pushes of bf16 weights that drift
+   like an RL run's (a few % of elements cross a bf16 rounding step per push); the receiver's copy
+   must equal the weights bit for bit after every push, and encode + apply throughput is printed
+   next to a device-to-device copy of the same bytes (and their ratio).
 2. NCCL wire (two or more GPUs): a sender and a receiver Ray actor, one GPU each, push through the
    ``sparse_sync`` engine with ``transport=nccl`` (manifests through the channel actor, buckets by
    ``ray.util.collective`` broadcast); the receiver's copy must equal the sender's weights.
@@ -66,8 +67,10 @@ def codec_on_device(n_params: int = 1 << 28, pushes: int = 4, density: float = 0
         dst.copy_(src)
     _sync(dev)
     copy_gbps = nbytes * 5 / (time.perf_counter() - t0) / 1e9
-    return {"bitwise_equal": all(equal), "encode_apply_gbps": round(nbytes * pushes / sum(seconds) / 1e9, 2),
-            "device_copy_gbps": round(copy_gbps, 2), "params": n_params, "density": density}
+    encode_apply_gbps = nbytes * pushes / sum(seconds) / 1e9
+    return {"bitwise_equal": all(equal), "encode_apply_gbps": round(encode_apply_gbps, 2),
+            "device_copy_gbps": round(copy_gbps, 2), "encode_apply_over_copy": round(encode_apply_gbps / copy_gbps, 3),
+            "params": n_params, "density": density}
 
 
 def nccl_push(pushes: int = 3) -> dict:

@@ -25,7 +25,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import numpy as np
 import torch
 
 from thundersync_verl.backends.sparse_sync import codec
@@ -78,7 +77,7 @@ class _Snap:
     lo: int
     hi: int
     buf: torch.Tensor  # this shard's slice, rollout dtype, flat
-    density: float = 1.0  # changed share at the last push: picks the diff kernel for the next one
+    density: float = 0.0  # changed share at the last patch push (none yet: 0): picks the diff kernel
 
 
 class ShardEncoder:
@@ -95,7 +94,8 @@ class ShardEncoder:
         self.snapshot_device = snapshot_device
         self.snaps: dict[str, _Snap] = {}
         self.token: str | None = None  # the last push every receiver acknowledged
-        self._scratch: np.ndarray | None = None  # the CPU diff's mask buffer, reused chunk after chunk
+        self._scratch = codec.Scratch()  # the CPU diff's buffers, reused chunk after chunk
+        self._cast_bufs: dict[tuple, torch.Tensor] = {}  # one chunk in the rollout dtype, reused
 
     def reset(self) -> None:
         """Forget the snapshot (the next push is full)."""
@@ -163,13 +163,24 @@ class ShardEncoder:
         for c0 in range(lo, hi, self.chunk):
             c1 = min(c0 + self.chunk, hi)
             t0 = time.perf_counter()
-            new = flat[c0:c1].to(device=snap.buf.device, dtype=dtype)
+            new = self._cast(flat[c0:c1], snap.buf)
             t1 = time.perf_counter()
             stats.cast_s += t1 - t0
             self._encode_chunk(name, snap, c0, new, builder, stats, full_param)
             stats.encode_s += time.perf_counter() - t1
         if not full_param:
             snap.density = (stats.changed_by_name.get(name, 0) - before) / max(hi - lo, 1)
+
+    def _cast(self, piece: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``piece`` in ``like``'s dtype and device: the piece itself when it already is, else a copy
+        into a buffer reused chunk after chunk (warm in cache for the diff that follows)."""
+        if piece.dtype == like.dtype and piece.device == like.device:
+            return piece
+        key = (like.dtype, like.device)
+        buf = self._cast_bufs.get(key)
+        if buf is None or buf.numel() < piece.numel():
+            buf = self._cast_bufs[key] = torch.empty(self.chunk, dtype=like.dtype, device=like.device)
+        return buf[: piece.numel()].copy_(piece)
 
     def _encode_chunk(self, name: str, snap: _Snap, c0: int, new: torch.Tensor, builder: codec.PayloadBuilder,
                       stats: PushStats, full_param: bool) -> None:
@@ -184,10 +195,8 @@ class ShardEncoder:
                 builder.add(name, snap.shape, dname, c0, new.numel(), old_bits)
                 stats.payload_bytes += new.numel() * new.element_size()
             return
-        if self._scratch is None and new_bits.device.type == "cpu":
-            self._scratch = np.empty(self.chunk, dtype=bool)
-        pos = codec.changed_positions(new_bits, old_bits, words=snap.density < codec.WORDS_BELOW_DENSITY,
-                                      scratch=self._scratch)
+        pos, values = codec.diff_update(new_bits, old_bits, words=snap.density < codec.WORDS_BELOW_DENSITY,
+                                        scratch=self._scratch)  # the snapshot now holds ``new``
         k = int(pos.numel())
         if k == 0:
             return
@@ -195,13 +204,10 @@ class ShardEncoder:
         stats.changed_by_name[name] = stats.changed_by_name.get(name, 0) + k
         stats.pair_bytes += codec.sparse_bytes(k, new.element_size())
         if codec.sparse_bytes(k, new.element_size()) >= new.numel() * new.element_size():
-            old_bits.copy_(new_bits)
             builder.add(name, snap.shape, dname, c0, new.numel(), old_bits)
             stats.dense_chunks += 1
             stats.payload_bytes += new.numel() * new.element_size()
             return
-        values = torch.index_select(new_bits, 0, pos)
-        old_bits.index_copy_(0, pos, values)
         builder.add(name, snap.shape, dname, c0, new.numel(), values, indices=pos)
         stats.payload_bytes += codec.sparse_bytes(k, new.element_size())
 
