@@ -92,3 +92,48 @@ def test_every_row_carries_its_reference_log_probs_taken_once_on_arrival():
             seen.append(round(float(row[0]), 6))
     assert sorted(seen) == sorted(round(_ref_value(k), 6) for k in KEYS)  # every row once, with its own values
     assert {dest for dest, _, _ in learner.chunks} > {"direct"}  # bucket chunks carried them too
+
+
+def _recipe(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from thundersync_verl.demo import recipe_dir
+
+    base = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync"]
+    with initialize_config_dir(config_dir=str(recipe_dir()), version_base=None):
+        return compose(config_name="grpo", overrides=base + list(overrides))
+
+
+KL_ON = ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+         "actor_rollout_ref.actor.entropy_coeff=0.01"]
+
+
+def test_the_recipe_with_kl_loss_and_entropy_bonus_is_accepted_and_lora_kl_is_refused_naming_the_keys():
+    import pytest
+
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+
+    validate_thundersync_config(_recipe(*KL_ON))
+    with pytest.raises(StreamingConfigError, match=r"lora_rank=0") as info:
+        validate_thundersync_config(_recipe(*KL_ON, "actor_rollout_ref.model.lora_rank=8"))
+    assert "use_kl_loss=false" in str(info.value) and "fix:" in str(info.value)
+
+
+def test_opd_turn_streaming_with_kl_or_entropy_is_refused_naming_the_keys():
+    import pytest
+    from hydra import compose, initialize_config_dir
+
+    from thundersync_verl.core import StreamingConfigError
+    from thundersync_verl.demo import recipe_dir
+    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+
+    base = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync",
+            "distillation.teacher_models.teacher_model.model_path=t"]
+    with initialize_config_dir(config_dir=str(recipe_dir()), version_base=None):
+        validate_thundersync_config(compose(config_name="opd", overrides=base))
+        for extra, key in ((["actor_rollout_ref.actor.entropy_coeff=0.01"], "entropy_coeff=0"),
+                           (["actor_rollout_ref.actor.use_kl_loss=true"], "use_kl_loss=false")):
+            with pytest.raises(StreamingConfigError, match=key) as info:
+                validate_thundersync_config(compose(config_name="opd", overrides=base + extra))
+            assert "OPD turn streaming" in str(info.value)

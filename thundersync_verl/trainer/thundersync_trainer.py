@@ -90,7 +90,29 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
     if opd_enabled(config):
         validate_opd_config(config, max_chunk_size=ts.chunk_size)  # k1 policy gradient, no task rewards, one teacher
     _check_minibatch_forward(config, ts)
+    _check_kl_entropy(config)
     return ts
+
+
+def _check_kl_entropy(config) -> None:
+    """KL loss and entropy bonus stream for GRPO with verl's reference worker group (``stream_loss.py`` point 6)."""
+    arr, actor = config.actor_rollout_ref, config.actor_rollout_ref.actor
+    terms = [k for k, on in (("use_kl_loss=false", actor.get("use_kl_loss", False)),
+                             ("entropy_coeff=0", float(actor.get("entropy_coeff", 0.0) or 0.0) != 0.0)) if on]
+    if terms and opd_enabled(config):
+        raise StreamingConfigError(rule_message(
+            "OPD turn streaming has no KL loss or entropy bonus term",
+            "a turn chunk's loss is the distillation policy gradient; the configured terms would be silently dropped",
+            "set " + ", ".join(f"actor_rollout_ref.actor.{t}" for t in terms)))
+    lora = arr.model.get("lora", {}) or {}
+    if actor.get("use_kl_loss", False) and (int(lora.get("rank", 0) or 0) > 0 or int(arr.model.get("lora_rank", 0) or 0) > 0
+                                            or arr.model.get("lora_adapter_path") is not None):
+        raise StreamingConfigError(rule_message(
+            "thundersync mode streams use_kl_loss with verl's reference worker group, not LoRA's reference-in-actor",
+            "with LoRA verl takes the reference log-probs from the actor with its adapter disabled, a path not "
+            "verified with the streaming learner",
+            "set actor_rollout_ref.model.lora_rank=0 (and model.lora.rank=0, no lora_adapter_path), or "
+            "actor_rollout_ref.actor.use_kl_loss=false"))
 
 
 def steps_per_batch(config) -> tuple[int, int]:
