@@ -127,13 +127,17 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str,
     if part != "independent":
         loss = loss - (coef * (weights * log_prob).sum(dim=-1)).sum()  # scalar
     if part != "policy" and terms.active:
-        loss = loss + _independent_loss(model_output, data, log_prob, weights, terms, metrics)
+        loss = loss + independent_loss(model_output, data, log_prob, weights, terms, metrics)
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     return loss * dp_size, metrics
 
 
-def _independent_loss(model_output, data, log_prob, weights, terms: IndependentTerms, metrics: dict):
-    """sum_{i,t} w_{i,t} (kl_coef kl_{i,t} - ent_coef H_{i,t}): verl's KL and entropy terms before c_batch."""
+def independent_loss(model_output, data, log_prob, weights, terms: IndependentTerms, metrics: dict):
+    """sum_{i,t} w_{i,t} (kl_coef kl_{i,t} - ent_coef H_{i,t}): verl's KL and entropy terms before c_batch.
+
+    ``weights`` [B, T] are the ``loss_agg_mode`` token weights; any loss whose normaliser is deferred
+    (e.g. a later mini-batch's PPO chunk) can add this term as is. Writes its sums into ``metrics``.
+    """
     loss = log_prob.new_zeros(())  # scalar
     if terms.use_kl_loss:
         if REF_LP_KEY not in data.keys():
