@@ -28,7 +28,8 @@ setup(
     # of thundersync_verl; the editable install makes it importable from pytest and benchmarks/*.py.
     packages=find_packages(include=["thundersync_verl", "thundersync_verl.*"]) + ["thundersync_harness"],
     package_dir={"thundersync_harness": "tests/harness"},
-    package_data={"thundersync_verl": ["**/*.yaml", "**/*.md"]},
+    # models/shipped/: the tiny student and teacher (safetensors + tokenizer, a few MB), so a first run builds nothing
+    package_data={"thundersync_verl": ["**/*.yaml", "**/*.md", "models/shipped/MANIFEST.json", "models/shipped/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "verl==0.9.1",

@@ -101,6 +101,7 @@ def test_ensure_builds_only_what_is_missing(tmp_path, monkeypatch):
         return path
 
     monkeypatch.setattr(factory, "build_model", fake_build)
+    monkeypatch.setattr("thundersync_verl.models.shipped.SHIPPED_DIR", tmp_path / "no-shipped-models")
     monkeypatch.setenv(factory.ENV_MODEL_DIR, str(tmp_path / "env-root"))
     paths = factory.ensure_tiny_models(progress=False)
     assert calls == ["student", "teacher"]

@@ -1,7 +1,8 @@
 """Tiny HF-format student/teacher models for CPU runs, built offline and deterministically.
 
-1. ``ensure_tiny_models()`` returns ``{"student": path, "teacher": path}``, building what is
-   missing (``thundersync build-model`` / ``python -m thundersync_verl.models build`` does the same).
+1. ``ensure_tiny_models()`` returns ``{"student": path, "teacher": path}``, taking what is
+   missing from the copy shipped in the package (``shipped/``) when it matches the current specs,
+   else building it (``python -m thundersync_verl.models --rebuild`` always builds).
 2. ``evaluate_policy(path, n_problems, seed)`` measures a model's reward with an agent loop
    built on plain HF ``generate`` and the real sandbox.
 3. Imports are lazy: importing this package does not import torch or transformers.

@@ -1,6 +1,8 @@
-"""Command line for the tiny models: ``python -m thundersync_verl.models {build,eval,path}``.
+"""Command line for the tiny models: ``python -m thundersync_verl.models {--rebuild,build,eval,path}``.
 
-1. ``build`` builds (or reuses) the cached student and teacher and prints their paths as JSON.
+1. ``build`` installs the shipped student and teacher into the cache (or builds them when the
+   shipped copy does not match the specs) and prints their paths as JSON. ``--rebuild`` always
+   builds both from scratch; ``--rebuild --ship`` then replaces the package's shipped copy.
 2. ``eval`` samples a model on held-out problems with the sandboxed agent loop and prints the
    reward report as JSON (the figure quoted when deciding whether RL has room to improve).
 3. ``path`` prints where the models live without building anything.
@@ -15,8 +17,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m thundersync_verl.models", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build the student and teacher if missing")
+    parser.add_argument("--rebuild", action="store_true", help="build both models from scratch into the cache")
+    parser.add_argument("--ship", action="store_true", help="with --rebuild: copy them into the package (shipped/)")
+    parser.add_argument("--seed", type=int, default=0, help="with --rebuild: the build seed (shipped models: 0)")
+    sub = parser.add_subparsers(dest="command")
+    build = sub.add_parser("build", help="install the shipped student and teacher (or build them) if missing")
     build.add_argument("--cache-dir", default=None, help="root folder (default: $THUNDERSYNC_MODEL_DIR or ~/.cache/...)")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
     build.add_argument("--quiet", action="store_true")
@@ -29,11 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     path = sub.add_parser("path", help="print the model folders without building")
     path.add_argument("--cache-dir", default=None)
     args = parser.parse_args(argv)
+    if args.rebuild == (args.command is not None) or (args.ship and not args.rebuild):
+        parser.error("give either --rebuild [--ship] or one of the commands build, eval, path")
 
     from thundersync_verl.models.factory import default_root, ensure_tiny_models
     from thundersync_verl.models.variants import version_hash
 
-    if args.command == "build":
+    if args.rebuild:
+        paths = ensure_tiny_models(force=True, seed=args.seed)
+        if args.ship:
+            from thundersync_verl.models.shipped import ship
+
+            print(f"shipped into {ship(paths, seed=args.seed)}", file=sys.stderr)
+        print(json.dumps({k: str(v) for k, v in paths.items()}))
+    elif args.command == "build":
         paths = ensure_tiny_models(args.cache_dir, force=args.force, progress=not args.quiet)
         print(json.dumps({k: str(v) for k, v in paths.items()}))
     elif args.command == "path":
