@@ -30,7 +30,7 @@ import torch
 from thundersync_verl.backends.sparse_sync import codec
 from thundersync_verl.core.errors import rule_message
 
-DEFAULT_CHUNK_ELEMS = 1 << 22
+DEFAULT_CHUNK_ELEMS = 1 << 20  # 2 MB of bf16: the cast chunk stays in cache for the diff
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
