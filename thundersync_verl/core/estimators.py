@@ -15,9 +15,10 @@ Why:
    (group, distinct reward). An estimator that is also AFFINE in the reward given its group
    (A_i = alpha_g * r_i + beta_g: GRPO, Dr.GRPO, RLOO) needs only two buffers per open group:
    sum_i (r_i - r_ref) H_i and sum_i H_i. ``is_affine`` lets the accumulator pick that path.
-4. ``estimator_from_verl`` maps verl's ``algorithm.adv_estimator`` names onto these classes
-   and refuses estimators that are not group-wise (GAE needs a critic's per-token values,
-   REINFORCE++ whitens over the whole batch), naming the config key to change.
+4. ``estimator_from_verl`` maps every one of verl 0.9.1's 14 ``algorithm.adv_estimator`` names
+   either onto an estimator (these classes, or ``batch_estimators``' for the ones that need
+   response lengths or batch statistics) or onto a refusal that says why it cannot be streamed
+   exactly and what to set instead (``STREAMED`` and ``REFUSED`` list them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .batch_estimators import GPGEstimator, OPOEstimator, ReinforcePlusPlusEstimator
 from .errors import StreamingConfigError, rule_message
 
 GRPO_EPSILON = 1e-6  # verl's default ``epsilon`` of compute_grpo_outcome_advantage
@@ -132,7 +134,57 @@ class FunctionEstimator(GroupEstimator):
         return out
 
 
-_GROUPWISE = {"grpo", "grpo_vectorized", "rloo", "rloo_vectorized"}
+class GRPOPassKEstimator(GroupEstimator):
+    """verl ``compute_grpo_passk_outcome_advantage``: only the best member gets r_max - r_second.
+
+    Divided by (unbiased std + eps) when ``norm_by_std``. A tie at the top gives every member 0,
+    whichever index ``torch.topk`` picks, so equal rewards always get equal advantages. verl
+    raises for a group of one; so does this estimator.
+    """
+
+    def __init__(self, norm_by_std: bool = True, epsilon: float = GRPO_EPSILON, dtype: torch.dtype = torch.float64):
+        self.norm_by_std = bool(norm_by_std)
+        self.epsilon = float(epsilon)
+        self.dtype = dtype
+        self.name = "grpo_passk"
+
+    def advantages(self, rewards: Sequence[float]) -> list[float]:
+        scores = _as_tensor(rewards, self.dtype)  # [n]
+        if scores.numel() < 2:
+            raise StreamingConfigError(
+                rule_message(
+                    f"grpo_passk got a group of {scores.numel()} trajectory",
+                    "pass@k's advantage is the gap between the best and the second-best member",
+                    "set actor_rollout_ref.rollout.n >= 2",
+                )
+            )
+        top, top_idx = torch.topk(scores, 2)
+        gap = top[0] - top[1]
+        if self.norm_by_std:
+            gap = gap / (torch.std(scores) + self.epsilon)
+        adv = torch.zeros_like(scores)  # [n]
+        adv[int(top_idx[0])] = gap
+        return adv.tolist()
+
+
+# verl 0.9.1's AdvantageEstimator names that stream, and why the others cannot.
+STREAMED = (
+    "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grpo_passk", "opo", "gpg",
+    "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+)
+REFUSED = {
+    "gae": "GAE's advantage is a per-token function of a critic's value estimates, not of the outcome score",
+    "remax": "ReMax's baseline is the reward of a second, greedy rollout per prompt, which the streamed "
+             "rollout does not generate (verl generates it in its own synchronous step)",
+    "gdpo": "GDPO normalises each reward component (algorithm.gdpo_reward_keys) separately; the streamed "
+            "arrivals carry one score per trajectory, not its components",
+    "optimal_token_baseline": "its baseline is per token and weighted by every group member's rollout "
+                              "probabilities (old_log_probs, sum_pi_squared), so one scalar per trajectory cannot "
+                              "carry it",
+    "tir_optimal_token_baseline": "its baseline is per token and weighted by every group member's rollout "
+                                  "probabilities (old_log_probs, sum_pi_squared), so one scalar per trajectory "
+                                  "cannot carry it",
+}
 
 
 def estimator_from_verl(
@@ -140,23 +192,48 @@ def estimator_from_verl(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = GRPO_EPSILON,
     dtype: torch.dtype = torch.float64,
-) -> GroupEstimator:
-    """The estimator matching verl's ``algorithm.adv_estimator`` (and its GRPO std flag).
+    gamma: float = 1.0,
+):
+    """The estimator matching verl's ``algorithm.adv_estimator`` (and its GRPO std flag, gamma).
 
     The ``*_vectorized`` variants compute the same quantities (in float32, with a different
-    variance formula); they map to the same exact rule here.
+    variance formula); they map to the same exact rule here. REINFORCE++ streams with gamma = 1
+    only: a discount makes the advantage differ from token to token.
     """
-    name = str(adv_estimator)
-    if name not in _GROUPWISE:
+    name = str(getattr(adv_estimator, "value", adv_estimator))
+    if name not in STREAMED:
+        reason = REFUSED.get(name, f"{name!r} is not one of verl 0.9.1's estimators known to stream exactly")
         raise StreamingConfigError(
             rule_message(
-                f"algorithm.adv_estimator={name!r} is not a group-wise outcome estimator",
-                "streaming folds each trajectory's gradient with a coefficient that depends only "
-                "on the rewards of its own prompt group; GAE needs per-token critic values and "
-                "batch-whitened estimators need statistics of the whole batch",
-                f"set algorithm.adv_estimator to one of {sorted(_GROUPWISE)}",
+                f"algorithm.adv_estimator={name!r} cannot be streamed",
+                "streaming folds each trajectory's gradient with one coefficient per trajectory that "
+                f"depends on its outcome score and group or batch statistics; {reason}",
+                f"set algorithm.adv_estimator to one of {list(STREAMED)}",
             )
         )
-    if name.startswith("grpo"):
-        return GRPOEstimator(norm_by_std=norm_adv_by_std_in_grpo, epsilon=epsilon, dtype=dtype)
-    return RLOOEstimator(dtype=dtype)
+    if name.startswith("reinforce_plus_plus") and float(gamma) != 1.0:
+        raise StreamingConfigError(
+            rule_message(
+                f"algorithm.adv_estimator={name!r} streams with algorithm.gamma=1.0 only (got {gamma})",
+                "with a discount the return, and so the advantage, differs from token to token of a "
+                "trajectory; a streamed row carries one coefficient",
+                "set algorithm.gamma=1.0, or use grpo / rloo",
+            )
+        )
+    est = _build(name, bool(norm_adv_by_std_in_grpo), float(epsilon), dtype)
+    est.verl_name = name
+    return est
+
+
+def _build(name: str, norm: bool, epsilon: float, dtype: torch.dtype):
+    if name in ("grpo", "grpo_vectorized"):
+        return GRPOEstimator(norm_by_std=norm, epsilon=epsilon, dtype=dtype)
+    if name in ("rloo", "rloo_vectorized"):
+        return RLOOEstimator(dtype=dtype)
+    if name == "grpo_passk":
+        return GRPOPassKEstimator(norm_by_std=norm, epsilon=epsilon, dtype=dtype)
+    if name == "opo":
+        return OPOEstimator(dtype=dtype)
+    if name == "gpg":
+        return GPGEstimator(dtype=dtype)
+    return ReinforcePlusPlusEstimator(baseline=name.endswith("_baseline"), dtype=dtype)
