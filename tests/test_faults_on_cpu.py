@@ -49,7 +49,7 @@ def test_bad_spec_is_refused_naming_the_problem(spec, named):
 
 def test_sandbox_kill_kills_the_real_sandbox_process_and_the_tool_reports_it(plan):
     faults.reload("sandbox_kill@every=2")
-    tool = PythonTool(retry_prob=0.0)
+    tool = PythonTool(retry_prob=0.0, timeout_s=120.0)  # a loaded machine must not turn a slow start into a timeout
     call = protocol.ToolCall(name="python", code="print(6 * 7)")
     outcomes = [asyncio.run(tool.execute(call, random.Random(0))) for _ in range(4)]
     assert [o.kind for o in outcomes] == ["ok", "program_error", "ok", "program_error"]
@@ -59,9 +59,9 @@ def test_sandbox_kill_kills_the_real_sandbox_process_and_the_tool_reports_it(pla
 
 def test_verifier_crash_scores_zero_with_reason_and_hang_is_cut_by_its_timeout():
     faults.reload("verifier_raise@call=1")
-    crashed = verify("<answer>4</answer>", "4")
+    crashed = verify("<answer>4</answer>", "4", timeout_s=120.0)
     assert crashed.score == 0.0 and "RuntimeError" in crashed.reason
-    assert verify("<answer>4</answer>", "4").score == 1.0  # only the first call was hit
+    assert verify("<answer>4</answer>", "4", timeout_s=120.0).score == 1.0  # only the first call was hit
     faults.reload("verifier_hang@after=0")
     hung = verify("<answer>4</answer>", "4", timeout_s=1.0)
     assert hung.score == 0.0 and "timeout" in hung.reason and hung.duration_s < 10
@@ -87,12 +87,12 @@ def test_nan_grad_hits_exactly_the_named_batch_and_chunk(plan):
     assert [(r["batch"], r["chunk"]) for r in faults.read_log(plan)] == [(2, 2)]
 
 
-def test_nan_grad_reaches_the_bucket_when_no_direct_gradient_exists():
+def test_nan_grad_reaches_the_batch_gradient_when_only_buckets_were_filled():
     faults.reload("nan_grad@batch=1,chunk=1")
     p = torch.nn.Parameter(torch.ones(4))
     batch = _Batch()
     faults.after_backward(batch, [p])
-    assert p.grad is None and math.isnan(float(batch.buckets["g0/r1"][0][0]))
+    assert math.isnan(float(p.grad[0])) and bool(torch.isfinite(p.grad[1:]).all())
 
 
 def test_disk_full_fails_the_named_step_with_enospc():
@@ -141,3 +141,22 @@ def test_save_failure_names_the_step_and_the_resume():
             default_local_dir = "/ckpt"
     err = resume.save_failed(4, OSError(errno.ENOSPC, "No space left on device"), Cfg)
     assert "step 4" in str(err) and "resume_mode=auto" in str(err) and "No space left" in str(err)
+
+
+def test_replay_resumed_at_a_version_passes_over_the_answers_recorded_before_it(tmp_path):
+    """A prompt recorded at steps 1 and 3: a run resumed at version 2 gets step 3's answer, a fresh run step 1's."""
+    from thundersync_verl.backends.replay.record import FORMAT
+    from thundersync_verl.backends.replay.recording import ReplayMissError, Recording
+
+    lines = [{"kind": "header", "format": FORMAT, "t0_unix": 0.0}]
+    for version, token in ((0, 7), (2, 9)):
+        lines.append({"kind": "generate", "prompt_ids": [1, 2], "response_ids": [token], "log_probs": [-0.5],
+                      "stop_reason": "completed", "start_s": float(version), "end_s": version + 0.1, "version": version,
+                      "temperature": 1.0, "max_tokens": 4, "request_id": "r", "pid": 1})
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert Recording(str(path)).next_generate([1, 2]).response_ids == [7]
+    resumed = Recording(str(path))
+    assert resumed.next_generate([1, 2], min_version=2).response_ids == [9]
+    with pytest.raises(ReplayMissError):
+        resumed.next_generate([1, 2], min_version=2)

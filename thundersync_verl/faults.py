@@ -12,7 +12,7 @@ Why:
    resumed run (a new process) counts again from 1:
        sandbox_kill@every=N    every N-th tool call's sandbox process is SIGKILLed while it runs
        verifier_raise@every=N  every N-th verifier program raises instead of checking
-       verifier_hang@after=N   every verifier program after the N-th sleeps forever (its timeout decides)
+       verifier_hang@after=N   every verifier program after the N-th hangs (300 s; its timeout decides)
        nan_grad@batch=B,chunk=C  the C-th streamed backward of the B-th batch leaves a NaN in the gradient
        learner_kill@batch=B,chunk=C  the learner process SIGKILLs itself after that backward
        disk_full@step=S        the checkpoint of step S is written to a full disk (``/dev/full``: ENOSPC)
@@ -46,7 +46,7 @@ KNOWN = {
 # Tool code that kills its own sandbox process: the sandbox sees SIGKILL, as from an OOM killer.
 KILL_CODE = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
 RAISE_CODE = "raise RuntimeError('verifier crashed (injected by THUNDERSYNC_FAULTS)')\n"
-HANG_CODE = "import time\nwhile True:\n    time.sleep(3600)\n"
+HANG_CODE = "import time\ntime.sleep(300)\n"  # far past any step timeout, yet an orphan still ends
 
 
 class FaultSpecError(ValueError):
@@ -174,10 +174,13 @@ def after_backward(batch_state, params) -> None:
         batch_state._fault_batch = _BATCH["batch"]
     _BATCH["chunk"] += 1
     place = {"batch": _BATCH["batch"], "chunk": _BATCH["chunk"]}
-    if _at_place("nan_grad", **place):  # the batch gradient, or the bucket the chunk went to
-        grads = [p.grad for p in params if p.grad is not None]
-        grads += [t for bucket in getattr(batch_state, "buckets", {}).values() for t in bucket if t is not None]
-        _local(grads[0]).view(-1)[0] = float("nan")
+    if _at_place("nan_grad", **place):  # the batch gradient (a bucket could be folded with coefficient 0)
+        import torch
+
+        first = next(iter(params))
+        if first.grad is None:
+            first.grad = torch.zeros_like(first)  # as the learner's fold does before its first add
+        _local(first.grad).view(-1)[0] = float("nan")
     if _at_place("learner_kill", **place):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -154,12 +154,16 @@ class Recording:
         return sum(len(v) for v in self.rewards.values())
 
     def next_generate(self, prompt_ids, *, temperature: Optional[float] = None,
-                      max_tokens: Optional[int] = None) -> GenerateRecord:
-        """The next recorded answer to exactly ``prompt_ids``; checks the request can have produced it."""
-        with self._lock:
-            return self._next_generate(prompt_ids, temperature, max_tokens)
+                      max_tokens: Optional[int] = None, min_version: Optional[int] = None) -> GenerateRecord:
+        """The next recorded answer to exactly ``prompt_ids``; checks the request can have produced it.
 
-    def _next_generate(self, prompt_ids, temperature, max_tokens) -> GenerateRecord:
+        ``min_version`` (a run resumed at that weight version): answers recorded at older weight versions
+        belong to the steps before the checkpoint, which the interrupted run consumed, so they are passed over.
+        """
+        with self._lock:
+            return self._next_generate(prompt_ids, temperature, max_tokens, min_version)
+
+    def _next_generate(self, prompt_ids, temperature, max_tokens, min_version=None) -> GenerateRecord:
         key = tuple(int(t) for t in prompt_ids)
         records = self.generates.get(key)
         if not records:
@@ -168,6 +172,8 @@ class Recording:
                 f"{self.path} ({self.num_generates} calls, {len(self.generates)} distinct prompts); {HOW_TO_RECORD}"
             )
         k = self._gen_cursor[key]
+        while min_version is not None and k < len(records) and records[k].version < min_version:
+            k += 1  # recorded before the checkpoint this run resumed from
         if k >= len(records):
             raise ReplayMissError(
                 f"replay: this prompt ({len(key)} tokens, starting {list(key[:8])}) was recorded {len(records)} time(s) in "

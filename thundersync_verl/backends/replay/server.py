@@ -89,6 +89,7 @@ class ReplayServer(contract.ServerControl):
             self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"])
         self.recorder = GenerateRecorder.from_config(config, section=ROLLOUT_NAME, use_env=False)
         self.version = 0
+        self.resumed_at: Optional[int] = None  # a resumed run's first pushed version: older records were consumed
         self.global_steps: Optional[int] = None
         self.requests_served = 0
         self.active = 0
@@ -108,7 +109,7 @@ class ReplayServer(contract.ServerControl):
                                                max_tokens=params.get("max_tokens"), version=version)
         else:
             rec = self.recording.next_generate(prompt_ids, temperature=params.get("temperature", 1.0),
-                                               max_tokens=params.get("max_tokens"))
+                                               max_tokens=params.get("max_tokens"), min_version=self.resumed_at)
         self.active += 1
         try:
             delay = 0.0 if isinstance(self.recording, AgenticScript) else self.recording.service_s[rec.line] * self.time_scale
@@ -133,6 +134,8 @@ class ReplayServer(contract.ServerControl):
 
     async def update_weights(self, named_tensors: Optional[list] = None, global_steps: Optional[int] = None) -> int:
         """Only the version matters here: answers are recorded, not computed (kept weights are written, point 5)."""
+        if self.requests_served == 0 and self.resumed_at is None and global_steps is not None and int(global_steps) > 0:
+            self.resumed_at = int(global_steps)  # the first push of a run resumed from a checkpoint
         self.version = self.version + 1 if global_steps is None else int(global_steps)
         self.global_steps = global_steps
         if named_tensors and os.environ.get(WEIGHTS_DIR_ENV):
