@@ -241,6 +241,13 @@ class Mirror:
         self.flat: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.tokens: dict[int, str] = {}
+        self._index: torch.Tensor | None = None  # int64 positions, reused (made on first use)
+
+    def _positions(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices`` (int32 on the wire) as the int64 ``index_copy_`` takes, in a reused buffer."""
+        if self._index is None or self._index.numel() < indices.numel():
+            self._index = torch.empty(indices.numel(), dtype=torch.int64, device=self.device)
+        return self._index[: indices.numel()].copy_(indices)
 
     def reset(self) -> None:
         self.flat.clear()
@@ -290,8 +297,7 @@ class Mirror:
                 target.copy_(values)
                 stats.dense_elems += e.count
             else:
-                index = bucket.indices[e.idx_off : e.idx_off + e.count].to(device=target.device, dtype=torch.int64)
-                target.index_copy_(0, index, values)
+                target.index_copy_(0, self._positions(bucket.indices[e.idx_off : e.idx_off + e.count]), values)
                 stats.pairs += e.count
             stats.entries += 1
             stats.names.add(e.name)
