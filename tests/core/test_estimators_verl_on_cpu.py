@@ -20,40 +20,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
-
+from thundersync_harness.estimator_steps import verl_advantages
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.core.batch_estimators import ArrivalEstimator, Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED, estimator_from_verl
 
 NEW = ["grpo_passk", "opo", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 WHITENED = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
-
-
-def _verl_batch(outcomes: list[Outcome], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """verl's layout: token_level_rewards [B, T] (score on the last valid token), int64 mask, uid array."""
-    width = max(o.length for o in outcomes) + 2  # padding beyond the longest response
-    rewards = torch.zeros(len(outcomes), width, dtype=dtype)  # [B, T]
-    mask = torch.zeros(len(outcomes), width, dtype=torch.int64)  # [B, T]
-    for b, o in enumerate(outcomes):
-        mask[b, : o.length] = 1
-        rewards[b, o.length - 1] = o.reward
-    return rewards, mask, np.array([f"g{o.group}" for o in outcomes], dtype=object)
-
-
-def verl_advantages(name: str, outcomes: list[Outcome], dtype: torch.dtype, norm: bool = True) -> list[float]:
-    """verl's registered estimator on the batch; one advantage per row (its value on the first token)."""
-    from verl.trainer.ppo import core_algos as ca
-
-    rewards, mask, index = _verl_batch(outcomes, dtype)
-    config = OmegaConf.create({"gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": norm})
-    fn = ca.get_adv_estimator_fn(name)
-    adv, _ = fn(token_level_rewards=rewards, response_mask=mask, index=index, config=config)
-    per_row = adv[:, 0]
-    for b, o in enumerate(outcomes):  # the advantage is the same on every valid token, 0 elsewhere
-        assert torch.equal(adv[b, : o.length], per_row[b].expand(o.length))
-        assert not adv[b, o.length :].any()
-    return per_row.tolist()
 
 
 def core_advantages(name: str, outcomes: list[Outcome], dtype: torch.dtype, norm: bool = True) -> list[float]:

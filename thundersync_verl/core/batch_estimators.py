@@ -223,16 +223,20 @@ class ArrivalView:
         self.batch_scope = self.arrival and estimator.scope == "batch"
         self.shadow_estimator = _TableEstimator(estimator.name) if self.arrival else estimator
         self._sizes: dict[Hashable, int] = {}
+        self._total = 0
         self._outcomes: dict[Hashable, dict[Hashable, Outcome]] = {}
         self._classes: dict[Hashable, float] = {}
+        self._arrived: dict[Hashable, int] = {}  # recorded arrivals per accumulator group
 
     def begin(self, group_sizes: Mapping[Hashable, int]) -> dict[Hashable, int]:
         """The accumulator's group sizes for a batch of ``group_sizes``."""
         self._sizes = dict(group_sizes)
+        self._total = sum(int(n) for n in group_sizes.values())
         self._outcomes = {gid: {} for gid in group_sizes}
         self._classes = {}
+        self._arrived = {}
         if self.batch_scope:
-            return {BATCH_GROUP: sum(int(n) for n in group_sizes.values())} if group_sizes else {}
+            return {BATCH_GROUP: self._total} if group_sizes else {}
         return dict(group_sizes)
 
     def max_distinct(self, requested: int | None) -> int | None:
@@ -257,14 +261,15 @@ class ArrivalView:
         new = Outcome(gid, tid, float(reward), int(length))
         sg, st = self.shadow_item(gid, tid)
         sr = self._shadow_reward(new)
-        members = self._members(sg) + [new]
-        if len(members) == self._shadow_size(sg):
-            self.shadow_estimator.table = self._table(members)
+        if self._arrived.get(sg, 0) + 1 == self._shadow_size(sg):  # closes: the accumulator asks for the table
+            self.shadow_estimator.table = self._table(self._members(sg) + [new])
         return sg, st, sr
 
     def record(self, gid: Hashable, tid: Hashable, reward: float, length: int) -> None:
         out = Outcome(gid, tid, float(reward), int(length))
         self._outcomes[gid][tid] = out
+        sg = self.shadow_item(gid, tid)[0]
+        self._arrived[sg] = self._arrived.get(sg, 0) + 1
         if self.batch_scope:
             self._classes.setdefault(self.estimator.bucket_class(out), float(len(self._classes)))
 
@@ -275,7 +280,7 @@ class ArrivalView:
         return self._classes.get(cls, float(len(self._classes)))
 
     def _shadow_size(self, sg: Hashable) -> int:
-        return sum(self._sizes.values()) if sg == BATCH_GROUP else self._sizes[sg]
+        return self._total if sg == BATCH_GROUP else self._sizes[sg]
 
     def _members(self, sg: Hashable) -> list[Outcome]:
         """Recorded outcomes of accumulator group ``sg`` in batch order (groups as declared, ids sorted)."""
@@ -309,7 +314,8 @@ class ArrivalView:
         return dict(self.shadow_estimator.table)
 
     def closes_group(self, sg: Hashable) -> bool:
-        return len(self._members(sg)) == self._shadow_size(sg)
+        """True once every member of accumulator group ``sg`` is recorded."""
+        return self._arrived.get(sg, 0) == self._shadow_size(sg)
 
     def barrier_factor(self) -> float:
         """The batch scalar of the barrier (GPG's alpha; 1 for the others)."""
@@ -339,17 +345,16 @@ def _in_batch_order(outcomes: Sequence[Outcome], group_order: list) -> list[Outc
     return [by_group[g][t] for g in sorted(by_group, key=lambda g: rank.get(g, len(rank))) for t in _sorted_ids(by_group[g])]
 
 
-def check_arrival_scope(estimator: Any, minibatches: int) -> None:
+def check_arrival_scope(estimator: Any, optimizer_steps: int) -> None:
     """Arrival estimators stream one optimizer step per batch (their statistics span the batch)."""
-    if isinstance(estimator, ArrivalEstimator) and minibatches > 1:
+    if isinstance(estimator, ArrivalEstimator) and optimizer_steps > 1:
         raise StreamingConfigError(
             rule_message(
-                f"algorithm.adv_estimator={estimator.name!r} streams with one mini-batch per batch "
-                f"(got {minibatches})",
-                "its advantages need batch statistics or response lengths that the mini-batch planner's "
+                f"algorithm.adv_estimator={estimator.name!r} streams with one optimizer step per batch "
+                f"(mini-batches x ppo_epochs = {optimizer_steps})",
+                "its advantages need response lengths or batch statistics, which the mini-batch planner's "
                 "early first step and its PPO chunks do not carry",
-                "set actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size, or use grpo, rloo "
-                "or grpo_passk",
+                "set actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size and "
+                "actor_rollout_ref.actor.ppo_epochs=1, or use grpo, rloo or grpo_passk",
             )
         )
-

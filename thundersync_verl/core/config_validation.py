@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import StreamingConfigError, int_at_least, rule_message
+from .batch_estimators import check_arrival_scope
 from .estimators import GroupEstimator, estimator_from_verl
 from .normalizers import check_loss_agg_mode
 from .objectives import KL_KINDS
@@ -89,6 +90,17 @@ def _check_steps(ppo_epochs: int, ppo_mini_batch_size: int, train_batch_size: in
         )
 
 
+def _check_estimator_steps(estimator, rollout_n: int, optimizer_steps: int) -> None:
+    """grpo_passk needs two members per group; length- or batch-statistics estimators one step per batch."""
+    if getattr(estimator, "verl_name", "") == "grpo_passk" and rollout_n < 2:
+        _fail(
+            f"algorithm.adv_estimator='grpo_passk' needs actor_rollout_ref.rollout.n >= 2 (got {rollout_n})",
+            "pass@k's advantage is the gap between a group's best and second-best member; verl raises too",
+            "set actor_rollout_ref.rollout.n >= 2",
+        )
+    check_arrival_scope(estimator, optimizer_steps)
+
+
 def _check_clip(low: float, high: float, c: float) -> None:
     if not (0 < low < 1 and high > 0):
         _fail(
@@ -142,6 +154,7 @@ def validate_streaming_config(
     clip_ratio_c: float = 3.0,
     adv_estimator: str = "grpo",
     norm_adv_by_std_in_grpo: bool = True,
+    gamma: float = 1.0,
     use_kl_loss: bool = False,
     kl_loss_type: str = "low_var_kl",
     rollout_is: str | None = None,
@@ -162,7 +175,8 @@ def validate_streaming_config(
             f"set {_ACTOR}.policy_loss.loss_mode to one of {list(LINEAR_POLICY_LOSSES[:2])}",
         )
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo)
+    estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, gamma=gamma)
+    _check_estimator_steps(estimator, rollout_n, ppo_epochs * train_batch_size // ppo_mini_batch_size)
     if use_kl_loss:
         base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
         if base not in KL_KINDS:

@@ -15,8 +15,12 @@ Why:
        group closes (its last reward arrives)  -> FoldOp({bucket(group, r): A(r)})
        batch complete                          -> FinalizeOp(scale = c_batch)
    The last trajectory of a group always closes it, so it always goes direct.
-4. A(r) comes from the core's estimators (verl's GRPO/RLOO definitions) computed in float32
-   by default, the dtype of verl's reward tensors, so the coefficients equal verl's advantages.
+4. A(r) comes from the core's estimators (verl's definitions) computed in float32 by default,
+   the dtype of verl's reward tensors, so the coefficients equal verl's advantages. Estimators
+   that need response lengths or batch statistics (OPO, GPG, REINFORCE++) go through the core's
+   ``ArrivalView``: a batch-scope estimator's trajectories share ONE shadow group (one bucket per
+   bucket class), folded when the batch's last trajectory lands; GPG's batch factor multiplies
+   the barrier's scale.
    c_batch is the core's ``batch_scale`` with dp_size=1: the worker's loss already undoes the
    data-parallel averaging. Seq-mean modes divide by all trajectories of the batch, as verl's
    ``update_actor`` does (global_batch_size = ppo_mini_batch_size * rollout.n).
@@ -41,8 +45,8 @@ from thundersync_verl.core import (
     estimator_from_verl,
     validate_streaming_config,
 )
+from thundersync_verl.core.batch_estimators import ArrivalView
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.core.groups import canonical_sorted
 from thundersync_verl.core.normalizers import check_count
 
 Item = tuple[Hashable, Hashable]
@@ -96,20 +100,23 @@ class StreamPlanner:
         grad_numel: int = 1,
         budget_bytes: int | None = None,
         max_distinct_rewards: int | None = None,
+        gamma: float = 1.0,
     ):
-        self.estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, epsilon, dtype=stats_dtype)
+        self.estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, epsilon, dtype=stats_dtype,
+                                             gamma=gamma)
+        self._view = ArrivalView(self.estimator)  # arrivals -> the shadow's groups (point 4)
         self.loss_agg_mode = loss_agg_mode
         self.loss_scale_factor = loss_scale_factor
         self.max_chunk_size = max_chunk_size
         shadow = torch.empty(int(grad_numel), dtype=torch.float32, device="meta")  # one local gradient shard
         self._acc = StreamingGradientAccumulator(
             [shadow],
-            estimator=self.estimator,
+            estimator=self._view.shadow_estimator,
             loss_agg_mode=loss_agg_mode,
             loss_scale_factor=loss_scale_factor,
             path="buckets",
             budget_bytes=budget_bytes,
-            max_distinct_rewards=max_distinct_rewards,
+            max_distinct_rewards=self._view.max_distinct(max_distinct_rewards),
         )
         self._sizes: dict[Hashable, int] = {}
         self._rewards: dict[Hashable, dict[Hashable, float]] = {}
@@ -122,7 +129,7 @@ class StreamPlanner:
     def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":
         """A planner for a config validated by ``settings_from_verl_config``."""
         est = settings.estimator
-        name = "rloo" if est.name == "rloo" else "grpo"
+        name = getattr(est, "verl_name", "rloo" if est.name == "rloo" else "grpo")
         norm = getattr(est, "norm_by_std", True)
         eps = getattr(est, "epsilon", 1e-6)
         return cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
@@ -133,7 +140,7 @@ class StreamPlanner:
         """Declare the batch's groups {group_id: n}; an unfinished batch is dropped."""
         if self._acc.batch_open:
             self._acc.abort_batch()
-        self._acc.begin_batch(group_sizes)
+        self._acc.begin_batch(self._view.begin(group_sizes))
         self._sizes = dict(group_sizes)
         self._rewards = {gid: {} for gid in group_sizes}
         self._tokens, self._ready, self._buckets, self._queued = {}, [], {}, []
@@ -154,18 +161,17 @@ class StreamPlanner:
                 )
             )
         check_count("num_tokens", num_tokens)
-        self._acc.report_reward(group_id, traj_id, reward)  # validates; raises before any change
+        shadow_gid, shadow_tid, shadow_reward = self._view.shadow_arrival(group_id, traj_id, reward, num_tokens)
+        self._acc.report_reward(shadow_gid, shadow_tid, shadow_reward)  # validates; raises before any change
+        self._view.record(group_id, traj_id, reward, num_tokens)
         self._rewards[group_id][traj_id] = float(reward)
         self._tokens[item] = int(num_tokens)
-        self._ready.append(item)
-        if len(self._rewards[group_id]) == self._sizes[group_id]:  # this arrival closed the group
-            self._queue_fold(group_id)
+        self._ready.append((shadow_gid, shadow_tid))
+        if self._view.closes_group(shadow_gid):  # this arrival closed the (shadow) group
+            self._queue_fold(shadow_gid)
 
     def _queue_fold(self, group_id: Hashable) -> None:
-        rewards = self._rewards[group_id]
-        tids = canonical_sorted(rewards)
-        adv = self.estimator.advantages([rewards[t] for t in tids])
-        by_reward = {rewards[t]: a for t, a in zip(tids, adv)}
+        by_reward = self._view.closing_coefficients(group_id)  # {shadow reward: A}
         folds = {bucket_key(group_id, r): by_reward[r] for r in sorted(self._buckets.pop(group_id, ()))}
         if folds:
             self._queued.append(FoldOp(group_id, folds))
@@ -174,7 +180,7 @@ class StreamPlanner:
     @property
     def ready(self) -> list[Item]:
         """Arrived trajectories whose backward has not been planned yet."""
-        return list(self._ready)
+        return [self._view.real_item(item) for item in self._ready]
 
     @property
     def ready_count(self) -> int:
@@ -198,7 +204,8 @@ class StreamPlanner:
 
     def _plan(self, chunk: list[Item]) -> BackwardOp:
         plan = self._acc.plan_chunk(chunk)
-        tokens = tuple(self._tokens[it] for it in plan.items)
+        items = tuple(self._view.real_item(it) for it in plan.items)
+        tokens = tuple(self._tokens[it] for it in items)
         if plan.destination == "direct":
             coefs = tuple(-w for w in plan.loss_weights)  # core loss weight is -A_i
             dest = "direct"
@@ -208,7 +215,7 @@ class StreamPlanner:
             dest = bucket_key(gid, plan.reward)  # type: ignore[arg-type]
             self._buckets.setdefault(gid, set()).add(float(plan.reward))  # type: ignore[arg-type]
         self._acc.add_chunk_grad(plan, [None], list(tokens))
-        return BackwardOp(tuple(plan.items), coefs, dest, tokens)
+        return BackwardOp(items, coefs, dest, tokens)
 
     # ----- mini-batches (minibatch_plan.py) ------------------------------------------------
     def withdraw(self, keep_groups) -> list[Item]:
@@ -243,6 +250,8 @@ class StreamPlanner:
         num_sequences = sum(self._sizes.values())
         scale = batch_scale(self.loss_agg_mode, num_tokens=counts.num_tokens, num_sequences=num_sequences,
                             dp_size=1, loss_scale_factor=self.loss_scale_factor)
+        if scale is not None:
+            scale *= self._view.barrier_factor()  # GPG's alpha; 1 for the other estimators
         if scale is None or not math.isfinite(scale):
             raise StreamingStateError(
                 rule_message(
@@ -317,6 +326,7 @@ def settings_from_verl_config(config: Any, *, train_batch_size: int | None = Non
         adv_estimator=adv_estimator or (_get(config, "algorithm.adv_estimator", "grpo") if full else "grpo"),
         norm_adv_by_std_in_grpo=bool(norm_adv_by_std_in_grpo if norm_adv_by_std_in_grpo is not None
                                      else (_get(config, "algorithm.norm_adv_by_std_in_grpo", True) if full else True)),
+        gamma=float(_get(config, "algorithm.gamma", 1.0)) if full else 1.0,
         use_kl_loss=bool(_get(actor, "use_kl_loss", False)),
         kl_loss_type=_get(actor, "kl_loss_type", "low_var_kl"),
         rollout_is=_get(config, f"{rc}.rollout_is") if full else None,

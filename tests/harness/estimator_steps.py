@@ -1,0 +1,133 @@
+"""Advantage estimators beyond GRPO: verl's oracle, and one engine step two ways with any estimator.
+
+Why:
+1. ``verl_advantages`` runs verl's registered estimator on a batch laid out as verl's trainer lays it
+   out (outcome reward on the last valid token, int64 response mask, ``uid`` groups, the algorithm
+   config with gamma and the GRPO std flag): the oracle of the core tests.
+2. ``sync_estimator_step`` is verl's synchronous step with ``algorithm.adv_estimator`` set:
+   ``compute_log_prob``, the trainer-side ``compute_advantage(data, adv_estimator=name, config=...)``,
+   ``update_actor``. ``stream_estimator_step`` is the stream planner with the same estimator driving
+   the streaming worker (arrivals one by one, ops sent every two arrivals), as the trainer does.
+3. ``run_estimator`` builds both for ``benchmarks/equivalence.py --estimator NAME``: the same
+   trajectories as the GRPO comparison (groups of 4, lengths 2-14, binary rewards with ties), the noise
+   floor from verl's update with the rows regrouped, and the JSON keys listing which of verl's
+   estimators stream and why the others are refused.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
+from thundersync_harness.engine_steps import StreamingLearnerClient, _old_log_probs, _verl_update, train
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core.batch_estimators import Outcome
+from thundersync_verl.core.estimators import REFUSED, STREAMED
+from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+
+
+def algorithm_config(norm_adv_by_std_in_grpo: bool = True):
+    """The ``algorithm`` keys verl's estimators read (gamma, lam, the GRPO std flag)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo})
+
+
+def _verl_layout(outcomes: list[Outcome], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """token_level_rewards [B, T] (score on the last valid token), int64 response mask [B, T], uid [B]."""
+    width = max(o.length for o in outcomes) + 2  # padding beyond the longest response
+    rewards = torch.zeros(len(outcomes), width, dtype=dtype)  # [B, T]
+    mask = torch.zeros(len(outcomes), width, dtype=torch.int64)  # [B, T]
+    for b, o in enumerate(outcomes):
+        mask[b, : o.length] = 1
+        rewards[b, o.length - 1] = o.reward
+    return rewards, mask, np.array([f"g{o.group}" for o in outcomes], dtype=object)
+
+
+def verl_advantages(name: str, outcomes: list[Outcome], dtype: torch.dtype, norm: bool = True) -> list[float]:
+    """verl's registered estimator on the batch, rows in the given order; one advantage per row.
+
+    Checks on the way that verl's advantage is the same on every valid token and 0 on padding, the
+    property that lets a streamed row carry one coefficient.
+    """
+    from verl.trainer.ppo import core_algos as ca
+
+    rewards, mask, index = _verl_layout(outcomes, dtype)
+    fn = ca.get_adv_estimator_fn(name)
+    adv, _ = fn(token_level_rewards=rewards, response_mask=mask, index=index, config=algorithm_config(norm))
+    per_row = adv[:, 0]  # [B]
+    for b, o in enumerate(outcomes):
+        if not (torch.equal(adv[b, : o.length], per_row[b].expand(o.length)) and not adv[b, o.length :].any()):
+            raise AssertionError(f"verl's {name} advantage of row {b} is not one scalar on its valid tokens")
+    return per_row.tolist()
+
+
+def estimator_lists() -> dict:
+    """The JSON keys: verl 0.9.1's estimators that stream, and the refused ones with the reason."""
+    return {"estimators_streamed": list(STREAMED), "estimators_refused": dict(REFUSED)}
+
+
+# ----- one step on the engine, two ways ---------------------------------------------------------
+def sync_estimator_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, name: str) -> dict:
+    """compute_log_prob -> verl's compute_advantage(adv_estimator=name) -> update_actor."""
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from thundersync_verl.trainer.stream_loss import pad_batch
+
+    rows = [trajs[i] for i in row_order]
+    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
+    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
+    for b, t in enumerate(rows):
+        rewards[b, len(t.response) - 1] = t.reward
+    data = va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
+                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
+                                         meta_info={"temperature": 1.0})
+    data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    data = compute_advantage(data, adv_estimator=name, gamma=1.0, lam=1.0, num_repeat=GROUP_SIZE,
+                             norm_adv_by_std_in_grpo=True, config=algorithm_config())
+    return _verl_update(wg, data, len(rows))
+
+
+def stream_estimator_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, name: str, *,
+                          every: int = 2, max_chunk: int = 4) -> dict:
+    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops run on the worker."""
+    planner = StreamPlanner(adv_estimator=name, loss_agg_mode="token-mean", max_chunk_size=max_chunk)
+    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
+    groups = sorted({t.gid for t in trajs})
+    planner.begin_batch({g: GROUP_SIZE for g in groups})
+    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": name})
+    label = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
+    table = {(t.gid, label[id(t)]): (t.prompt, t.response) for t in trajs}
+    kinds = {"direct": 0, "bucket": 0, "fold": 0}
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, label[id(t)], t.reward, len(t.response))
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = planner.next_ops()
+            for op in ops:
+                kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
+            client.run(ops, table)
+    final = planner.finalize()
+    metrics = client.finalize(final)
+    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "barrier_scale": final.scale}
+
+
+def run_estimator(args, model_path, pad_id: int, vocab: int, groups: int, micro: int, regrouped) -> tuple[dict, dict]:
+    """sync_a (rows in order), sync_b (rows regrouped by ``regrouped(n)``) and stream, ``args.steps`` steps each.
+
+    The caller shuts Ray down. Returns the runs for ``equivalence.report`` and the JSON's estimator keys.
+    """
+    config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer)
+    config.algorithm.adv_estimator = args.estimator
+    batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
+    wg = start_workers(config, args.dp)
+    steps = {"sync_a": [], "sync_b": [], "stream": []}
+    for trajs, arrival in batches:
+        steps["sync_a"].append(partial(sync_estimator_step, wg, trajs, list(range(len(trajs))), pad_id, args.estimator))
+        steps["sync_b"].append(partial(sync_estimator_step, wg, trajs, regrouped(len(trajs)), pad_id, args.estimator))
+        steps["stream"].append(partial(stream_estimator_step, wg, trajs, arrival, pad_id, args.estimator))
+    runs = {kind: train(wg, fns) for kind, fns in steps.items()}
+    return runs, {"adv_estimator": args.estimator, **estimator_lists()}
