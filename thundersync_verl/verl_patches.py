@@ -2,7 +2,7 @@
 
 Each patch is listed, with the reason it exists and the upstream fix that would remove it, in
 ``patches/README.md``; ``APPLIED`` records which ones ran in a process. Where they apply:
-- CPU platform only (1, 2): ``apply_cpu_patches``, which the plugin calls only when the CPU
+- CPU platform only (1, 2, 5): ``apply_cpu_patches``, which the plugin calls only when the CPU
   platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
   (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
 - Every platform (3, 4): the plugin applies them unconditionally. Neither changes what verl
@@ -23,6 +23,10 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
    verl's teacher reply for the whole trajectory (its last turn's prefix), so verl's
    ``AgentLoopWorker._compute_teacher_logprobs`` is skipped for the outputs our agent loop flags;
    every other output (other agent loops, validation) goes through verl unchanged.
+5. ``fsdp2_offload_unpinned`` (CPU only): verl builds every forward-only FSDP2 engine (the reference
+   model of ``use_kl_loss``) with ``CPUOffloadPolicy(pin_memory=True)``; pinning host memory needs an
+   accelerator, so the reference worker failed to start on the CPU platform. The same policy is used
+   with ``pin_memory=False`` (the parameters already live in host memory: nothing to pin for).
 """
 
 from __future__ import annotations
@@ -70,6 +74,26 @@ def patch_fsdp_engines_on_cpu() -> None:
         APPLIED.append("fsdp_engines_on_cpu")
 
     when_imported(va.ENGINE_MODULE, _register)
+
+
+def patch_fsdp2_offload_unpinned() -> None:
+    from thundersync_verl import verl_adapter as va
+
+    def _wrap(module):
+        original = getattr(module, "CPUOffloadPolicy", None)
+        if original is None or getattr(original, "_thundersync_patched", False):
+            return
+
+        class CPUOffloadPolicy(original):  # torch's policy, host memory not pinned (point 5)
+            _thundersync_patched = True
+
+            def __init__(self, pin_memory: bool = True):
+                super().__init__(pin_memory=False)
+
+        module.CPUOffloadPolicy = CPUOffloadPolicy
+        APPLIED.append("fsdp2_offload_unpinned")
+
+    when_imported(va.ENGINE_MODULE, _wrap)
 
 
 def _logprob_diff_max(data) -> float:
@@ -137,6 +161,7 @@ def patch_reuse_turn_teacher_scores() -> None:
 def apply_cpu_patches() -> None:
     patch_gloo_backend_string()
     patch_fsdp_engines_on_cpu()
+    patch_fsdp2_offload_unpinned()
     from thundersync_verl.backends.megatron import cpu_patches as megatron_cpu_patches
 
     megatron_cpu_patches.apply()  # verl's Megatron engine on the CPU (backends/megatron/cpu_patches.py)
