@@ -334,6 +334,34 @@ def trainer_api():
                            omega_conf_to_dataclass=omega_conf_to_dataclass, LLMServerManager=LLMServerManager)
 
 
+def log_images(tracking, tag: str, images: list) -> list[str]:
+    """Send PNGs (``[(step, path)]``) to the image-capable backends of verl's ``Tracking``; the backends reached.
+
+    verl 0.9.1's ``Tracking`` (``trainer.logger``) logs scalars only, so the images go through each
+    backend's own writer, found in ``Tracking.logger``: tensorboard's ``SummaryWriter.add_image`` at
+    each image's step, and ``wandb.Image``. wandb drops steps below its current one and keeps one value
+    per key and step, so one call's images land together, as one list under ``tag``, at wandb's current
+    step or the latest image's step if later; each caption names the step it shows.
+    """
+    backends = getattr(tracking, "logger", None) or {}
+    reached = []
+    if images and "tensorboard" in backends:
+        import numpy as np
+        from PIL import Image
+
+        for step, png in images:
+            with Image.open(png) as image:
+                pixels = np.asarray(image.convert("RGB"))  # [H, W, 3] uint8
+            backends["tensorboard"].writer.add_image(tag, pixels, int(step), dataformats="HWC")
+        reached.append("tensorboard")
+    if images and "wandb" in backends:
+        wandb = backends["wandb"]
+        at = max([int(step) for step, _ in images] + ([int(wandb.run.step)] if wandb.run is not None else []))
+        wandb.log({tag: [wandb.Image(str(png), caption=f"step {step}") for step, png in images]}, step=at)
+        reached.append("wandb")
+    return reached
+
+
 def registration_of(method) -> dict | None:
     """The dispatch/execute/blocking attributes verl's ``@register`` attached to a method, if any."""
     from verl.single_controller.base.decorator import MAGIC_ATTR

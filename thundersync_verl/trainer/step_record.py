@@ -109,4 +109,4 @@ class StepRecorder:
                                 **metrics}) + "\n")
         png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
         self.drawer.submit(list(self.trajectories.values()), list(self.ops), self.t_step_start, t_end, png,
-                           f"{self.mode} step {self.step}")
+                           f"{self.mode} step {self.step}", step=self.step)

@@ -25,7 +25,7 @@ the per-step work and a few hooks change:
    theirs is taken; generation stays at the batch's weights, so ``learner_forward=fused`` is needed.
 7. Reporting reaches the loggers verl users run (``trainer.logger``): the ``thundersync/*`` metrics
    ride in the step's metrics, and each timeline PNG, once drawn, goes to tensorboard / wandb as an
-   image through ``verl_adapter.log_image`` (after verl's step timer, and at the end of ``fit``).
+   image through ``verl_adapter.log_images`` (after verl's step timer, and at the end of ``fit``).
 """
 
 from __future__ import annotations
@@ -258,9 +258,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         tracking = getattr(self, "logger", None)  # verl's Tracking, made by fit()
         if self.timeline_feed is None or tracking is None:
             return
-        for step, png in self.timeline_feed.new():
-            step = self.global_steps if step is None else step
-            va.log_image(tracking, "thundersync/timeline", png, step, caption=f"thundersync step {step}")
+        drawn = [(self.global_steps if step is None else step, png) for step, png in self.timeline_feed.new()]
+        va.log_images(tracking, "thundersync/timeline", drawn)
 
     # -- the streamed step (streamed_step.py) -----------------------------------------------
     def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int):

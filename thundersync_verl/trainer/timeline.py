@@ -10,6 +10,8 @@
    one niced child process (``python -m thundersync_verl.trainer.timeline``) that draws in the
    background. The child logs each drawing's CPU seconds to ``draw_cost.jsonl`` beside the PNGs,
    so the cost that moved off the step stays measured.
+4. That log line is also the "finished" signal: ``TimelineFeed`` reads it to hand each finished
+   PNG, once, to verl's loggers (tensorboard, wandb) as an image, never a half-written file.
 """
 
 from __future__ import annotations
@@ -109,12 +111,12 @@ class TimelineDrawer:
         self._proc: subprocess.Popen | None = None
 
     def submit(self, trajectories: list[dict], ops: list[dict], t_start: float, t_end: float, png: str | Path,
-               title: str) -> None:
+               title: str, step: int | None = None) -> None:
         png = Path(png)
         png.parent.mkdir(parents=True, exist_ok=True)
         job = png.with_suffix(".job.json")
         job.write_text(json.dumps({"trajectories": trajectories, "ops": ops, "t_start": t_start, "t_end": t_end,
-                                   "png": str(png), "title": title}))
+                                   "png": str(png), "title": title, "step": step}))
         if self._proc is None:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, text=True,
                                           start_new_session=True)  # outlives a killed trainer long enough to finish
@@ -157,8 +159,30 @@ def _serve(stream) -> int:
         png = draw_timeline(job["trajectories"], job["ops"], job["t_start"], job["t_end"], job["png"], job["title"])
         path.unlink()
         with open(png.parent / DRAW_COST_FILE, "a") as f:
-            f.write(json.dumps({"png": png.name, "draw_s": time.process_time() - t0}) + "\n")
+            f.write(json.dumps({"png": png.name, "step": job.get("step"), "draw_s": time.process_time() - t0}) + "\n")
     return 0
+
+
+class TimelineFeed:
+    """The timeline PNGs the drawer has finished (``draw_cost.jsonl`` lines), each returned once by ``new()``."""
+
+    def __init__(self, timelines_dir: str | Path):
+        self.dir = Path(timelines_dir)
+        self._seen: set[str] = set()
+
+    def new(self) -> list[tuple[int | None, Path]]:
+        """``(step, png)`` for every drawing finished since the last call, in the order they were drawn."""
+        cost = self.dir / DRAW_COST_FILE
+        if not cost.is_file():
+            return []
+        text = cost.read_text()
+        out = []
+        for line in text[: text.rfind("\n") + 1].splitlines():  # a line still being written waits for the next call
+            record = json.loads(line) if line.strip() else None
+            if record is not None and record["png"] not in self._seen:
+                self._seen.add(record["png"])
+                out.append((record.get("step"), self.dir / record["png"]))
+        return out
 
 
 if __name__ == "__main__":
