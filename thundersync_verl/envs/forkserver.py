@@ -10,6 +10,10 @@ Why:
    the child, the network denied by the namespace the server was started in and by the same
    audit hook, which is installed in the child before user code runs. The server itself never
    runs user code, so one call cannot leave state for the next.
+5. Nothing a call started outlives it: when the call's process exits, the server kills its
+   process group while the exited process is still an unreaped zombie (so the group id cannot
+   have been reused), and, being the children's subreaper, it kills every process reparented to
+   it (a daemon that left the group with ``setsid``) before it reports the exit.
 3. The caller's process holds only a socket: requests carry the child's stdin/stdout/stderr as
    file descriptors (``SCM_RIGHTS``), so output is read with the same capped buffers as a
    spawned sandbox; replies (pid, exit status) come back on the socket and are picked up by one
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import threading
 
-# Executed with ``python -I -S -B -c`` after the sandbox's guard source (which defines ``_guard``):
+# Executed with ``python -I -S -B -c`` after the sandbox's guard source (which defines ``_install_guard``):
 # serves fork requests on the socket whose fd is argv[1] until it closes.
 SERVER = r"""
 import ctypes, json, os, resource, signal, socket, select, sys, traceback
@@ -56,7 +60,7 @@ def child(req, fds):
         main = types.ModuleType("__main__")
         sys.modules["__main__"] = main
         if req["guard"]:
-            sys.addaudithook(_guard)
+            _install_guard(req["dir"])
         with open("main.py", encoding="utf-8") as f:
             src = f.read()
         exec(compile(src, "main.py", "exec"), main.__dict__)
@@ -74,17 +78,45 @@ def child(req, fds):
             code = code or 1
     os._exit(code)
 def reap():
-    while live:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+    while True:
+        try:  # WNOWAIT: the exited child stays a zombie, so its group id cannot be reused yet
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None:
             return
-        rid = live.pop(pid, None)
+        rid = live.pop(info.si_pid, None)
         if rid is not None:
+            try:
+                os.killpg(info.si_pid, signal.SIGKILL)  # whatever the call left in its group
+            except OSError:
+                pass
+        _, status = os.waitpid(info.si_pid, 0)
+        if rid is not None:
+            kill_orphans()
             sock.send(json.dumps({"id": rid, "exit": os.waitstatus_to_exitcode(status)}).encode())
+def kill_orphans():
+    # We are the subreaper: a process whose parent exited (a daemon that left its call's group
+    # with setsid) is now our child. Every child of ours that is not a running call is one.
+    try:
+        with open("/proc/self/task/%d/children" % server_pid) as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == server_pid]
+    for pid in children:
+        if pid not in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+def parent_of(pid):
+    try:
+        with open("/proc/%s/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 server_pid = os.getpid()
+prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the calls are reparented to us, not to init
 rd, wr = os.pipe()
 os.set_blocking(wr, False)
 signal.set_wakeup_fd(wr)
@@ -106,6 +138,7 @@ try:
                             os.killpg(pid, signal.SIGKILL)
                         except OSError:  # not yet its own group leader
                             os.kill(pid, signal.SIGKILL)
+                kill_orphans()
                 continue
             pid = os.fork()
             if pid == 0:
@@ -120,6 +153,8 @@ finally:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
+    live.clear()
+    kill_orphans()
 """
 
 

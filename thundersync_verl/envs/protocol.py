@@ -45,6 +45,7 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RETRY_ERROR_TEXT = "error: sandbox busy, retry"
 SYSTEM_PROMPT = "Use the python tool, then reply <answer>N</answer>."
 MAX_TOOL_RESPONSE_CHARS = 200  # longer tool output is cut: the tiny models have short contexts
+TRUNCATED_MARK = " [output truncated]"  # ends a cut tool response, so the model knows it saw a part
 
 # The verifier runs in an isolated interpreter that cannot import this package: it receives
 # this pattern as data, so the parser and the verifier can never disagree.
@@ -172,7 +173,8 @@ def tool_response_text(result: Any) -> str:
     """The tool turn's content for a sandbox result (or a plain string).
 
     Success gives the printed output; a failure gives ``error: <last stderr line or reason>``.
-    The text is cut to ``MAX_TOOL_RESPONSE_CHARS`` so a chatty program cannot flood the context.
+    The text is cut to ``MAX_TOOL_RESPONSE_CHARS`` so a chatty program cannot flood the context;
+    a cut text (here or by the sandbox's output cap) ends with ``TRUNCATED_MARK``.
     """
     if isinstance(result, ToolCallError):
         body = f"error: {result.reason}"
@@ -184,7 +186,9 @@ def tool_response_text(result: Any) -> str:
         stderr_lines = [line for line in (getattr(result, "stderr", "") or "").strip().splitlines() if line]
         detail = stderr_lines[-1] if stderr_lines else (getattr(result, "error", None) or "failed")
         body = f"error: {detail}"
-    body = body[:MAX_TOOL_RESPONSE_CHARS]
+    cut_by_sandbox = getattr(result, "ok", False) and getattr(result, "truncated", False)  # stdout was capped
+    if len(body) > MAX_TOOL_RESPONSE_CHARS or cut_by_sandbox:
+        body = body[: MAX_TOOL_RESPONSE_CHARS - len(TRUNCATED_MARK)] + TRUNCATED_MARK
     return TOOL_RESPONSE_OPEN + body + TOOL_RESPONSE_CLOSE
 
 

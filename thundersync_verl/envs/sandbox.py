@@ -23,6 +23,29 @@ Why it is built this way:
    ``spawn="exec"`` (or ``THUNDERSYNC_SANDBOX_SPAWN=exec``) starts a fresh interpreter per call
    instead, with its limits set by ``prlimit`` where installed so the spawn stays cheap; the
    fork path falls back to it, call by call, if its server cannot start or dies.
+7. What the python tool's sandbox guarantees (``tests/envs/test_sandbox_escape_on_cpu.py`` tries
+   each escape, on both spawn paths):
+   - no network: sockets other than AF_UNIX, connects, binds and name lookups are refused by the
+     guard, and the namespace (where available) has no interface but a down loopback;
+   - no new processes: fork, exec, spawn, ``subprocess``, ``os.system`` and the raw
+     ``_posixsubprocess`` are refused, as are ctypes calls and raw-memory access (the way around
+     an audit hook), gc walks (the way to the hook's state) and signals to any other process;
+   - writes only inside the call's fresh working directory (files, folders, renames, links,
+     modes); reads only there, in the interpreter's own library folders, ``/proc/<own pid>``,
+     the zoneinfo files and a few ``/dev`` files: the project, ``$HOME`` and ``/etc`` are refused;
+   - bounded resources: address space (``MemoryError``), CPU seconds, 64 open files, 1 MiB per
+     written file, no core dumps, the wall-clock timeout, and ``max_output_bytes`` kept per stream
+     however much is printed;
+   - clean-up: the working directory is deleted, and every process of the call's group (and, on
+     the fork path, any process that left it) is killed when the call's process exits or times out;
+   - every violation is a ``SandboxResult`` with ``error`` set (``denied``, ``memory_limit``,
+     ``timeout``...), which the tool turns into an ``error: ...`` turn: never an exception.
+   Not guaranteed: the guard is an in-interpreter hook, not a kernel boundary, so a CPython bug
+   or an escape we did not think of could bypass it; file metadata (``os.stat``, existence) is
+   not hidden; the kernel enforces the network barrier only where ``unshare --net`` works; a
+   process count limit is not set (RLIMIT_NPROC counts every process of the user, the trainer's
+   included, and root ignores it), so fork bombs are stopped by the guard, not by the kernel; with
+   the guard off (tests only) a spawned call's child that leaves the group with ``setsid`` survives.
 """
 
 from __future__ import annotations
@@ -46,23 +69,73 @@ from typing import Any, TypeVar
 from thundersync_verl.envs import forkserver
 
 # The audit hook, as source: the spawned bootstrap and the fork server both define it this way.
+# ``_install_guard(root)`` installs it for a program whose workspace is ``root`` (point 7). The
+# hook's state lives in a closure, so user code that rebinds module globals cannot loosen it.
 GUARD_SOURCE = r"""
-import sys
-_DENIED = {
-    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-    "os.forkpty", "ctypes.dlopen", "ctypes.dlsym",
-}
-def _guard(event, args):
-    if event in _DENIED or (event == "socket.__new__" and args[1] != 1):  # 1 == AF_UNIX
-        raise PermissionError("sandbox: " + event + " is denied (no network, no new processes)")
+def _install_guard(root):
+    import os, sys
+    denied = frozenset({
+        "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+        "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
+        "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+        "os.forkpty", "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata",
+        "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+    })
+    no_import = frozenset({"_posixsubprocess"})  # fork_exec raises no audit event of its own
+    changes = frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.symlink", "os.link",
+                         "os.chmod", "os.chown", "os.truncate", "os.utime", "os.setxattr",
+                         "os.removexattr", "os.chflags", "os.lchflags", "os.lchmod"})
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    realpath, fsdecode, own = os.path.realpath, os.fsdecode, os.getpid()
+    root = realpath(root)
+    readable = tuple({root, "/proc/%d" % own, "/usr/share/zoneinfo"}
+                     | {realpath(p) for p in sys.path if p and os.path.isdir(p)})
+    read_files = frozenset({"/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"})
+
+    def under(path, bases):
+        if path is None or isinstance(path, int):
+            return True  # an open file descriptor: its path was checked when it was opened
+        try:
+            full = realpath(fsdecode(path))
+        except (TypeError, ValueError, OSError):
+            return False
+        return any(full == b or full.startswith(b + "/") for b in bases)
+
+    def deny(what):
+        raise PermissionError("sandbox: " + what + " is denied (no network, no new processes, "
+                              "writes only inside the working directory)")
+
+    def guard(event, args):
+        if event in denied or (event == "socket.__new__" and args[1] != 1):  # 1 == AF_UNIX
+            deny(event)
+        elif event == "open":
+            if args[2] & write_flags:
+                if not under(args[0], (root,)):
+                    deny("writing " + str(args[0]))
+            elif not (args[0] in read_files or under(args[0], readable)):
+                deny("reading " + str(args[0]))
+        elif event in changes:
+            for arg in args:
+                if isinstance(arg, (str, bytes)) and not under(arg, (root,)):
+                    deny(event + " on " + str(arg))
+        elif event in ("os.listdir", "os.scandir"):
+            if args and not under(args[0], readable):
+                deny("listing " + str(args[0]))
+        elif event in ("os.kill", "os.killpg"):
+            if args[0] not in (0, own):
+                deny("signalling process " + str(args[0]))
+        elif event == "import" and args[0] in no_import:
+            deny("importing " + args[0])
+
+    sys.addaudithook(guard)
 """
 
 # Executed with ``python -I -S -c``: installs the guard, then runs ``main.py`` from the cwd.
 _BOOTSTRAP = GUARD_SOURCE + r"""
+import os, sys
 if sys.argv[1] == "guard":
-    sys.addaudithook(_guard)
+    _install_guard(os.getcwd())
+del _install_guard
 with open("main.py", encoding="utf-8") as _f:
     _src = _f.read()
 _globals = {"__name__": "__main__", "__builtins__": __builtins__}  # user code sees none of ours
@@ -354,8 +427,18 @@ async def _communicate(
         except (BrokenPipeError, ConnectionResetError):
             pass  # the program exited without reading its input
 
+    async def wait_then_kill_group() -> None:
+        # proc.wait() also waits for the pipes to close: a child left behind would hold them (and
+        # the call) open until the timeout. Once the process itself has exited, kill its group.
+        waiter = asyncio.ensure_future(proc.wait())
+        while not waiter.done():
+            if proc.returncode is not None:
+                _kill_group(proc)
+            await asyncio.wait({waiter}, timeout=0.05)
+        _kill_group(proc)  # also a child that closed its pipes
+
     assert proc.stdout is not None and proc.stderr is not None
-    work = asyncio.gather(feed(), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait())
+    work = asyncio.gather(feed(), out.drain(proc.stdout), err.drain(proc.stderr), wait_then_kill_group())
     timed_out = False
     try:
         await asyncio.wait_for(work, timeout_s)

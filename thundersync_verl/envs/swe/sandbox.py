@@ -10,7 +10,9 @@ Why:
    fresh network namespace when the kernel allows one, under the same kernel limits (``prlimit``),
    with a minimal environment, in its own process group that the timeout kills whole, and with
    capped output. Unlike the python tool it must spawn processes (git, pytest), so the
-   in-interpreter spawn guard is not installed; the namespace keeps it off the network. Commands
+   in-interpreter spawn guard is not installed; the namespace keeps it off the network. Where the
+   kernel allows, ``bash`` is the first process of a fresh PID namespace (``pidns_prefix``): when it
+   exits, every process it left behind is killed, even one that left its process group. Commands
    find the trainer's interpreter first on PATH; pytest plugin auto-loading is off, since the
    trainer environment's plugins are not the repository's (and loading them costs seconds a run).
 3. Start-up puts the repository in the instance's starting state (SWE-smith semantics, see
@@ -25,9 +27,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -135,6 +139,29 @@ async def communicate(proc, stdin: str | None, cap: int, timeout_s: float, t0: f
                          out.truncated or err.truncated)
 
 
+@functools.lru_cache(maxsize=1)
+def pidns_prefix() -> tuple[str, ...]:
+    """The sandbox's ``netns_prefix()`` plus a fresh PID namespace whose first process is the command, or the
+    network prefix alone if the kernel refuses one.
+
+    For sandboxes that must spawn processes (the SWE shell): when the command exits, the kernel
+    kills every process left in its namespace, including daemons that left its process group.
+    """
+    unshare = shutil.which("unshare")
+    base = base_sandbox.netns_prefix()
+    if unshare is None:
+        return base
+    head = base or (unshare,)
+    for extra in (("--pid", "--fork", "--kill-child", "--mount-proc"), ("--pid", "--fork", "--kill-child")):
+        try:
+            probe = subprocess.run([*head, *extra, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return (*head, *extra)
+    return base
+
+
 def relative_path(path: str) -> PurePosixPath:
     """A path inside the repository, normalised; refuses absolute paths and ``..`` escapes."""
     pure = PurePosixPath(path.strip())
@@ -180,7 +207,7 @@ class LocalWorkspace(Workspace):
         limits["RLIMIT_NOFILE"] = (1024, 1024)  # git and pytest open more files than a python tool call
         limits["RLIMIT_FSIZE"] = (64 << 20, 64 << 20)
         limit_prefix = base_sandbox._limit_prefix(limits) if base_sandbox._prlimit() else ()
-        argv = [*base_sandbox.netns_prefix(), *limit_prefix, "bash", "-c", command]
+        argv = [*pidns_prefix(), *limit_prefix, "bash", "-c", command]
         t0 = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
