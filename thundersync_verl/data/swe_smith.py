@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from thundersync_verl.core.errors import rule_message
 from thundersync_verl.envs.swe import protocol
-from thundersync_verl.envs.swe.instance import InstanceError, SWEInstance
+from thundersync_verl.envs.swe.instance import REQUIRED_FIELDS, InstanceError, SWEInstance
 
 MAX_LISTED = 5  # bad rows named in the refusal before "... and N more"
 
@@ -35,22 +36,32 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a .jsonl, .json (an array) or .parquet file, as plain dicts."""
     path = Path(path)
     if not path.is_file():
-        raise ConversionError(f"--input {path} is not a file")
+        raise ConversionError(_unreadable(path, "is not a file"))
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pandas as pd
 
-        return pd.read_parquet(path).to_dict(orient="records")
-    text = path.read_text(encoding="utf-8")
+        try:
+            return pd.read_parquet(path).to_dict(orient="records")
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for an empty or damaged file
+            raise ConversionError(_unreadable(path, f"is not a readable parquet file ({type(exc).__name__}: {exc})")) from None
     try:
+        text = path.read_text(encoding="utf-8")
         if suffix == ".json":
             rows = json.loads(text)
             return rows if isinstance(rows, list) else [rows]
         if suffix == ".jsonl":
             return [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ConversionError(f"--input {path} is not valid JSON: {exc}") from None
-    raise ConversionError(f"--input {path}: expected a .jsonl, .json or .parquet file, got {suffix or 'no suffix'}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConversionError(_unreadable(path, f"is not valid UTF-8 JSON ({exc})")) from None
+    raise ConversionError(_unreadable(path, f"has the suffix {suffix or '(none)'}, not .jsonl, .json or .parquet"))
+
+
+def _unreadable(path: Path, problem: str) -> str:
+    return rule_message(f"--input {path} {problem}",
+                        "the SWE-smith instances are read from exactly the file given; nothing is guessed",
+                        "point --input at a .jsonl (one instance per line), .json (an array) or .parquet "
+                        "file of SWE-smith instances")
 
 
 def verl_row(instance: SWEInstance, index: int, *, data_source: str, agent_name: str) -> dict[str, Any]:
@@ -79,9 +90,14 @@ def convert(rows: Iterable[Any], *, data_source: str = protocol.DATA_SOURCE,
     if problems:
         listed = "; ".join(problems[:MAX_LISTED])
         more = f"; ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise ConversionError(f"refused {len(problems)} of {len(out) + len(problems)} rows: {listed}{more}")
+        raise ConversionError(rule_message(
+            f"refused {len(problems)} of {len(out) + len(problems)} rows: {listed}{more}",
+            "a dataset with rows silently dropped would train on a different set than the one given",
+            "fix or remove the named rows: every row needs the fields " + ", ".join(REQUIRED_FIELDS)))
     if not out:
-        raise ConversionError("the input holds no rows")
+        raise ConversionError(rule_message(
+            "the input holds no rows", "an empty dataset cannot train (verl would fail later, less clearly)",
+            "point --input at a file holding at least one SWE-smith instance"))
     return out
 
 
