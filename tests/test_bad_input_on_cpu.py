@@ -2,7 +2,9 @@
 
 GPUs needed: 0 (CPU only). Cases: malformed SWE-smith files (missing fields, wrong types, empty or
 damaged files), tool output that is huge or binary, a verifier that returns NaN, raises or prints
-garbage, and a NaN reward reaching the ThunderSync planner. The sandbox escapes have their own file
+garbage, a NaN reward reaching the ThunderSync planner, and a prompt over ``rollout.prompt_length``
+(both agent loops keep verl's left truncation and its warning; verl's dataset drops such prompts first
+when ``data.filter_overlong_prompts`` is on, its default). The sandbox escapes have their own file
 (``tests/envs/test_sandbox_escape_on_cpu.py``).
 """
 
@@ -129,3 +131,39 @@ def test_a_non_finite_reward_stops_the_step_clearly_and_loses_nothing(reward):
     planned = sorted(item for op in ops if isinstance(op, BackwardOp) for item in op.items)
     assert planned == [("g", "t0"), ("g", "t1")]
     assert isinstance(planner.finalize(), FinalizeOp)  # the batch completes: no trajectory was dropped
+
+
+# --- a prompt over the context limit ------------------------------------------------------------
+
+class _LongPromptBuilder:
+    """Stands in for the chat-template tokenizer: every prompt renders to ``n`` token ids."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def build_initial_tokens(self, messages, **kwargs):
+        return list(range(self.n))
+
+
+@pytest.mark.parametrize("loop_module, loop_class", [
+    ("thundersync_verl.envs.agent_loop", "ThunderSyncToolAgentLoop"),
+    ("thundersync_verl.envs.swe.agent_loop", "SWEAgentLoop"),
+], ids=["tool", "swe"])
+def test_a_prompt_over_the_limit_is_left_truncated_as_verl_does_with_a_warning(loop_module, loop_class, caplog):
+    import asyncio
+    import importlib
+    from types import SimpleNamespace
+
+    cls = getattr(importlib.import_module(loop_module), loop_class)
+    loop = object.__new__(cls)  # only the prompt path runs: no server, no tokenizer
+
+    async def build(n: int) -> list[int]:
+        loop.loop = asyncio.get_running_loop()
+        loop.continuous_token_builder = _LongPromptBuilder(n)
+        loop.rollout_config = SimpleNamespace(prompt_length=8)
+        return await loop.ct_build_initial_tokens([{"role": "user", "content": "long"}])
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(build(6)) == list(range(6)) and not caplog.records  # within the limit: untouched
+        assert asyncio.run(build(20)) == list(range(12, 20))  # the last prompt_length tokens, as verl keeps
+    assert any("20 tokens exceeds rollout.prompt_length=8" in r.getMessage() for r in caplog.records)
