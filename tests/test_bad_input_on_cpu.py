@@ -18,9 +18,9 @@ import pytest
 from thundersync_verl.core.errors import StreamingInputError
 from thundersync_verl.data import swe_smith
 from thundersync_verl.envs import protocol
-from thundersync_verl.envs.reward import _as_dict
+from thundersync_verl.envs.reward import _as_dict, compute_score
 from thundersync_verl.envs.sandbox import SandboxResult
-from thundersync_verl.envs.verifier import verify
+from thundersync_verl.envs.verifier import GroundTruthError, verify
 from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
 
 
@@ -111,6 +111,17 @@ def test_a_broken_verifier_is_a_counted_zero_with_its_reason(program, reason):
     assert result.score == 0.0 and reason in result.reason, result
     row = _as_dict(result)  # what verl receives: a finite score, the reason kept for the dumps
     assert row["score"] == 0.0 and row["acc"] == 0.0 and math.isfinite(row["score"]) and reason in row["reason"]
+
+
+@pytest.mark.parametrize("ground_truth", [None, "", "twelve", True, 2.5, "nan"], ids=["none", "empty", "word", "bool", "float", "nan"])
+def test_a_row_without_an_integer_ground_truth_is_a_loud_dataset_error(ground_truth):
+    # Scoring it 0 would look like a model that never answers right: the run must stop instead.
+    with pytest.raises(GroundTruthError) as err:
+        verify("<answer>12</answer>", ground_truth)
+    message = str(err.value)
+    assert repr(ground_truth) in message and "reward_model.ground_truth" in message and "\n  fix: " in message
+    with pytest.raises(GroundTruthError):
+        compute_score("thundersync_arith", "<answer>12</answer>", ground_truth, {"verifier_latency": {"kind": "constant", "median_s": 0.0}})
 
 
 # --- a NaN reward reaching the planner --------------------------------------------------------

@@ -9,6 +9,9 @@ Why:
 3. The check program is self-contained source (the isolated interpreter cannot import this
    package); the answer pattern reaches it as data from :mod:`protocol`, so the parser and
    the verifier always agree.
+4. The one exception is a dataset error: a ground truth that is not an integer (a missing or
+   malformed ``reward_model.ground_truth``) would score every answer 0 and train on a constant
+   reward without a word, so it raises, naming the value and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from thundersync_verl import faults
+from thundersync_verl.core.errors import rule_message
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.sandbox import run_blocking, run_python_async
 
@@ -65,6 +69,27 @@ class VerifierResult:
     pred: str | None = None
 
 
+class GroundTruthError(ValueError):
+    """A dataset row whose ground truth no answer can match (point 4)."""
+
+
+def check_ground_truth(ground_truth: object) -> None:
+    """Raise :class:`GroundTruthError` unless ``ground_truth`` reads as an integer, as the check program reads it."""
+    text = str(ground_truth).strip().replace(",", "")
+    try:
+        value = float(text)
+        ok = not isinstance(ground_truth, bool) and value.is_integer()
+    except ValueError:
+        ok = False
+    if not ok:
+        raise GroundTruthError(rule_message(
+            f"the arithmetic task's ground truth must be an integer, got {ground_truth!r}",
+            "no answer can match it: every trajectory would score 0 and the run would train on a constant "
+            "reward without saying why",
+            "fix the dataset rows' reward_model.ground_truth (envs/dataset.py writes each problem's integer "
+            "answer), or point reward.custom_reward_function at the verifier of your own task"))
+
+
 def _job(response_text: str, ground_truth: str) -> str:
     return json.dumps({"response": response_text, "ground_truth": str(ground_truth), "pattern": protocol.ANSWER_PATTERN})
 
@@ -106,6 +131,7 @@ async def verify_async(
 
     ``program`` replaces the check program (tests use it to simulate broken verifiers).
     """
+    check_ground_truth(ground_truth)  # a dataset error raises (point 4); every other failure scores 0
     started = time.perf_counter()
     if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: verifier_raise / verifier_hang
         program = faults.verifier_program(program)
