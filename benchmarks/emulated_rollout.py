@@ -24,7 +24,14 @@ Why:
 6. What the emulation leaves out: the engine's own host work (scheduling, detokenising, the KV-cache
    manager: its CPU time is not spent, its service time is), the contention a real engine's host
    threads would add, and the weight load on the rollout side (the push runs, the replay server
-   drops the tensors). The learner is not pinned to a core; other processes on the machine share it.
+   drops the tensors).
+7. The learner on a device of its own: by default (``--pin-learner on``) every verl process runs on
+   one core and the learner worker on the other (``thundersync_harness.cpu_pin``), in every mode
+   alike, so the learner's backward cannot slow the rollout side (agent loop, tools, verifier,
+   TransferQueue, driver), as a GPU learner does not slow the host CPUs. ``--pin-learner driver``
+   puts verl's trainer loop (the driver: it builds and dispatches every learner call) on the learner's
+   core too; on a cluster it runs on the head node's CPUs, not on the cores serving agent loops and
+   sandboxes. The result records which was used (``learner_pinned``: "on", "driver" or false).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ def _load() -> float:
 
 def workload_overrides(workload: str) -> list[str]:
     """Settings every run of a workload shares (recording and replays alike)."""
-    out = ["thundersync.env.retry_prob=0"]  # transient tool failures are not seeded: later turns would not replay
+    out = ["thundersync.env.retry_prob=0",  # transient tool failures are not seeded: later turns would not replay
+           "thundersync.env.tool_timeout_s=120"]  # nor would a call timed out on a busy core (the recording had none)
     return out + (SHAPES["paper"].overrides() if workload == "paper" else [])
 
 
@@ -106,15 +114,18 @@ def replay_overrides(rec: Path, time_scale: float) -> list[str]:
     return ["actor_rollout_ref.rollout.name=replay", f"{REPLAY}.path={rec}", f"{REPLAY}.time_scale={time_scale}"]
 
 
+PIN = {"learner": "on"}  # --pin-learner (module docstring, point 7); the step-1 update runs are never pinned
+
+
 def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, rec: Path, time_scale: float,
-               tag: str = "", extra: list[str] | None = None, env: dict | None = None) -> dict:
+               tag: str = "", extra: list[str] | None = None, env: dict | None = None, pin: bool | None = None) -> dict:
     base, tag = ("sync", tag + "_bypass") if mode == "sync_bypass" else (mode, tag)
     rewards = work / (base + tag) / REWARD_LOG  # the run's folder (modes.run_mode), emptied of *.jsonl at its start
     extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
              + reward_log_overrides(rewards) + list(extra or []))
     load0 = _load()
     run = modes.run_mode(base, steps, inputs, work, latency_scale=env_scale(workload, time_scale), tag=tag, extra=extra,
-                         env_extra=env)
+                         env_extra=env, pin_learner=PIN["learner"] if pin is None else pin)
     run["load_1min"] = [load0, _load()]
     return run
 
@@ -126,7 +137,8 @@ def reward_log_overrides(path: Path) -> list[str]:
     """The task's real verifier, wrapped by the replay recorder: each call's start and end go to ``path``."""
     fn = "reward.custom_reward_function"
     return [f"{fn}.path=pkg://thundersync_verl.backends.replay.record", f"{fn}.name=record_compute_score_async",
-            f"+{fn}.reward_kwargs.record_path={path}"]
+            f"+{fn}.reward_kwargs.record_path={path}",
+            f"+{fn}.reward_kwargs.verifier_timeout_s=120"]  # a verifier killed on a busy core would change the reward
 
 
 # ----- step-1 update gap (point 5) ----------------------------------------------------------------
@@ -146,7 +158,7 @@ def step1_update_gap(inputs: dict, work: Path, workload: str, rec: Path) -> dict
         for old in wdir.glob("weights_v*.pt"):
             old.unlink()
         run_replay(mode, 1, inputs, work / "emulated" / "exact", workload, rec, 0.0, tag=f"_{name}",
-                   extra=SGD + extra, env={"THUNDERSYNC_REPLAY_WEIGHTS_DIR": str(wdir)})
+                   extra=SGD + extra, env={"THUNDERSYNC_REPLAY_WEIGHTS_DIR": str(wdir)}, pin=False)
         w0, w1 = (torch.load(wdir / f"weights_v{v}.pt") for v in (0, 1))
         deltas[name] = torch.cat([(w1[k].double() - w0[k].double()).flatten() for k in sorted(w0)])
     ref = deltas["sync"]
@@ -267,6 +279,7 @@ def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workloa
               f"step {row['step_time_s']:.2f}s", flush=True)
     chosen = min(shares, key=lambda k: abs(shares[k]["sync_learner_wait_share"] - modes.TARGET_WAIT_SHARE))
     result = {"rollout": "emulated", "workload": workload, "steps": steps, "calibrated_on": "sync_bypass",
+              "learner_pinned": PIN["learner"],
               "target_wait_share": modes.TARGET_WAIT_SHARE, "scales": shares, "chosen_scale": float(chosen)}
     write_result(f"modes_emulated_calibration_{workload}", result, results_dir)
     return result
@@ -275,6 +288,7 @@ def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workloa
 def main(args, inputs: dict, work: Path, results_dir) -> dict:
     workload = args.workload
     steps = 4 if args.quick else args.steps
+    PIN["learner"] = False if args.pin_learner == "off" else args.pin_learner
     if args.calibrate:
         return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, workload, results_dir)
     time_scale = TIME_SCALE[workload] if args.time_scale is None else args.time_scale
@@ -291,7 +305,7 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound")}), flush=True)
     result = {"rollout": "emulated", "workload": workload, "steps": steps, "time_scale": time_scale,
               "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
-              "learner_pinned": False, "recording": str(rec), "policy_model": str(inputs["student"]),
+              "learner_pinned": PIN["learner"], "recording": str(rec), "policy_model": str(inputs["student"]),
               **_median_of(repeats), "per_repeat": repeats}
     if not args.no_exactness and "thundersync" in modes_run:
         result.update({k: float(f"{v:.4g}") for k, v in step1_update_gap(inputs, work, workload, rec).items()})

@@ -60,7 +60,8 @@ def workload(latency_scale: float, mode: str) -> list[str]:
 
 
 def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo", latency_scale: float = LATENCY_SCALE,
-             tag: str = "", extra: list[str] | None = None, env_extra: dict | None = None) -> dict:
+             tag: str = "", extra: list[str] | None = None, env_extra: dict | None = None,
+             pin_learner: bool | str = False) -> dict:
     run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
@@ -74,8 +75,15 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_ray_")  # a private Ray session per run
     env.update(env_extra or {})
-    per_step = run_verl(cmd, env, run_dir / "verl.log", steps)
-    return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path}
+    if not pin_learner:
+        per_step = run_verl(cmd, env, run_dir / "verl.log", steps)
+        return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path}
+    from thundersync_harness.cpu_pin import LearnerPin  # the learner on a core of its own (cpu_pin.py)
+
+    with LearnerPin(with_driver=pin_learner == "driver") as pin:
+        per_step = run_verl(pin.prefix() + cmd, {**env, **pin.env()}, run_dir / "verl.log", steps)
+    return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path,
+            "pin": pin.describe()}
 
 
 def summarise(mode: str, run: dict) -> dict:
@@ -210,6 +218,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-scale", type=float, default=None,
                     help="--rollout emulated: the workload's time scale (default: the calibrated one)")
     ap.add_argument("--repeats", type=int, default=1, help="--rollout emulated: paired runs (the median is reported)")
+    ap.add_argument("--pin-learner", default="on", choices=["on", "driver", "off"],
+                    help="--rollout emulated: the learner worker on one core, every other verl process on the other "
+                         "(driver: verl's trainer loop on the learner's core too)")
     ap.add_argument("--no-exactness", action="store_true", help="--rollout emulated: skip the step-1 update gap runs")
     ap.add_argument("--work-dir", default="runs/modes")
     ap.add_argument("--model", default=None, help="an HF model folder to use instead of the tiny student")

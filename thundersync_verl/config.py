@@ -241,7 +241,8 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
     chunk_size: int = _key(8, _integer(1), "most ready trajectories (OPD: turns) that share one streamed backward")
     learner_forward: str = _key("fused", _choice(*LEARNER_FORWARDS), "fused: each backward's forward is the "
                                 "old-log-prob check; separate: verl's own old-log-prob forward per arrival set")
-    poll_s: float = _key(0.01, _number(above=0), "seconds between TransferQueue listings while waiting for arrivals")
+    poll_s: float = _key(0.01, _number(above=0), "first pause between TransferQueue listings while waiting for arrivals; "
+                                                      "each empty listing doubles it, up to max(poll_s, 0.08)")
     pipeline_depth: int = _key(2, _integer(1), "learner calls kept in flight (1: wait for each; 2: the next one queued)")
     coalesce: bool = _key(True, _boolean, "GRPO: while the learner is busy, arrivals wait to share the next chunk")
     trajectory_timeout_s: float = _key(600.0, _number(above=0), "seconds a step waits for a missing trajectory "

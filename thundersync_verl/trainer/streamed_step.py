@@ -35,6 +35,9 @@ from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamP
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
 
 
+POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
+
+
 class Planner(Protocol):
     """What the step asks of a planner (``StreamPlanner``, ``OPDTurnPlanner``)."""
 
@@ -205,7 +208,13 @@ class StreamedStep:
         return self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done
 
     def _wait(self) -> Arrivals:
-        """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go."""
+        """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go.
+
+        Each empty poll doubles the pause, from ``poll_s`` up to ``max(poll_s, POLL_CAP_S)``: a listing is
+        an RPC to the TransferQueue controller, and at a fixed 10 ms the driver and the controller took a
+        quarter of a host core away from the agent loops and the verifier that produce the arrivals.
+        """
+        pause = self.ctx.poll_s
         while True:
             self.pipe.collect()
             if self.ctx.coalesce and self._plan_now():
@@ -215,7 +224,8 @@ class StreamedStep:
                 return arrivals
             if time.time() - self.state.t_start > self.ctx.timeout_s:
                 raise self.source.never_arrived()
-            time.sleep(self.ctx.poll_s)
+            time.sleep(pause)
+            pause = min(2 * pause, max(self.ctx.poll_s, POLL_CAP_S))
 
     def _admit(self, arrivals: Arrivals) -> None:
         t_seen, state = time.time(), self.state
