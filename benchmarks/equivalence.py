@@ -45,6 +45,10 @@ Why:
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
    it, shuffle off); the floor regroups rows inside each mini-batch (``thundersync_harness.minibatch_steps``).
+10. ``--estimator NAME``: the GRPO comparison with another of verl's advantage estimators (e.g.
+   reinforce_plus_plus, opo, gpg): verl's ``compute_advantage(adv_estimator=NAME)`` before ``update_actor``
+   against the stream planner with the same estimator (``thundersync_harness.estimator_steps``); the JSON
+   (equivalence_estimator_NAME) lists the estimators that stream and the refused ones with the reason.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
     parser.add_argument("--mini-batches", type=int, default=1, help="K optimizer steps per batch (point 9)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (point 9)")
+    parser.add_argument("--estimator", default="grpo", help="algorithm.adv_estimator (point 10)")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
@@ -170,6 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
     extra = {}
+    if args.estimator != "grpo":
+        if megatron or args.algo != "grpo" or args.mini_batches > 1 or args.ppo_epochs > 1:
+            parser.error("--estimator runs the one-step GRPO comparison (--algo grpo, --engine fsdp)")
+        return run_estimator_comparison(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.mini_batches > 1 or args.ppo_epochs > 1:
         if megatron or args.algo != "grpo":
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
@@ -199,6 +208,22 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return report(args, runs, time.time() - t0, extra)
+
+
+def run_estimator_comparison(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
+                             ray_tmp: Path, t0: float) -> dict:
+    """Point 10: verl's step with ``--estimator`` vs the streamed one; JSON equivalence_estimator_<name>."""
+    import ray
+
+    from thundersync_harness.estimator_steps import run_estimator
+
+    try:
+        runs, extra = run_estimator(args, model_path, pad_id, vocab, groups, micro, partial(transposed_order, micro=micro))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return report(args, runs, time.time() - t0, {"estimator": extra})
 
 
 def run_minibatch(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
@@ -281,6 +306,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if "minibatch" in extra:  # point 9: --mini-batches / --ppo-epochs
         result.update(extra["minibatch"])
         name = f"equivalence_minibatch{args.mini_batches}" + (f"_epochs{args.ppo_epochs}" if args.ppo_epochs > 1 else "")
+    if "estimator" in extra:  # point 10: --estimator (adv_estimator, estimators_streamed, estimators_refused)
+        result.update(extra["estimator"])
+        name = f"equivalence_estimator_{args.estimator}"
     if args.engine == "megatron":
         result.update(_report_diagnostics(runs), distributed_optimizer=args.distributed_optimizer)
         name = f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else "")
