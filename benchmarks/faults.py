@@ -1,0 +1,263 @@
+"""Faults on the real CPU stack, and checkpoint/resume in thundersync mode: ``python benchmarks/faults.py --quick``.
+
+Why:
+1. Every fault is injected by configuration or ``$THUNDERSYNC_FAULTS`` only (``thundersync_verl/faults.py``)
+   into verl's real ``main_ppo`` with the ThunderSync trainer: real Ray actors, the real learner, the
+   sandboxed tools and verifier. A fault is SURVIVED when the run recovers (the step completes with
+   every trajectory) or stops with a clear error and a resume from the last checkpoint completes the
+   run; anything else is counted as tried but not survived.
+2. The resume chain replays one recording (``replay`` backend, the synthesised ``paper`` workload,
+   nothing slept), so every attempt sees the same trajectories: ``disk_full`` at step 2's save, then a
+   resume whose learner is killed between two chunks of step 3, then a resume whose verifier hangs
+   until ``thundersync.trajectory_timeout_s`` fails step 3, then a clean resume to the end.
+3. Exactness of resume: each resumed run pushes the weights it restored (version k) and the replay
+   server keeps every push (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``); ``resume_restore_bitwise`` compares
+   them with the weights the interrupted run pushed after step k, bit for bit. The final weights are
+   compared with an uninterrupted run's; a streamed step sums in arrival order, so two uninterrupted
+   runs differ too: their gap is the floor (``resume_gap_over_floor``), and ``resume_bitwise`` says
+   whether the final weights were bit-identical.
+4. The recoverable faults run on the live ``hf_cpu`` rollout (a killed tool changes what the model
+   sees next, which a recording cannot replay): sandboxes killed, verifier crashes, one NaN gradient.
+   The NaN step must take no optimizer step: its checkpoint's parameters equal the previous step's.
+5. ``half_steps``: steps whose optimizer update ran on part of a batch (a step recorded with fewer
+   trajectories than the batch, or a failed step whose weights were pushed); ``trajectories_lost``:
+   trajectories expected by the completed steps minus those they learned from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts: emulated_rollout, modes
+
+import emulated_rollout as er  # noqa: E402
+import modes  # noqa: E402
+from thundersync_verl.faults import ENV, LOG_ENV, read_log  # noqa: E402
+from thundersync_verl.results import add_results_dir_argument, write_result  # noqa: E402
+
+STEPS = 3
+PER_STEP = modes.BATCH_PROMPTS * 4  # prompts x rollout.n
+WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
+FLOOR_FACTOR = 3.0  # a resumed run's final gap may be this many times the run-to-run floor
+
+
+def setup(work: Path) -> tuple[dict, Path]:
+    """The tiny policy, the task's data and the replayed recording (built once, cached under ``work``)."""
+    from thundersync_harness.engine_setup import build_tiny_model
+    from thundersync_verl.demo import prepare_inputs
+
+    model = work / "tiny_random_lm"
+    if not (model / "config.json").is_file():
+        build_tiny_model(model)
+    inputs = prepare_inputs(work, model=str(model))
+    return inputs, er.make_recording("paper", STEPS + 2, inputs, work)
+
+
+def replay_run(name: str, ctx: dict, *, faults: str = "", extra: list[str] | None = None, ckpt: Path | None = None,
+               expect_fail: bool = False) -> dict:
+    """One ThunderSync ``main_ppo`` on the recording; returns its steps, log, weights folder and outcome."""
+    wdir = ctx["work"] / "weights" / name
+    if name in ctx.get("reuse", ()):
+        return dict(from_log(ctx["work"] / f"thundersync_{name}", STEPS), name=name, weights=wdir)
+    shutil.rmtree(wdir, ignore_errors=True)
+    wdir.mkdir(parents=True)
+    env = {WEIGHTS_ENV: str(wdir), ENV: faults, LOG_ENV: str(ctx["work"] / f"faults_{name}.jsonl")}
+    ckpt_args = ([f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=auto"] if ckpt
+                 else ["trainer.resume_mode=disable"])
+    try:
+        run = er.run_replay("thundersync", STEPS, ctx["inputs"], ctx["work"], "paper", ctx["rec"], 0.0, tag="_" + name,
+                            extra=ckpt_args + list(extra or []), env=env)
+        ok, error = True, ""
+    except RuntimeError:
+        run = from_log(ctx["work"] / f"thundersync_{name}", STEPS)
+        ok, error = run["ok"], run["error"]
+    run.update(name=name, ok=ok, error=error, weights=wdir, expected_ok=not expect_fail)
+    print(f"[faults] {name}: {'completed' if ok else 'stopped'} ({'as expected' if ok != expect_fail else 'UNEXPECTED'})",
+          flush=True)
+    return run
+
+
+def from_log(run_dir: Path, steps: int) -> dict:
+    """A finished run's outcome read back from its log: the steps it logged, completed or not, the log text."""
+    from thundersync_verl.demo import parse_step_line
+
+    text = (run_dir / "verl.log").read_text(errors="replace") if (run_dir / "verl.log").is_file() else ""
+    per_step = dict(p for p in map(parse_step_line, text.splitlines()) if p)
+    ok = max(per_step, default=0) == steps and "Traceback" not in text
+    return {"per_step": per_step, "run_dir": run_dir, "ok": ok, "error": "" if ok else text}
+
+
+def weights(run: dict, version: int) -> dict | None:
+    import torch
+
+    path = run["weights"] / f"weights_v{version}.pt"
+    return torch.load(path) if path.is_file() else None
+
+
+def same_bits(a: dict | None, b: dict | None) -> bool:
+    import torch
+
+    return a is not None and b is not None and sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rel_gap(a: dict, b: dict, start: dict) -> float:
+    """||a - b|| / ||b - start|| over every parameter (float64)."""
+    import torch
+
+    diff = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b) ** 0.5
+    moved = sum(float((b[k].double() - start[k].double()).norm() ** 2) for k in b) ** 0.5
+    return diff / moved if moved > 0 else float("inf")
+
+
+def learned_per_step(run_dir: Path) -> dict[int, int]:
+    """Trajectories each completed step learned from (the step recorder's trace)."""
+    trace = Path(run_dir) / "grpo_thundersync.jsonl"
+    counts: dict[int, int] = {}
+    for line in (trace.read_text().splitlines() if trace.is_file() else []):
+        rec = json.loads(line)
+        if rec.get("kind") == "trajectory":
+            counts[rec["step"]] = counts.get(rec["step"], 0) + 1
+    return counts
+
+
+def resume_chain(ctx: dict) -> dict:
+    """Point 2: disk full, learner killed, verifier hang with the trajectory timeout, then a clean resume."""
+    ckpt = ctx["work"] / "ckpt_chain"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    hang = ["thundersync.trajectory_timeout_s=20", "+reward.custom_reward_function.reward_kwargs.verifier_timeout_s=600"]
+    runs = [replay_run("disk_full", ctx, faults="disk_full@step=2", ckpt=ckpt, expect_fail=True),
+            replay_run("learner_kill", ctx, faults="learner_kill@batch=2,chunk=2", ckpt=ckpt, expect_fail=True),
+            replay_run("verifier_hang", ctx, faults="verifier_hang@after=0", ckpt=ckpt, extra=hang, expect_fail=True),
+            replay_run("resumed", ctx, ckpt=ckpt)]
+    checks = {
+        "disk_full": "could not be written" in runs[0]["error"] and "No space left" in runs[0]["error"],
+        "learner_kill": "learner worker died during step 3" in runs[1]["error"] and weights(runs[1], 3) is None,
+        "verifier_hang": "did not arrive within" in runs[2]["error"] and weights(runs[2], 3) is None,
+    }
+    # each resume restored the last complete checkpoint bit for bit: what it pushed first is what the
+    # interrupted run pushed after that step
+    restores = {"learner_kill": same_bits(weights(runs[1], 1), weights(runs[0], 1)),
+                "verifier_hang": same_bits(weights(runs[2], 2), weights(runs[1], 2)),
+                "resumed": same_bits(weights(runs[3], 2), weights(runs[1], 2))}
+    survived = {"disk_full": checks["disk_full"] and restores["learner_kill"],
+                "learner_kill": checks["learner_kill"] and restores["verifier_hang"],
+                "verifier_hang": checks["verifier_hang"] and restores["resumed"] and runs[3]["ok"]}
+    return {"runs": runs, "checks": checks, "restores": restores, "survived": survived}
+
+
+def recoverable(ctx: dict) -> dict:
+    """Point 4: sandboxes killed, verifier crashes and one NaN gradient (step 2) on the live hf_cpu rollout."""
+    import torch
+
+    name, ckpt = "recoverable", ctx["work"] / "ckpt_recoverable"
+    log = ctx["work"] / f"faults_{name}.jsonl"
+    if name in ctx.get("reuse", ()):
+        run = from_log(ctx["work"] / f"thundersync_{name}", 2)
+    else:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        log.unlink(missing_ok=True)
+        env = {ENV: "sandbox_kill@every=3;verifier_raise@every=5;nan_grad@batch=2,chunk=1", LOG_ENV: str(log)}
+        synth = ctx["work"] / f"{name}_synthesised.jsonl"  # the scripted agent: real tool calls, whatever they return
+        synth.unlink(missing_ok=True)
+        extra = er.workload_overrides("paper") + [
+            "actor_rollout_ref.rollout.name=replay", f"{er.REPLAY}.path={synth}", f"{er.REPLAY}.synthesize=paper",
+            f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=disable"]
+        try:
+            run = modes.run_mode("thundersync", 2, ctx["inputs"], ctx["work"], latency_scale=0.0, tag="_" + name,
+                                 extra=extra, env_extra=env)
+            run.update(ok=True, error="")
+        except RuntimeError:
+            run = from_log(ctx["work"] / f"thundersync_{name}", 2)
+    ok = run["ok"]
+    fired = read_log(log)
+    kinds = {k: sum(f["fault"] == k for f in fired) for k in ("sandbox_kill", "verifier_raise", "nan_grad")}
+    step2 = run["per_step"].get(2, {})
+    models = [ckpt / f"global_step_{s}" / "actor" / "model_world_size_1_rank_0.pt" for s in (1, 2)]
+    unchanged = None
+    if all(p.is_file() for p in models):
+        a, b = (torch.load(p, weights_only=False) for p in models)
+        unchanged = all(torch.equal(_local(a[k]), _local(b[k])) for k in a)
+    survived = {"sandbox_kill": ok and kinds["sandbox_kill"] > 0, "verifier_raise": ok and kinds["verifier_raise"] > 0,
+                "nan_grad": ok and kinds["nan_grad"] == 1 and step2.get("thundersync/steps_skipped_nonfinite") == 1
+                and bool(unchanged)}
+    return {"run": dict(run, name=name), "fired": kinds, "nan_step_params_unchanged": unchanged,
+            "survived": survived}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+CLEAR_ERRORS = ("could not be written", "learner worker died", "did not arrive within")
+
+
+def first_clear_error(log: str) -> str:
+    """The run's own stop message (the rule line of a rule / why / fix error), or ''."""
+    for line in log.splitlines():
+        if any(phrase in line for phrase in CLEAR_ERRORS):
+            return line.strip()[-300:]
+    return ""
+
+
+def losses(runs: list[dict]) -> tuple[int, int]:
+    """(trajectories lost, half steps) over every run (module docstring, point 5)."""
+    lost = half = 0
+    for run in runs:
+        learned = learned_per_step(run["run_dir"])
+        per_step = PER_STEP if run["name"] != "recoverable" else modes.BATCH_PROMPTS * 4
+        lost += sum(per_step - n for n in learned.values())
+        half += sum(n < per_step for n in learned.values())
+        if not run["ok"] and "weights" in run:  # a failed run pushed nothing past its last completed step
+            pushed = [int(p.stem[9:]) for p in Path(run["weights"]).glob("weights_v*.pt")]
+            done = max([*learned, min(pushed, default=0)])  # its first push is the checkpoint it resumed from
+            half += sum(v > done for v in pushed)
+    return lost, half
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the acceptance run: 3 steps per run (the only size so far)")
+    ap.add_argument("--work-dir", default="runs/faults")
+    ap.add_argument("--reuse", default="", help="runs (comma-separated names) read back from their logs in --work-dir "
+                    "instead of run again, e.g. uninterrupted,uninterrupted_again,recoverable")
+    add_results_dir_argument(ap)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    inputs, rec = setup(work)
+    ctx = {"work": work, "inputs": inputs, "rec": rec, "reuse": set(filter(None, args.reuse.split(",")))}
+    base = replay_run("uninterrupted", ctx)
+    again = replay_run("uninterrupted_again", ctx)
+    chain = resume_chain(ctx)
+    rec_faults = recoverable(ctx)
+    start, final = weights(base, 0), weights(base, STEPS)
+    resumed = weights(chain["runs"][-1], STEPS)
+    floor = rel_gap(weights(again, STEPS), final, start) if base["ok"] and again["ok"] else None
+    gap = rel_gap(resumed, final, start) if resumed is not None and final is not None else None
+    survived = {**chain["survived"], **rec_faults["survived"]}
+    survived["resume"] = gap is not None and floor is not None and (gap == 0.0 or gap <= FLOOR_FACTOR * floor)
+    lost, half = losses([base, again, *chain["runs"], rec_faults["run"]])
+    result = {
+        "faults_tried": len(survived), "faults_survived": sum(survived.values()),
+        "trajectories_lost": lost, "half_steps": half,
+        "resume_bitwise": same_bits(resumed, final),
+        "resume_restore_bitwise": all(chain["restores"].values()),
+        "resume_gap": gap, "resume_floor": floor,
+        "resume_gap_over_floor": None if not (gap is not None and floor) else round(gap / floor, 3),
+        "survived": survived, "checks": chain["checks"], "restores": chain["restores"],
+        "recoverable_fired": rec_faults["fired"], "nan_step_params_unchanged": rec_faults["nan_step_params_unchanged"],
+        "errors": {r["name"]: first_clear_error(r["error"]) for r in chain["runs"]},
+        "steps": STEPS, "trajectories_per_step": PER_STEP, "seconds": round(time.time() - t0, 1),
+    }
+    write_result("faults", result, args.results_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main()
