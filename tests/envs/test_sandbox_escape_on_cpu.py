@@ -240,3 +240,35 @@ def test_swe_shell_leaves_no_process_behind(spawn, tmp_path):
     quick, hung = asyncio.run(body())
     assert quick.ok and quick.stdout == "started\n" and hung.timed_out
     assert quick.duration_s < 15.0  # bash's exit ends the call: its children do not hold it to the timeout
+
+
+def test_folders_of_a_process_killed_mid_call_are_swept(spawn, tmp_path):
+    # A process SIGKILLed during a call cannot delete its call folder; the next process sweeps it.
+    if spawn == "exec":
+        pytest.skip("the sweep does not depend on the spawn path")
+    import signal
+    import subprocess
+    import sys
+
+    folder = tmp_path / "shared_tmp"
+    folder.mkdir()
+    program = ("import sys, tempfile\ntempfile.tempdir = sys.argv[1]\n"
+               "from thundersync_verl.envs.sandbox import run_python\n"
+               "run_python('import time\\nprint(1, flush=True)\\ntime.sleep(60)', timeout_s=60)")
+    victim = subprocess.Popen([sys.executable, "-c", program, str(folder)], cwd=PROJECT)
+    deadline = time.time() + 60
+    while not list(folder.iterdir()) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    left = list(folder.iterdir())
+    assert [p.name.split("-")[2] for p in left] == [str(victim.pid)]  # the owner's pid names the folder
+    alive = folder / f"{sandbox.WORKDIR_PREFIX}{os.getpid()}-x"
+    alive.mkdir()
+    assert sandbox.sweep_stale_workdirs(str(folder), min_age_s=600.0) == 0  # too recent: perhaps still in use
+    sandbox.sweep_stale_workdirs.cache_clear()
+    assert sandbox.sweep_stale_workdirs(str(folder), min_age_s=0.0) == 1
+    assert list(folder.iterdir()) == [alive]  # a live owner's folder stays
+    alive.rmdir()
+    sandbox.sweep_stale_workdirs.cache_clear()

@@ -97,16 +97,21 @@ def reap():
             sock.send(json.dumps({"id": rid, "exit": os.waitstatus_to_exitcode(status)}).encode())
 def kill_orphans():
     # We are the subreaper: a process whose parent exited (a daemon that left its call's group
-    # with setsid) is now our child. Every child of ours that is not a running call is one.
-    try:
-        with open("/proc/self/task/%d/children" % server_pid) as f:
-            children = [int(p) for p in f.read().split()]
-    except OSError:
-        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == server_pid]
-    for pid in children:
-        if pid not in live:
+    # with setsid) is now our child. Every child of ours that is not a running call is one. Each
+    # is killed and reaped before we look again: its own children are reparented to us when it dies.
+    for _ in range(100):
+        try:
+            with open("/proc/self/task/%d/children" % server_pid) as f:
+                children = [int(p) for p in f.read().split()]
+        except OSError:
+            children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == server_pid]
+        orphans = [pid for pid in children if pid not in live]
+        if not orphans:
+            return
+        for pid in orphans:
             try:
                 os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
             except OSError:
                 pass
 def parent_of(pid):

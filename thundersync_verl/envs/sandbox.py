@@ -67,68 +67,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from thundersync_verl.envs import forkserver
-
-# The audit hook, as source: the spawned bootstrap and the fork server both define it this way.
-# ``_install_guard(root)`` installs it for a program whose workspace is ``root`` (point 7). The
-# hook's state lives in a closure, so user code that rebinds module globals cannot loosen it.
-GUARD_SOURCE = r"""
-def _install_guard(root):
-    import os, sys
-    denied = frozenset({
-        "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-        "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-        "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-        "os.forkpty", "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata",
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-    })
-    no_import = frozenset({"_posixsubprocess"})  # fork_exec raises no audit event of its own
-    changes = frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.symlink", "os.link",
-                         "os.chmod", "os.chown", "os.truncate", "os.utime", "os.setxattr",
-                         "os.removexattr", "os.chflags", "os.lchflags", "os.lchmod"})
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    realpath, fsdecode, own = os.path.realpath, os.fsdecode, os.getpid()
-    root = realpath(root)
-    readable = tuple({root, "/proc/%d" % own, "/usr/share/zoneinfo"}
-                     | {realpath(p) for p in sys.path if p and os.path.isdir(p)})
-    read_files = frozenset({"/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"})
-
-    def under(path, bases):
-        if path is None or isinstance(path, int):
-            return True  # an open file descriptor: its path was checked when it was opened
-        try:
-            full = realpath(fsdecode(path))
-        except (TypeError, ValueError, OSError):
-            return False
-        return any(full == b or full.startswith(b + "/") for b in bases)
-
-    def deny(what):
-        raise PermissionError("sandbox: " + what + " is denied (no network, no new processes, "
-                              "writes only inside the working directory)")
-
-    def guard(event, args):
-        if event in denied or (event == "socket.__new__" and args[1] != 1):  # 1 == AF_UNIX
-            deny(event)
-        elif event == "open":
-            if args[2] & write_flags:
-                if not under(args[0], (root,)):
-                    deny("writing " + str(args[0]))
-            elif not (args[0] in read_files or under(args[0], readable)):
-                deny("reading " + str(args[0]))
-        elif event in changes:
-            for arg in args:
-                if isinstance(arg, (str, bytes)) and not under(arg, (root,)):
-                    deny(event + " on " + str(arg))
-        elif event in ("os.listdir", "os.scandir"):
-            if args and not under(args[0], readable):
-                deny("listing " + str(args[0]))
-        elif event in ("os.kill", "os.killpg"):
-            if args[0] not in (0, own):
-                deny("signalling process " + str(args[0]))
-        elif event == "import" and args[0] in no_import:
-            deny("importing " + args[0])
-
-    sys.addaudithook(guard)
-"""
+from thundersync_verl.envs.sandbox_guard import GUARD_SOURCE
 
 # Executed with ``python -I -S -c``: installs the guard, then runs ``main.py`` from the cwd.
 _BOOTSTRAP = GUARD_SOURCE + r"""
@@ -287,7 +226,8 @@ async def run_python_async(
     server = _fork_server(prefix, spawn)
     env = {"PATH": _MINIMAL_PATH, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tsv-sandbox-") as workdir:
+    sweep_stale_workdirs(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as workdir:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         env["HOME"] = env["TMPDIR"] = workdir
@@ -315,6 +255,34 @@ async def run_python_async(
         duration_s=time.perf_counter() - start,
         error=_classify(returncode, timed_out, stderr),
     )
+
+
+WORKDIR_PREFIX = "tsv-sandbox-"  # + the owning process's pid + "-": a folder whose owner died is swept
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_stale_workdirs(folder: str, min_age_s: float = 600.0) -> int:
+    """Remove the call folders under ``folder`` left by a process killed mid-call (its pid is gone and
+    the folder is older than ``min_age_s``); once per process and folder. Returns how many went."""
+    removed, now = 0, time.time()
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(WORKDIR_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(folder, name)
+        try:
+            if not pid.isdigit() or now - os.stat(path).st_mtime < min_age_s:
+                continue
+            os.kill(int(pid), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 _fork_failure_logged = False
@@ -443,10 +411,14 @@ async def _communicate(
     try:
         await asyncio.wait_for(work, timeout_s)
     except asyncio.TimeoutError:
-        # Kill the whole group: a child the program left behind would keep the pipes open.
+        # Kill the whole group: a child the program left behind would keep the pipes open. Then read
+        # the pipes to their end: proc.wait() waits for them, and a full, unread one never ends.
         timed_out = True
         _kill_group(proc)
-        await proc.wait()
+        try:
+            await asyncio.wait_for(asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()), 5.0)
+        except asyncio.TimeoutError:
+            logger.warning("sandbox: pipes still open 5 s after the kill (held outside the process group)")
     return out, err, timed_out
 
 
