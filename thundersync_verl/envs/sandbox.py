@@ -38,6 +38,7 @@ Why it is built this way:
      however much is printed;
    - clean-up: the working directory is deleted, and every process of the call's group (and, on
      the fork path, any process that left it) is killed when the call's process exits or times out;
+     the folder of a process killed mid-call is swept by the next process that runs a call;
    - every violation is a ``SandboxResult`` with ``error`` set (``denied``, ``memory_limit``,
      ``timeout``...), which the tool turns into an ``error: ...`` turn: never an exception.
    Not guaranteed: the guard is an in-interpreter hook, not a kernel boundary, so a CPython bug
