@@ -118,8 +118,9 @@ def test_refusals_state_the_rule_and_leave_the_weights_unchanged(harness):
         wg.stream_fold({})
 
 
-def test_worker_refuses_a_batch_that_verl_would_split_into_several_mini_batches(harness):
-    with pytest.raises(StreamingConfigError, match="one mini-batch per batch"):
-        harness["wg"].stream_begin_batch({"train_batch_size": 2 * GROUPS})
+def test_worker_refuses_a_batch_that_verl_cannot_cut_into_equal_mini_batches(harness):
+    harness["wg"].stream_begin_batch({"train_batch_size": 2 * GROUPS})  # two mini-batches: streamed (minibatch_plan)
+    with pytest.raises(StreamingConfigError, match=f"must divide data.train_batch_size={2 * GROUPS + 1}"):
+        harness["wg"].stream_begin_batch({"train_batch_size": 2 * GROUPS + 1})
     with pytest.raises(StreamingConfigError, match="asks for loss_agg_mode"):
         harness["wg"].stream_begin_batch({"loss_agg_mode": "seq-mean-token-mean"})
