@@ -1,0 +1,187 @@
+"""Soak: ThunderSync steps for N minutes, with the processes' memory, file descriptors and children sampled.
+
+``python benchmarks/soak.py --minutes 10`` (``--quick``: about 2 minutes).
+
+Why:
+1. A leak (a bucket never freed, a sandbox never reaped, a socket per weight push) shows only over many
+   steps. The run is verl's real ``main_ppo`` with the ThunderSync trainer on the embedded CPU task and
+   the live ``hf_cpu`` rollout, so every part that could leak runs: Ray actors, the streaming learner,
+   the tool sandboxes and verifier subprocesses, the weight pushes.
+2. It is bounded and stops by itself: the step count is the minutes over a measured step time
+   (``STEP_S``, re-measured from the run's own first steps and reported), and a hard limit of three
+   times the minutes ends a run that hangs.
+3. Every ``--sample-s`` seconds the driver and all its descendants (Ray's raylet and GCS, the worker
+   actors, the sandbox processes they start) are sampled: RSS, open fds, process count. Growth is the
+   last sample before the last step ended minus the first sample after the warm-up step (the first
+   step builds the model, the pools and the caches once; the shutdown after the last step is not
+   growth). Every sample is kept in ``samples.jsonl`` beside the run's log. After the run exits, every process seen during it that is still alive
+   is a leftover, and so is any process naming the run's private Ray folder (a daemon that left the
+   tree between two samples).
+4. ``trajectories_lost``: the batch's trajectories of every completed step minus those the step
+   recorder says the learner streamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from thundersync_verl.demo import parse_step_line, prepare_inputs, run_env, verl_command
+from thundersync_verl.results import add_results_dir_argument, write_result
+
+STEP_S = 20.0  # ThunderSync step of the cpu_tiny recipe on a loaded 2-core machine (measured; the run reports its own)
+PER_STEP = 8 * 4  # recipe: train_batch_size x rollout.n
+GRACE_S = 15.0  # after the driver exits, processes get this long to go before they count as leftovers
+
+
+def tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root] + root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def sample(root: psutil.Process, seen: dict) -> dict:
+    """RSS (MB), open fds and process count of ``root`` and its descendants; remembers every process seen."""
+    rss = fds = n = 0
+    for p in tree(root):
+        try:
+            rss += p.memory_info().rss
+            fds += p.num_fds()
+            n += 1
+            seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline()[:3])[:120]))
+        except psutil.Error:
+            continue
+    return {"t": time.time(), "rss_mb": rss / 2**20, "fds": fds, "processes": n}
+
+
+def leftovers(seen: dict, marker: str) -> list[str]:
+    """Processes seen during the run that are still alive (same pid AND start time: not a reused pid), and any
+    process whose command line holds ``marker`` (the run's private Ray folder: Ray daemons name it)."""
+    alive, me = [], {q.pid for q in [psutil.Process()] + psutil.Process().parents()}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and p.info["pid"] not in seen and p.info["pid"] not in me:
+            alive.append(f"{p.info['pid']}: {cmd[:120]}")
+    for pid, (created, cmd) in seen.items():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid}: {cmd}")
+        except psutil.Error:
+            continue
+    return alive
+
+
+def run(minutes: float, work: Path, sample_s: float) -> dict:
+    """One bounded run (module docstring, points 2-3); returns the samples, steps and what was left."""
+    from thundersync_harness.engine_setup import build_tiny_model
+
+    model = work / "tiny_random_lm"
+    if not (model / "config.json").is_file():
+        build_tiny_model(model)
+    inputs = prepare_inputs(work, model=str(model))
+    steps = max(3, math.ceil(minutes * 60 / STEP_S))
+    run_dir = work / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("*.jsonl"):
+        stale.unlink()
+    cmd = verl_command(inputs, algo="grpo", mode="thundersync", steps=steps,
+                       extra=[f"thundersync.run_dir={run_dir}", "thundersync.env.trace_path=" + str(run_dir / "traj.jsonl")])
+    env = run_env(run_dir, run_dir / "metrics.jsonl")
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_soak_ray_")
+    samples, step_at, seen = [], {}, {}
+    t0 = time.time()
+    with open(run_dir / "verl.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        root = psutil.Process(proc.pid)
+
+        def pump():
+            for line in proc.stdout:
+                log.write(line)
+                parsed = parse_step_line(line)
+                if parsed:
+                    step_at[parsed[0]] = time.time()
+                    print(f"[soak] step {parsed[0]}/{steps} at {time.time() - t0:.0f}s", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            if time.time() - t0 > 3 * minutes * 60 + 600:
+                proc.kill()  # a hung run: ends here, and is reported
+                break
+            samples.append(sample(root, seen))
+            time.sleep(sample_s)
+        rc = proc.wait()
+        reader.join(timeout=30)
+    time.sleep(GRACE_S)
+    with open(run_dir / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+    return {"rc": rc, "steps": steps, "samples": samples, "step_at": step_at, "t0": t0, "t_end": time.time(),
+            "leftovers": leftovers(seen, env["RAY_TMPDIR"]), "processes_seen": len(seen), "run_dir": run_dir}
+
+
+def learned(run_dir: Path) -> dict[int, int]:
+    trace = run_dir / "grpo_thundersync.jsonl"
+    counts: dict[int, int] = {}
+    for line in (trace.read_text().splitlines() if trace.is_file() else []):
+        rec = json.loads(line)
+        if rec.get("kind") == "trajectory":
+            counts[rec["step"]] = counts.get(rec["step"], 0) + 1
+    return counts
+
+
+def summarise(out: dict, minutes: float) -> dict:
+    """Growth after warm-up (point 3), per-minute slopes, leftovers and lost trajectories."""
+    steps_done = sorted(out["step_at"])
+    warm = out["step_at"].get(steps_done[0], out["t0"]) if steps_done else out["t0"]
+    last_step = out["step_at"][steps_done[-1]] if steps_done else out["t_end"]
+    during = [s for s in out["samples"] if warm <= s["t"] <= last_step] or out["samples"]  # not the shutdown
+    first, last = during[0], during[-1]
+    span_min = max((last["t"] - first["t"]) / 60, 1e-9)
+    counts = learned(out["run_dir"])
+    step_times = [b - a for a, b in zip([out["step_at"][s] for s in steps_done], [out["step_at"][s] for s in steps_done][1:])]
+    return {
+        "minutes_requested": minutes, "minutes_run": round((out["t_end"] - out["t0"]) / 60, 2), "exit_code": out["rc"],
+        "steps_planned": out["steps"], "steps_completed": len(steps_done),
+        "step_s_median": round(sorted(step_times)[len(step_times) // 2], 2) if step_times else None,
+        "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1), "rss_mb_after_warmup": round(first["rss_mb"], 1),
+        "rss_mb_peak": round(max(s["rss_mb"] for s in during), 1),
+        "rss_growth_mb_per_min": round((last["rss_mb"] - first["rss_mb"]) / span_min, 2),
+        "fd_growth": last["fds"] - first["fds"], "fds_after_warmup": first["fds"],
+        "process_growth": last["processes"] - first["processes"], "processes_after_warmup": first["processes"],
+        "processes_peak": max(s["processes"] for s in during),
+        "leftover_processes": len(out["leftovers"]), "leftovers": out["leftovers"][:10],
+        "processes_seen": out["processes_seen"], "samples": len(out["samples"]),
+        "trajectories_learned": sum(counts.values()),
+        "trajectories_lost": sum(PER_STEP - counts.get(s, 0) for s in steps_done),
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--quick", action="store_true", help="about 2 minutes")
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--work-dir", default="runs/soak")
+    add_results_dir_argument(ap)
+    args = ap.parse_args(argv)
+    minutes = 2.0 if args.quick else args.minutes
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    result = summarise(run(minutes, work, args.sample_s), minutes)
+    write_result("soak_quick" if args.quick else "soak", result, args.results_dir)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["exit_code"] == 0 else 1)
