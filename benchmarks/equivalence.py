@@ -41,6 +41,10 @@ Why:
    only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
    in each row's backward: the term the floor (same scalars, rows regrouped) never sees, and one a
    streamed row (scalar A_i or 1, 1 / N applied at the barrier) cannot share with verl.
+8. ``--kl [--kl-type X] --entropy [--loss-agg-mode M]``: GRPO with verl's KL loss (a reference model in its
+   own worker group, as verl's trainer builds it) and entropy bonus, streamed (each chunk's reference
+   log-probs computed on arrival) against verl's ``update_actor`` with the same settings
+   (``thundersync_harness.kl_entropy_steps``).
 9. ``--mini-batches K [--ppo-epochs E]``: K optimizer steps per batch (and E epochs), streamed
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
@@ -152,6 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--groups", type=int, default=None, help="prompt groups per step (quick: 4, full: 8)")
     parser.add_argument("--optimizer", default="SGD", choices=["SGD", "AdamW"])
     parser.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
+    parser.add_argument("--kl", action="store_true", help="actor.use_kl_loss with a reference model (point 8)")
+    parser.add_argument("--kl-type", default="low_var_kl", help="actor.kl_loss_type (verl's kl_penalty names)")
+    parser.add_argument("--entropy", action="store_true", help="actor.entropy_coeff != 0 (point 8)")
+    parser.add_argument("--loss-agg-mode", default="token-mean", help="actor.loss_agg_mode (with --kl / --entropy)")
     parser.add_argument("--mini-batches", type=int, default=1, help="K optimizer steps per batch (point 9)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (point 9)")
     parser.add_argument("--estimator", default="grpo", help="algorithm.adv_estimator (point 10)")
@@ -180,9 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error("--estimator runs the one-step GRPO comparison (--algo grpo, --engine fsdp)")
         return run_estimator_comparison(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.mini_batches > 1 or args.ppo_epochs > 1:
-        if megatron or args.algo != "grpo":
+        if megatron or args.algo != "grpo" or args.kl or args.entropy:
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
         return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
+    if args.kl or args.entropy:
+        if megatron or args.algo != "grpo":
+            parser.error("--kl / --entropy run --algo grpo on --engine fsdp")
+        return run_kl_entropy(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.algo == "opd":
         batches = []
         for s in range(args.steps):
@@ -240,6 +252,33 @@ def run_minibatch(args, work: Path, model_path: Path, pad_id: int, vocab: int, g
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return report(args, runs, time.time() - t0, {"minibatch": extra})
+
+
+def run_kl_entropy(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
+                   ray_tmp: Path, t0: float) -> dict:
+    """Point 8: the streamed step with KL and/or entropy vs verl's, same settings; JSON equivalence_kl_*."""
+    import ray
+
+    from thundersync_harness import kl_entropy_steps as kle
+
+    kl_type = args.kl_type if args.kl else None
+    config = kle.kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=args.entropy,
+                                   loss_agg_mode=args.loss_agg_mode, optimizer=args.optimizer)
+    ref_path = kle.build_reference(model_path, work / "ref") if args.kl else None
+    batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
+    try:
+        wg, ref_wg = kle.start_kl_workers(config, args.dp, ref_path)
+        steps = kle.kl_entropy_steps(wg, ref_wg, batches, pad_id, lambda n: (list(range(n)), transposed_order(n, micro)),
+                                     loss_agg_mode=args.loss_agg_mode, entropy=args.entropy)
+        runs = {kind: train(wg, fns) for kind, fns in steps.items()}
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    terms = {"kl_loss_type": kl_type, "kl_loss_coef": kle.KL_COEF if args.kl else 0.0,
+             "entropy_coeff": kle.ENTROPY_COEF if args.entropy else 0.0, "loss_agg_mode": args.loss_agg_mode,
+             "ref_calls": sum(i["ref_calls"] for i in runs["stream"][1])}
+    return report(args, runs, time.time() - t0, {"terms": terms})
 
 
 def _ops_text(info: dict) -> str:
@@ -303,6 +342,12 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     result = {"algo": args.algo, "engine": args.engine, "tp": args.tp, "pp": args.pp, "dp": args.dp,
               "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
+    if "terms" in extra:  # point 8: --kl / --entropy
+        terms = extra["terms"]
+        result.update(terms)
+        name = "equivalence" + (f"_kl_{terms['kl_loss_type'].replace('+', '_st')}" if terms["kl_loss_type"] else "") + (
+            "_entropy" if terms["entropy_coeff"] else "") + (
+            "" if terms["loss_agg_mode"] == "token-mean" else f"_{terms['loss_agg_mode']}")
     if "minibatch" in extra:  # point 9: --mini-batches / --ppo-epochs
         result.update(extra["minibatch"])
         name = f"equivalence_minibatch{args.mini_batches}" + (f"_epochs{args.ppo_epochs}" if args.ppo_epochs > 1 else "")
