@@ -120,6 +120,8 @@ def run_estimator(args, model_path, pad_id: int, vocab: int, groups: int, micro:
 
     The caller shuts Ray down. Returns the runs for ``equivalence.report`` and the JSON's estimator keys.
     """
+    if getattr(args, "kl", False) or getattr(args, "entropy", False):
+        raise SystemExit("--estimator compares the policy term alone: run it without --kl / --entropy")
     config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer)
     config.algorithm.adv_estimator = args.estimator
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
