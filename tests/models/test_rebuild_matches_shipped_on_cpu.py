@@ -4,16 +4,21 @@ The build is deterministic (seeded data, order and init; a fixed thread count), 
 the one that shipped them the rebuilt files equal the shipped ones byte for byte, the cheap and strict
 check. Float reductions can differ between CPU instruction sets, so where the weights differ the
 rebuilt model must instead reach the shipped one's task score (same held-out problems, same seed).
-Minutes per model on 2 cores (student ~4, teacher ~19, measured on a busy machine).
+Minutes per model on 2 cores (student ~4, teacher ~19 on a quiet machine; 45 and 40 on a busy one), too long
+for every test run: it runs when ``THUNDERSYNC_REBUILD_TESTS=1`` is set, e.g. after changing a model spec.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from thundersync_verl.models import factory, shipped
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("THUNDERSYNC_REBUILD_TESTS") != "1",
+    reason="a full model rebuild takes 20-80 minutes on 2 cores; set THUNDERSYNC_REBUILD_TESTS=1 to run it")]
 SCORE_PROBLEMS = 400
 SCORE_TOLERANCE = 0.08  # about 3 standard errors of a mean reward over 400 problems
 
