@@ -47,8 +47,10 @@ def test_the_patched_policy_is_torchs_without_pinning():
     policy = transformer_impl.CPUOffloadPolicy(pin_memory=True)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
     assert "fsdp2_offload_unpinned" in APPLIED
+    wrapped = transformer_impl.CPUOffloadPolicy
     patch_fsdp2_offload_unpinned()  # applying twice wraps once
-    assert transformer_impl.CPUOffloadPolicy.__mro__[1] is CPUOffloadPolicy
+    assert transformer_impl.CPUOffloadPolicy is wrapped
+    assert type(transformer_impl.CPUOffloadPolicy(pin_memory=True)) is CPUOffloadPolicy
 
 
 def test_fsdp2_with_verls_forward_only_policy_runs_and_matches_the_plain_module():

@@ -84,13 +84,11 @@ def patch_fsdp2_offload_unpinned() -> None:
         if original is None or getattr(original, "_thundersync_patched", False):
             return
 
-        class CPUOffloadPolicy(original):  # torch's policy, host memory not pinned (point 5)
-            _thundersync_patched = True
+        def unpinned_policy(pin_memory: bool = True):  # torch's own policy object, host memory not pinned (point 5)
+            return original(pin_memory=False)
 
-            def __init__(self, pin_memory: bool = True):
-                super().__init__(pin_memory=False)
-
-        module.CPUOffloadPolicy = CPUOffloadPolicy
+        unpinned_policy._thundersync_patched = True  # verl only constructs it here: torch's isinstance checks still hold
+        module.CPUOffloadPolicy = unpinned_policy
         APPLIED.append("fsdp2_offload_unpinned")
 
     when_imported(va.ENGINE_MODULE, _wrap)
