@@ -29,12 +29,12 @@ from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 
 # ----- the batch-synchronous path: verl's own functions --------------------------------------
-def _verl_update(wg, data, n: int) -> dict:
+def _verl_update(wg, data, n: int, calculate_entropy: bool = False) -> dict:
     """verl's ``update_actor`` on a DataProto batch: one epoch, one mini-batch of ``n`` rows."""
     import numpy as np
 
     td = va.to_no_padding(data.to_tensordict())
-    va.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+    va.assign_non_tensor(td, calculate_entropy=calculate_entropy, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     metrics = va.td_get(wg.update_actor(td), "metrics")
@@ -52,6 +52,16 @@ def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, ad
 
     ``advantage_scale`` (a diagnostic) multiplies every advantage: with the gradient norm above verl's clip
     the clipped step is mathematically unchanged, only verl's per-token loss scalars round differently."""
+    data = rollout_batch(wg, trajs, row_order, pad_token_id)
+    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
+    if advantage_scale != 1.0:
+        data.batch["advantages"] = data.batch["advantages"] * advantage_scale
+    return _verl_update(wg, data, len(row_order))
+
+
+def rollout_batch(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int):
+    """The rows as verl's trainer holds them before its advantage: a DataProto with the outcome reward on each
+    response's last token, the group uid, and the old log-probs from ``compute_log_prob``."""
     import numpy as np
 
     from thundersync_verl.trainer.stream_loss import pad_batch
@@ -65,10 +75,31 @@ def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, ad
                                          non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
                                          meta_info={"temperature": 1.0})
     data.batch["old_log_probs"] = _old_log_probs(wg, data)
-    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
-    if advantage_scale != 1.0:
-        data.batch["advantages"] = data.batch["advantages"] * advantage_scale
-    return _verl_update(wg, data, len(rows))
+    return data
+
+
+def traj_name(t: Traj) -> str:
+    return f"{t.gid}:{t.tid}"  # trajectory ids unique across groups, as verl's are
+
+
+def row_table(trajs: list[Traj]) -> dict:
+    """``(gid, name) -> (prompt, response)``: where the learner clients read a planned row from."""
+    return {(t.gid, traj_name(t)): (t.prompt, t.response) for t in trajs}
+
+
+def drive_arrivals(planner, trajs: list[Traj], arrival: list[int], every: int, send) -> dict:
+    """Trajectories arrive one by one in ``arrival`` order; every ``every`` arrivals (and after the last) the
+    planner's ops go to ``send(ops)``. Returns the op counts by kind."""
+    kinds = {"direct": 0, "bucket": 0, "fold": 0}
+    for k, i in enumerate(arrival):
+        t = trajs[i]
+        planner.arrive(t.gid, traj_name(t), t.reward, len(t.response))
+        if (k + 1) % every == 0 or k + 1 == len(arrival):
+            ops = planner.next_ops()
+            for op in ops:
+                kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
+            send(ops)
+    return kinds
 
 
 def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id: int, teacher_rows: dict) -> dict:
@@ -159,28 +190,15 @@ def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *,
     groups = sorted({t.gid for t in trajs})
     planner.begin_batch({g: GROUP_SIZE for g in groups})
     client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
-    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}  # trajectory ids unique across groups, as verl's are
-    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
-    rows = {name[id(t)]: {"prompt": t.prompt, "response": t.response, "mask": [1] * len(t.response)} for t in trajs}
-    pipe = None
-    if pipeline is not None:
+    table = row_table(trajs)
+    rows = {traj_name(t): {"prompt": t.prompt, "response": t.response, "mask": [1] * len(t.response)} for t in trajs}
+    if pipeline is None:
+        kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: client.run(ops, table))
+    else:
         done = finished if finished is not None else []
         pipe = OpPipeline(wg, pad_token_id=pad_token_id, temperature=1.0, depth=pipeline,
                           on_done=lambda op, stats, t0, t1: done.append((op, t0, t1)))
-    kinds = {"direct": 0, "bucket": 0, "fold": 0}
-    for k, i in enumerate(arrival):
-        t = trajs[i]
-        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
-        if (k + 1) % every == 0 or k + 1 == len(arrival):
-            ops = planner.next_ops()
-            for op in ops:
-                key = "fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")
-                kinds[key] += 1
-            if pipe is None:
-                client.run(ops, table)
-            for op in ops if pipe is not None else ():
-                pipe.submit(op, rows)
-    if pipe is not None:
+        kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: [pipe.submit(op, rows) for op in ops])
         pipe.drain()
     metrics = client.finalize(planner.finalize())
     return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}}

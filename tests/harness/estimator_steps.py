@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import StreamingLearnerClient, _old_log_probs, _verl_update, train
+from thundersync_harness.engine_steps import (StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table,
+                                             train)
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.batch_estimators import Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED
-from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import StreamPlanner
 
 
 def algorithm_config(norm_adv_by_std_in_grpo: bool = True):
@@ -75,20 +76,10 @@ def sync_estimator_step(wg, trajs: list[Traj], row_order: list[int], pad_token_i
     """compute_log_prob -> verl's compute_advantage(adv_estimator=name) -> update_actor."""
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    from thundersync_verl.trainer.stream_loss import pad_batch
-
-    rows = [trajs[i] for i in row_order]
-    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
-    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
-    for b, t in enumerate(rows):
-        rewards[b, len(t.response) - 1] = t.reward
-    data = va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
-                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
-                                         meta_info={"temperature": 1.0})
-    data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    data = rollout_batch(wg, trajs, row_order, pad_token_id)
     data = compute_advantage(data, adv_estimator=name, gamma=1.0, lam=1.0, num_repeat=GROUP_SIZE,
                              norm_adv_by_std_in_grpo=True, config=algorithm_config())
-    return _verl_update(wg, data, len(rows))
+    return _verl_update(wg, data, len(row_order))
 
 
 def stream_estimator_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, name: str, *,
@@ -99,17 +90,8 @@ def stream_estimator_step(wg, trajs: list[Traj], arrival: list[int], pad_token_i
     groups = sorted({t.gid for t in trajs})
     planner.begin_batch({g: GROUP_SIZE for g in groups})
     client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": name})
-    label = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
-    table = {(t.gid, label[id(t)]): (t.prompt, t.response) for t in trajs}
-    kinds = {"direct": 0, "bucket": 0, "fold": 0}
-    for k, i in enumerate(arrival):
-        t = trajs[i]
-        planner.arrive(t.gid, label[id(t)], t.reward, len(t.response))
-        if (k + 1) % every == 0 or k + 1 == len(arrival):
-            ops = planner.next_ops()
-            for op in ops:
-                kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
-            client.run(ops, table)
+    table = row_table(trajs)
+    kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: client.run(ops, table))
     final = planner.finalize()
     metrics = client.finalize(final)
     return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "barrier_scale": final.scale}

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, verl_config
-from thundersync_harness.engine_steps import StreamingLearnerClient, _old_log_probs
+from thundersync_harness.engine_steps import StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.stream_loss import attach_ref_log_probs, build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
@@ -98,32 +98,14 @@ def start_kl_workers(config, dp: int, ref_path: Path | None):
 # ----- verl's synchronous step ----------------------------------------------------------------
 def sync_kl_step(wg, ref_wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, *, entropy: bool) -> dict:
     """verl's trainer order: old log-probs, reference log-probs, GRPO advantages, ``update_actor``."""
-    import numpy as np
-
-    from thundersync_verl.trainer.stream_loss import pad_batch
-
-    rows = [trajs[i] for i in row_order]
-    tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
-    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
-    for b, t in enumerate(rows):
-        rewards[b, len(t.response) - 1] = t.reward
-    data = va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
-                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in rows], dtype=object)},
-                                         meta_info={"temperature": 1.0})
-    data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    data = rollout_batch(wg, trajs, row_order, pad_token_id)
     if ref_wg is not None:
         ref_td = va.to_no_padding(data.to_tensordict())
         va.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)  # verl's _compute_ref_log_prob
         data.batch["ref_log_prob"] = va.unpad_response(va.td_get(ref_wg.compute_ref_log_prob(ref_td), "log_probs"),
                                                        ref_td).float()  # [B, R]
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
-    td = va.to_no_padding(data.to_tensordict())
-    n = len(rows)
-    va.assign_non_tensor(td, calculate_entropy=entropy, distillation_use_topk=False, distillation_only=False,
-                         global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
-    metrics = va.td_get(wg.update_actor(td), "metrics")
-    return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
+    return _verl_update(wg, data, len(row_order), calculate_entropy=entropy)
 
 
 # ----- the streamed step ------------------------------------------------------------------------
@@ -164,17 +146,8 @@ def stream_kl_step(wg, ref_wg, trajs: list[Traj], arrival: list[int], pad_token_
     groups = sorted({t.gid for t in trajs})
     planner.begin_batch({g: GROUP_SIZE for g in groups})
     client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
-    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
-    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
-    kinds = {"direct": 0, "bucket": 0, "fold": 0}
-    for k, i in enumerate(arrival):
-        t = trajs[i]
-        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
-        if (k + 1) % every == 0 or k + 1 == len(arrival):
-            ops = planner.next_ops()
-            for op in ops:
-                kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
-            client.run(ops, table)
+    table = row_table(trajs)
+    kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: client.run(ops, table))
     metrics = client.finalize(planner.finalize())
     return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "ref_calls": client.ref_calls}
 
