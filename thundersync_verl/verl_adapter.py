@@ -401,6 +401,17 @@ def replay_buffer_classes():
     return ReplayBuffer, ReplayBufferAsync
 
 
+def replay_buffer_field(keys: list[str], partition_id: str, field: str) -> list:
+    """One stored field of trajectories (e.g. ``extra_fields``), one plain value per key, read through
+    the same TransferQueue client verl's replay buffer uses (``replay_buffer.tq``)."""
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=[field])
+    values = data[field]
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [getattr(v, "data", v) for v in values]
+
+
 # -- recipe check (``thundersync recipes check``) ---------------------------------------------
 def config_check_api():
     """verl's own config rules and name registries, as a launch would apply them (no Ray, no GPU)."""

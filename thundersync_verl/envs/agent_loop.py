@@ -87,7 +87,9 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
                 prompt_ids=prompt_ids + response_ids,
                 sampling_params={**sampling_params, "max_tokens": budget},
             )
-            turn = {"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids) + len(response_ids), "tool_s": 0.0}
+            turn = {"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids) + len(response_ids), "tool_s": 0.0,
+                    "min_version": int(out.extra_fields.get("min_global_steps") or 0),  # PACE's per-turn versions
+                    "max_version": int(out.extra_fields.get("max_global_steps") or 0)}
             turns.append(turn)
             versions.append(int(out.extra_fields.get("min_global_steps") or 0))
             versions.append(int(out.extra_fields.get("max_global_steps") or 0))

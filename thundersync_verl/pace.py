@@ -1,0 +1,187 @@
+"""PACE as verl's replay buffer: effective-staleness control for the separate-async (fully-async) trainer.
+
+Why this module exists:
+1. verl's V1 separate-async trainer samples finished prompt groups from a ``ReplayBufferAsync``
+   and accepts a custom one through ``trainer.v1.sampler.custom_sampler.{path,name}``; that is
+   the seam PACE plugs into, so verl's trainer loop, eviction and refill stay verl's own:
+       trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace
+       trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync
+       +trainer.v1.sampler.sampler_kwargs.pace.{target_pool,gain,waiting_weight,drift_per_version,
+                                                prefix_carry,min_score,per_turn_versions,log_path}=...
+2. At each sample, after verl's own evictions (its drop threshold still applies when set), every
+   sampleable group gets the effective-staleness score of ``core/pace.py`` (formulas there); the
+   budget comes from the pool's excess over ``target_pool``, and the worst groups within it are
+   evicted exactly as verl evicts stale ones (``_clear_groups``) and regenerated through verl's
+   ``refill_fn``: never silently lost, and counted (``pace/rejected``, ``pace/rejected_total``).
+3. Per-token versions: the project's rollout servers stamp every generate call with the weight
+   versions it ran on (``min/max_global_steps``) and the ``thundersync_tool_agent`` loop keeps them
+   per turn in ``extra_fields.thundersync_events.turns``; verl's own tool agent keeps only the
+   trajectory's min/max, so other agent loops fall back to two half segments (``segments_from_span``).
+   Counted per sample as ``pace/per_turn_share``.
+4. Metrics (verl's logger): ``pace/rejected``, ``pace/budget``, ``pace/pool``, ``pace/rejected_total``,
+   ``pace/rejected_share``, the selected groups' mean score, and the staleness histogram of the
+   selected trajectories (verl's ``(global_steps - 1) - max_global_steps``) as ``pace/staleness_hist/<k>``
+   counts. ``log_path`` adds one JSON line per decision (the benchmark reads it).
+5. ``gain=0`` scores and logs without rejecting: the same buffer measures unfiltered and
+   threshold-only runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core import pace as pc
+from thundersync_verl.core.errors import StreamingConfigError, rule_message
+from thundersync_verl.trainer.samplers import FastPollReplayBufferAsync
+
+OPTIONS_KEY = "pace"
+HIST_LABELS = ("0", "1", "2", "3", "4plus")
+
+
+def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None]:
+    """``(settings, per_turn_versions, log_path)`` from ``sampler_kwargs.pace``."""
+    options = dict((sampler_kwargs or {}).get(OPTIONS_KEY) or {})
+    per_turn = bool(options.pop("per_turn_versions", True))
+    log_path = options.pop("log_path", None)
+    known = set(pc.PaceSettings.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise StreamingConfigError(rule_message(
+            f"unknown PACE option(s) {unknown} in trainer.v1.sampler.sampler_kwargs.pace",
+            "a misspelt knob would silently run PACE with its default",
+            f"use only {sorted(known | {'per_turn_versions', 'log_path'})}"))
+    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None)
+
+
+def _turn_segments(turns) -> list[pc.Segment] | None:
+    """Segments from the agent loop's per-turn versions; a turn that spanned a push is split in two halves."""
+    if not turns or any("min_version" not in t for t in turns):
+        return None
+    segments: list[pc.Segment] = []
+    for turn in turns:
+        segments += pc.segments_from_span(int(turn["gen_tokens"]), int(turn["min_version"]), int(turn["max_version"]))
+    return segments
+
+
+class PaceReplayBufferAsync(FastPollReplayBufferAsync):
+    """verl's ReplayBufferAsync (with the project's short poll) plus PACE's ranking and rejection."""
+
+    def __init__(self, *args, sampler_kwargs=None, **kwargs):
+        super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
+        self.pace, self.per_turn, self.log_path = pace_options(sampler_kwargs)
+        if self.pace.gain > 0 and self.refill_fn is None:
+            raise StreamingConfigError(rule_message(
+                "PACE with gain > 0 needs verl's refill_fn",
+                "a rejected group must be regenerated, never silently lost",
+                "build the buffer through verl's trainer (it passes refill_fn), or set pace.gain=0"))
+        self._landed: dict[str, int] = {}  # uid -> learner version when its group was first seen finished
+        self._segments: dict[str, tuple[list[pc.Segment], bool]] = {}  # trajectory key -> (segments, per turn)
+        self._step: int | None = None
+        self._metrics: dict = {}
+        self.rejected_total = 0
+        self.sampled_total = 0
+
+    # -- verl's hooks ------------------------------------------------------------------------
+    def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
+        reasons = super()._terminal_eviction_reasons(global_steps, partition_id)
+        if partition_id != "val":
+            self._note_landings(global_steps, partition_id)
+        return reasons
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        self._step, self._metrics = global_steps, {}
+        try:
+            batch, metrics = super().sample(global_steps=global_steps, partition_id=partition_id, batch_size=batch_size)
+        finally:
+            self._step = None
+        metrics.update(self._metrics)
+        return batch, metrics
+
+    def _select_prompt_uids(self, partition_id: str, sampleable_keys: set[str], batch_size: int):
+        if partition_id == "val" or self._step is None:
+            return super()._select_prompt_uids(partition_id, sampleable_keys, batch_size)
+        keep, decision, scores = self._reject(partition_id, set(sampleable_keys), batch_size)
+        selected, partition_snapshot, steps_snapshot = super()._select_prompt_uids(partition_id, keep, batch_size)
+        self._record(decision, scores, selected, partition_snapshot)
+        return selected, partition_snapshot, steps_snapshot
+
+    # -- PACE --------------------------------------------------------------------------------
+    def _note_landings(self, global_steps: int, partition_id: str) -> None:
+        finished = self.finished_keys[partition_id]
+        for uid in finished:
+            self._landed.setdefault(uid, global_steps - 1)
+        live = finished | self.failure_keys[partition_id]
+        for uid in [u for u in self._landed if u not in live]:
+            del self._landed[uid]
+        for key in [k for k in self._segments if k.split("_")[0] not in live]:
+            del self._segments[key]
+
+    def _reject(self, partition_id: str, sampleable: set[str], batch_size: int):
+        learner_version = self._step - 1
+        members: dict[str, list[str]] = {uid: [] for uid in sampleable}
+        for key in self.partitions[partition_id]:
+            uid = key.split("_")[0]
+            if uid in members:
+                members[uid].append(key)
+        self._load_segments(partition_id, [k for keys in members.values() for k in keys])
+        scores = {uid: self._group_score(uid, keys, learner_version) for uid, keys in members.items()}
+        decision = pc.decide(scores, batch_size, self.pace, self.prompt_global_steps[partition_id])
+        if decision.rejected:
+            self._clear_groups(partition_id, set(decision.rejected))  # verl's eviction of a stale group
+            self.refill_fn(len(decision.rejected))  # ...and verl's refill: the prompts are generated again
+            self.rejected_total += len(decision.rejected)
+        return sampleable - set(decision.rejected), decision, scores
+
+    def _load_segments(self, partition_id: str, keys: list[str]) -> None:
+        missing = [k for k in keys if k not in self._segments]
+        if not missing:
+            return
+        extras = va.replay_buffer_field(missing, partition_id, "extra_fields") if self.per_turn else [{}] * len(missing)
+        for key, extra in zip(missing, extras):
+            events = (extra or {}).get("thundersync_events") or {}
+            per_turn = _turn_segments(events.get("turns"))
+            if per_turn is None:
+                tag = self.partitions[partition_id][key]
+                lo, hi = tag.get("min_global_steps"), tag.get("max_global_steps")
+                lo = int(lo if lo is not None else tag.get("global_steps", 0))
+                hi = int(hi if hi is not None else lo)
+                self._segments[key] = (pc.segments_from_span(int(tag.get("response_len", 1)), lo, hi), False)
+            else:
+                self._segments[key] = (per_turn, True)
+
+    def _group_score(self, uid: str, keys: list[str], learner_version: int) -> float:
+        waiting = pc.waiting_staleness(learner_version, self._landed.get(uid, learner_version))
+        if not keys:
+            return pc.effective_staleness(0.0, waiting, self.pace)
+        values = [pc.effective_staleness(pc.generation_staleness(self._segments[k][0], learner_version, self.pace),
+                                         waiting, self.pace) for k in keys]
+        return sum(values) / len(values)
+
+    def _record(self, decision: pc.PaceDecision, scores: dict, selected: list[str], snapshot: dict) -> None:
+        """Metrics for verl's logger and, with ``log_path``, one JSON line per decision."""
+        chosen = set(selected)
+        keys = [k for k in snapshot if k.split("_")[0] in chosen]
+        learner_version = self._step - 1
+        staleness = [learner_version - int(snapshot[k].get("max_global_steps") or 0) for k in keys]
+        per_turn = [self._segments[k][1] for k in keys if k in self._segments]
+        self.sampled_total += len(selected)
+        hist = pc.histogram(staleness)
+        self._metrics.update({
+            "pace/rejected": len(decision.rejected), "pace/budget": decision.budget, "pace/pool": decision.pool,
+            "pace/rejected_total": self.rejected_total, "pace/sampled_total": self.sampled_total,
+            "pace/rejected_share": self.rejected_total / max(self.rejected_total + self.sampled_total, 1),
+            "pace/score_selected/mean": sum(scores[u] for u in selected) / max(len(selected), 1),
+            "pace/per_turn_share": sum(per_turn) / max(len(per_turn), 1),
+            **{f"pace/staleness_hist/{label}": n for label, n in zip(HIST_LABELS, hist)},
+        })
+        if self.log_path:
+            line = {"t": time.time(), "step": self._step, "pool": decision.pool, "needed": decision.needed,
+                    "budget": decision.budget, "rejected": {u: scores[u] for u in decision.rejected},
+                    "selected": {u: scores[u] for u in selected}, "selected_staleness": staleness,
+                    "per_turn_share": self._metrics["pace/per_turn_share"]}
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
