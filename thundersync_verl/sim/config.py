@@ -42,6 +42,7 @@ class SimConfig:
     verify_overlap: bool = False  # thundersync GRPO: start a backward at completion, before the reward
     verify_second_cost: float = 1.0  # verify_overlap: a second backward's cost / the first's (full recompute)
     verify_rewards: str = "binary"  # verify_overlap: binary (smaller class again) or general (every early one)
+    pace: object | None = None  # fully_async: a pace.PacePolicy rejecting stale groups (PACE or verl's drop)
 
     @property
     def buffers_per_open_group(self) -> int:
@@ -76,6 +77,9 @@ class SimConfig:
             raise ValueError("rollout_slots and the batch size must be >= 1")
         if self.verify_overlap:
             self._validate_verify_overlap()
+        if self.pace is not None and self.mode != "fully_async":
+            raise ValueError(f"pace is a fully_async policy (got mode {self.mode!r}): it rejects groups from the "
+                             "pool of finished ones, which only a streaming pipeline has; use mode='fully_async'")
 
     def _validate_verify_overlap(self) -> None:
         if self.mode != "thundersync" or self.algo != "grpo" or self.resolved_granularity() != "trajectory":

@@ -31,6 +31,7 @@ from .fully_async import simulate_fully_async
 from .hardware import LearnerCosts
 from .lane import LaneWork, run_lane
 from .metrics import SimResult
+from .pace import simulate_pace
 from .shared import simulate_shared
 from .verify_overlap import simulate_verify_overlap
 from .workload import Batch
@@ -47,7 +48,7 @@ def simulate(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
     if cfg.budget_groups is not None and cfg.budget_groups < 0:
         raise ValueError(f"budget_groups={cfg.budget_groups} must be >= 0 (0 = only closed groups, no buffers)")
     if cfg.mode == "fully_async":
-        return simulate_fully_async(cfg, source, costs)
+        return simulate_fully_async(cfg, source, costs) if cfg.pace is None else simulate_pace(cfg, source, costs, cfg.pace)
     if cfg.verify_overlap:
         return simulate_verify_overlap(cfg, source, costs)
     if cfg.shared_cores is not None and cfg.shared_cores.active:

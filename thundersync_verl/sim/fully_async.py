@@ -114,6 +114,7 @@ class _State:
         self.land_heap: list = []  # (wall land, tid)
         self.pause_acc = 0.0
         self.started = self.rollout_version = self.version = 0
+        self.retired = 0  # trajectories rejected before training (sim/pace.py): regenerated, so out of the gate
         self.live: dict[int, tuple[float, int]] = {}  # in-flight tid -> (wall start, slot)
         self.version_of: dict[int, int] = {}  # tid -> weight version it started on
         self.group_left: dict[int, int] = {}
@@ -140,7 +141,7 @@ class _State:
     # ------------------------------------------------------------------ rollout
     def try_start(self, t: float) -> None:
         limit = (self.rollout_version + 1 + self.cfg.staleness_threshold) * self.n
-        while self.slots_free and self.started < limit and self.learner_phase != "sync":
+        while self.slots_free and self.started - self.retired < limit and self.learner_phase != "sync":
             tid = self.started
             (dur, _lag, _seq, gids, sizes), i = self.stream.get(tid)
             slot = self.slots_free.pop()
@@ -305,8 +306,9 @@ class _State:
             self.learner_log.append((t0, t1, kind, tokens, overhead))
 
 
-def simulate_fully_async(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
-    st = _State(cfg, source, costs)
+def simulate_fully_async(cfg: SimConfig, source, costs: LearnerCosts, state: _State | None = None) -> SimResult:
+    """The event loop; ``state`` swaps in a policy built on ``_State`` (sim/pace.py)."""
+    st = state or _State(cfg, source, costs)
     st.try_start(0.0)
     shared = st.shared is not None
     while len(st.step_ends) < cfg.steps:

@@ -1,0 +1,112 @@
+"""PACE (and verl's drop threshold) as fully-async policies of the simulator.
+
+Why this module exists:
+1. The benchmark (benchmarks/pace.py) measures PACE on the real trainer; the simulator predicts the
+   same runs from their traces, so the policy must exist here too, on the same streaming schedule
+   as plain fully-async (``fully_async.py``'s state, unchanged but for a rejection step).
+2. At each point where the learner is about to take a chunk, the ready pool's complete groups
+   are scored and the worst are rejected, with ``core/pace.py``'s budget restated here for
+   whole-group version lags (the simulator has no per-token versions and the package must not
+   import torch): v = learner version, born = a trajectory's start version,
+       G = delta * (v - born)            (one segment per trajectory; group mean)
+       W = v - v_land                    (v_land: the version when its group's last member landed)
+       S = G + beta * W,   E = max(0, Q - b - Q*),   B = min(floor(kappa * E), Q - b)
+   and the B highest-S groups with S > min_score are rejected (ties: the older group first).
+   ``drop_threshold`` is verl's rule instead: every group with v - born + 1 > threshold goes
+   (verl counts spans from the prompt's dispatch step; here from the trajectory's start).
+3. Rejected trajectories are regenerated: they leave the staleness gate (``_State.retired``) and
+   fresh trajectories are drawn from the stream, as verl's refill submits new prompts. Their
+   count is reported (``rejected_trajectories``, ``rejected_share``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .config import SimConfig
+from .fully_async import _State, simulate_fully_async
+from .hardware import LearnerCosts
+from .metrics import SimResult
+
+
+@dataclass(frozen=True)
+class PacePolicy:
+    target_pool: int = 0  # Q*: groups kept in reserve
+    gain: float = 1.0  # kappa
+    waiting_weight: float = 1.0  # beta
+    drift_per_version: float = 1.0  # delta
+    min_score: float = 0.0
+    drop_threshold: int | None = None  # set: verl's drop rule instead of PACE's budget
+
+    def budget(self, pool: int, needed: int) -> int:
+        excess = max(0, pool - needed - self.target_pool)
+        return max(0, min(math.floor(self.gain * excess), pool - needed))
+
+
+class _PaceState(_State):
+    def __init__(self, cfg: SimConfig, source, costs: LearnerCosts, policy: PacePolicy):
+        super().__init__(cfg, source, costs)
+        self.policy = policy
+        self.landed_at: dict[int, int] = {}  # tid -> learner version when it landed
+        self.rejected = 0
+        self.decisions = 0
+
+    def on_land(self, t: float, tid: int) -> None:
+        self.landed_at[tid] = self.version
+        super().on_land(t, tid)
+
+    def try_learn(self, t: float) -> None:
+        need = min(self.mini_batch, self.n - self.consumed)
+        if self.learner_phase is None and self.n_ready >= need and self.ready:
+            self._reject(t, need)
+        super().try_learn(t)
+
+    def _score(self, block: list[int]) -> float:
+        v, p = self.version, self.policy
+        gen = sum(v - self.version_of[tid] for tid in block) / len(block)
+        wait = max(0, v - max(self.landed_at[tid] for tid in block))
+        return p.drift_per_version * gen + p.waiting_weight * wait
+
+    def _reject(self, t: float, need: int) -> None:
+        blocks = list(self.ready)
+        size = max(len(b) for b in blocks)
+        if self.policy.drop_threshold is not None:
+            worst = [i for i, b in enumerate(blocks)
+                     if self.version - min(self.version_of[tid] for tid in b) + 1 > self.policy.drop_threshold]
+        else:
+            needed = -(-need // size)  # groups the chunk takes
+            budget = self.policy.budget(len(blocks), needed)
+            scores = [self._score(b) for b in blocks]
+            order = sorted((i for i in range(len(blocks)) if scores[i] > self.policy.min_score),
+                           key=lambda i: (-scores[i], i))
+            worst = order[:budget]
+        self.decisions += 1
+        if not worst:
+            return
+        gone = set(worst)
+        self.ready = deque(b for i, b in enumerate(blocks) if i not in gone)
+        for i in worst:
+            for tid in blocks[i]:
+                self.version_of.pop(tid)
+                self.landed_at.pop(tid, None)
+                self.stream.release(tid)
+            self.n_ready -= len(blocks[i])
+            self.retired += len(blocks[i])
+            self.rejected += len(blocks[i])
+        self.try_start(t)  # regenerate: the gate has room again
+
+    def _train(self, tid: int) -> None:
+        self.landed_at.pop(tid, None)
+        super()._train(tid)
+
+
+def simulate_pace(cfg: SimConfig, source, costs: LearnerCosts, policy: PacePolicy) -> SimResult:
+    """Fully-async with PACE's (or verl's drop) rejection; ``extra`` adds the rejected count and share."""
+    state = _PaceState(cfg, source, costs, policy)
+    result = simulate_fully_async(cfg, source, costs, state=state)
+    trained = result.extra.get("trained_trajectories", 0)
+    result.extra.update({"rejected_trajectories": state.rejected,
+                         "rejected_share": state.rejected / max(state.rejected + trained, 1)})
+    return result
