@@ -3,8 +3,8 @@
 setup.py declares it under the ``verl.plugins`` entry-point group. It registers:
 1. platform ``cpu`` (and, when it is the active platform, the CPU patches);
 2. rollout backends ``hf_cpu`` and ``replay`` (recorded generations, ``backends/replay/``);
-3. agent loop ``thundersync_tool_agent`` and the ThunderSync trainer mode, lazily
-   (their modules import on first use by verl).
+3. agent loop ``thundersync_tool_agent``, the ThunderSync trainer mode and SAO's estimator and
+   policy loss ``sao``, lazily (their modules import on first use by verl).
 verl swallows plugin import errors at debug level, so failures are logged loudly here.
 """
 
@@ -31,9 +31,14 @@ def register() -> None:
     from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
 
     register_cpu_platform()
-    from thundersync_verl.verl_patches import patch_logprob_diff_metric, patch_reuse_turn_teacher_scores
+    from thundersync_verl.verl_patches import (
+        patch_logprob_diff_metric,
+        patch_reuse_turn_teacher_scores,
+        patch_sao_critic_values,
+    )
 
     patch_logprob_diff_metric()
+    patch_sao_critic_values()
     patch_reuse_turn_teacher_scores()
     if _cpu_platform_active():
         from thundersync_verl.verl_patches import apply_cpu_patches

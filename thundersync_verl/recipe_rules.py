@@ -230,6 +230,9 @@ def _verl_sections(raw: dict, facts: dict) -> list[str]:
             out.append(f"{key}: {one_line(err)}")
     if out:
         return out
+    if api.need_critic(cfg) and str(OmegaConf.select(cfg, "critic.model.path", default="")).startswith("<"):
+        cfg.critic.model.pop("_target_", None)  # the critic's HF model loads at launch; its path is a placeholder here
+        facts["critic_model_unloaded"] = True
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # validate_config prints a success line
             api.validate_config(cfg, use_reference_policy=bool(api.need_reference_policy(cfg)),

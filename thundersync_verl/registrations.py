@@ -7,6 +7,7 @@ from thundersync_verl.patch_hooks import when_imported
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 CHECKPOINT_ENGINE_MODULE = "verl.checkpoint_engine.base"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+CORE_ALGOS_MODULE = "verl.trainer.ppo.core_algos"
 
 
 def _register_agent_loops(_module) -> None:
@@ -26,7 +27,14 @@ def _register_trainers(_module) -> None:
     import thundersync_verl.trainer.thundersync_trainer  # noqa: F401  (registers trainer mode "thundersync")
 
 
+def _register_sao(_module) -> None:
+    from thundersync_verl.sao import register
+
+    register()  # estimator and policy loss "sao"
+
+
 def register_lazy() -> None:
     when_imported(TRAINER_MODULE, _register_trainers)
+    when_imported(CORE_ALGOS_MODULE, _register_sao)
     when_imported(AGENT_LOOP_MODULE, _register_agent_loops)
     when_imported(CHECKPOINT_ENGINE_MODULE, _register_checkpoint_engine)

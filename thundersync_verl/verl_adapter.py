@@ -412,6 +412,56 @@ def replay_buffer_field(keys: list[str], partition_id: str, field: str) -> list:
     return [getattr(v, "data", v) for v in values]
 
 
+# -- SAO (``thundersync_verl/sao.py``) ------------------------------------------------------------
+def register_advantage_estimator(name: str, fn) -> None:
+    """Register ``fn`` as ``algorithm.adv_estimator=name`` (verl's ``register_adv_est``; once)."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
+
+    if ADV_ESTIMATOR_REGISTRY.get(name) is not fn:
+        ADV_ESTIMATOR_REGISTRY.pop(name, None)  # a reload of the defining module brings a new function object
+        register_adv_est(name)(fn)
+
+
+def register_policy_loss(name: str, fn) -> None:
+    """Register ``fn`` as ``actor.policy_loss.loss_mode=name`` (verl's ``register_policy_loss``)."""
+    from verl.trainer.ppo.core_algos import register_policy_loss as register
+
+    register(name)(fn)
+
+
+def advantage_estimator_fn(name: str):
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    return get_adv_estimator_fn(name)
+
+
+def agg_loss_fn():
+    """verl's ``agg_loss`` (token-mean / seq-mean ... over the global batch info)."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    return agg_loss
+
+
+def response_mask_of(data):
+    from verl.trainer.ppo.ray_trainer import compute_response_mask
+
+    return compute_response_mask(data)
+
+
+def gae_advantage_return():
+    """verl's built-in GAE estimator ``compute_gae_advantage_return`` (the reference for SAO's tests)."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    return compute_gae_advantage_return
+
+
+def compute_advantage_fn():
+    """The trainer-side ``compute_advantage`` as verl's V1 trainer calls it (patched or not)."""
+    from verl.trainer.ppo.v1 import utils as v1_utils
+
+    return v1_utils.compute_advantage
+
+
 # -- recipe check (``thundersync recipes check``) ---------------------------------------------
 def config_check_api():
     """verl's own config rules and name registries, as a launch would apply them (no Ray, no GPU)."""

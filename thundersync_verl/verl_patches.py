@@ -27,6 +27,9 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
    model of ``use_kl_loss``) with ``CPUOffloadPolicy(pin_memory=True)``; pinning host memory needs an
    accelerator, so the reference worker failed to start on the CPU platform. The same policy is used
    with ``pin_memory=False`` (the parameters already live in host memory: nothing to pin for).
+6. ``sao_critic_values`` (every platform): verl's ``compute_advantage`` passes the critic's values
+   only to its built-in GAE; for ``algorithm.adv_estimator=sao`` it now passes values, gamma and lam
+   to the registered estimator (``thundersync_verl/sao.py``). Every other estimator goes through unchanged.
 """
 
 from __future__ import annotations
@@ -154,6 +157,19 @@ def patch_reuse_turn_teacher_scores() -> None:
         APPLIED.append("reuse_turn_teacher_scores")
 
     when_imported("verl.experimental.agent_loop.agent_loop", _wrap)
+
+
+def patch_sao_critic_values() -> None:
+    """Hand the critic's values to the ``sao`` estimator (verl gives them to its built-in GAE only)."""
+    def _wrap(module):
+        from thundersync_verl.sao import with_critic_values
+
+        if not getattr(module.compute_advantage, "_thundersync_patched", False):
+            module.compute_advantage = with_critic_values(module.compute_advantage)
+            APPLIED.append(f"sao_critic_values:{module.__name__}")
+
+    when_imported("verl.trainer.ppo.ray_trainer", _wrap)  # defines it
+    when_imported("verl.trainer.ppo.v1.utils", _wrap)  # the V1 trainers call the copy it imported
 
 
 def apply_cpu_patches() -> None:
