@@ -49,6 +49,7 @@ Why:
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
    it, shuffle off); the floor regroups rows inside each mini-batch (``thundersync_harness.minibatch_steps``).
+   With ``--kl [--kl-type X] --entropy`` every mini-batch's loss carries verl's KL and entropy terms too.
 10. ``--estimator NAME``: the GRPO comparison with another of verl's advantage estimators (e.g.
    reinforce_plus_plus, opo, gpg): verl's ``compute_advantage(adv_estimator=NAME)`` before ``update_actor``
    against the stream planner with the same estimator (``thundersync_harness.estimator_steps``); the JSON
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error("--estimator runs the one-step GRPO comparison (--algo grpo, --engine fsdp)")
         return run_estimator_comparison(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.mini_batches > 1 or args.ppo_epochs > 1:
-        if megatron or args.algo != "grpo" or args.kl or args.entropy:
+        if megatron or args.algo != "grpo":
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
         return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.kl or args.entropy:
@@ -246,7 +247,7 @@ def run_minibatch(args, work: Path, model_path: Path, pad_id: int, vocab: int, g
     from thundersync_harness.minibatch_steps import run_minibatches
 
     try:
-        runs, extra = run_minibatches(args, model_path, pad_id, vocab, groups, micro)
+        runs, extra = run_minibatches(args, model_path, pad_id, vocab, groups, micro, work)
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -350,7 +351,8 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
             "" if terms["loss_agg_mode"] == "token-mean" else f"_{terms['loss_agg_mode']}")
     if "minibatch" in extra:  # point 9: --mini-batches / --ppo-epochs
         result.update(extra["minibatch"])
-        name = f"equivalence_minibatch{args.mini_batches}" + (f"_epochs{args.ppo_epochs}" if args.ppo_epochs > 1 else "")
+        name = f"equivalence_minibatch{args.mini_batches}" + (f"_epochs{args.ppo_epochs}" if args.ppo_epochs > 1 else "") + (
+            f"_kl_{args.kl_type.replace('+', '_st')}" if args.kl else "") + ("_entropy" if args.entropy else "")
     if "estimator" in extra:  # point 10: --estimator (adv_estimator, estimators_streamed, estimators_refused)
         result.update(extra["estimator"])
         name = f"equivalence_estimator_{args.estimator}"

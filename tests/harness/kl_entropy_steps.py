@@ -100,12 +100,17 @@ def sync_kl_step(wg, ref_wg, trajs: list[Traj], row_order: list[int], pad_token_
     """verl's trainer order: old log-probs, reference log-probs, GRPO advantages, ``update_actor``."""
     data = rollout_batch(wg, trajs, row_order, pad_token_id)
     if ref_wg is not None:
-        ref_td = va.to_no_padding(data.to_tensordict())
-        va.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)  # verl's _compute_ref_log_prob
-        data.batch["ref_log_prob"] = va.unpad_response(va.td_get(ref_wg.compute_ref_log_prob(ref_td), "log_probs"),
-                                                       ref_td).float()  # [B, R]
+        attach_ref_rows(ref_wg, data)
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
     return _verl_update(wg, data, len(row_order), calculate_entropy=entropy)
+
+
+def attach_ref_rows(ref_wg, data) -> None:
+    """verl's ``_compute_ref_log_prob`` on a whole padded batch: ``data.batch["ref_log_prob"]`` [B, R]."""
+    ref_td = va.to_no_padding(data.to_tensordict())
+    va.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)
+    data.batch["ref_log_prob"] = va.unpad_response(va.td_get(ref_wg.compute_ref_log_prob(ref_td), "log_probs"),
+                                                   ref_td).float()  # [B, R]
 
 
 # ----- the streamed step ------------------------------------------------------------------------
@@ -127,11 +132,15 @@ class KLStreamingClient(StreamingLearnerClient):
             rows = [trajectories[item] for item in op.items]
             chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
                                        dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
-            if self.ref_wg is not None:
-                attach_ref_log_probs(chunk, self.ref_wg, dp_size=self.dp_size)
-                self.ref_calls += 1
+            self.attach_ref(chunk)
             results.append(self.wg.stream_backward(chunk))
         return results
+
+    def attach_ref(self, chunk) -> None:
+        """The chunk's reference log-probs, just before its backward (none without a reference group)."""
+        if self.ref_wg is not None:
+            attach_ref_log_probs(chunk, self.ref_wg, dp_size=self.dp_size)
+            self.ref_calls += 1
 
 
 def stream_kl_step(wg, ref_wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, loss_agg_mode: str,

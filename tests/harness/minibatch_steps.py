@@ -15,6 +15,10 @@ Why:
 4. The floor is verl's update on the SAME partition with every mini-batch's rows regrouped: the stride
    permutation inside each mini-batch when it spans several micro-batches, else micro-batches of half
    the size (a mini-batch of one micro-batch has no other companions to give its rows).
+5. With ``--kl`` / ``--entropy`` the reference model lives in its own worker group
+   (``kl_entropy_steps``): verl's side takes the whole batch's reference log-probs before
+   ``update_actor`` (``calculate_entropy`` on), the streamed side each chunk's just before its backward,
+   PPO chunks of later mini-batches and epochs included.
 """
 
 from __future__ import annotations
@@ -25,22 +29,28 @@ from functools import partial
 import torch
 
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import StreamingLearnerClient, _old_log_probs, train
+from thundersync_harness.engine_steps import _old_log_probs, train
+from thundersync_harness.kl_entropy_steps import KLStreamingClient, attach_ref_rows, kl_entropy_config
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
 from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, FoldOp, StreamPlanner
 
 ACTOR = "actor_rollout_ref.actor"
 
 
-def minibatch_config(model_path, *, groups: int, micro: int, mini_batches: int, epochs: int, optimizer: str = "SGD"):
-    """``engine_setup.verl_config`` with ``ppo_mini_batch_size = groups / K`` and ``ppo_epochs = E``."""
+def minibatch_config(model_path, *, groups: int, micro: int, mini_batches: int, epochs: int, optimizer: str = "SGD",
+                     kl_type: str | None = None, entropy: bool = False):
+    """``engine_setup.verl_config`` with ``ppo_mini_batch_size = groups / K`` and ``ppo_epochs = E`` (point 5: KL / entropy)."""
     from omegaconf import OmegaConf
 
     if groups % mini_batches:
         raise ValueError(f"{groups} groups cannot be cut into {mini_batches} equal mini-batches")
-    config = verl_config(model_path, groups=groups, micro=micro, optimizer=optimizer)
+    if kl_type or entropy:
+        config = kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=entropy,
+                                   optimizer=optimizer)
+    else:
+        config = verl_config(model_path, groups=groups, micro=micro, optimizer=optimizer)
     OmegaConf.update(config, f"{ACTOR}.ppo_mini_batch_size", groups // mini_batches)
     OmegaConf.update(config, f"{ACTOR}.ppo_epochs", epochs)
     return config
@@ -90,16 +100,19 @@ def _padded_batch(trajs: list[Traj], rows: list[int], pad_token_id: int):
 
 
 def sync_minibatch_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, *, mb_rows: int,
-                        epochs: int, micro: int | None = None) -> dict:
-    """compute_log_prob -> compute_advantage -> update_actor with mini-batches of ``mb_rows`` rows, ``epochs``
-    epochs, no shuffle (the rows are already in partition order), as verl's trainer calls it."""
+                        epochs: int, micro: int | None = None, ref_wg=None, entropy: bool = False) -> dict:
+    """compute_log_prob (-> compute_ref_log_prob) -> compute_advantage -> update_actor with mini-batches of
+    ``mb_rows`` rows, ``epochs`` epochs, no shuffle (the rows are already in partition order), as verl's trainer
+    calls it."""
     import numpy as np
 
     data = _padded_batch(trajs, row_order, pad_token_id)
     data.batch["old_log_probs"] = _old_log_probs(wg, data)
+    if ref_wg is not None:
+        attach_ref_rows(ref_wg, data)
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
     td = va.to_no_padding(data.to_tensordict())
-    va.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+    va.assign_non_tensor(td, calculate_entropy=entropy, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=mb_rows, mini_batch_size=mb_rows, epochs=epochs, seed=42,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     if micro is not None:
@@ -110,15 +123,17 @@ def sync_minibatch_step(wg, trajs: list[Traj], row_order: list[int], pad_token_i
 
 # ----- the streamed loop -----------------------------------------------------------------------
 def stream_minibatch_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, mb_groups: int,
-                          epochs: int, every: int = 2, max_chunk: int = 4) -> dict:
-    """Trajectories arrive one by one; every ``every`` arrivals the mini-batch planner's ops run in order."""
+                          epochs: int, every: int = 2, max_chunk: int = 4, ref_wg=None, terms: bool = False) -> dict:
+    """Trajectories arrive one by one; every ``every`` arrivals the mini-batch planner's ops run in order.
+    ``terms``: the worker's actor has a KL loss or an entropy bonus (companion buckets, minibatch_plan point 7)."""
     planner = MiniBatchPlanner(StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk),
-                               minibatch_groups=mb_groups, epochs=epochs)
+                               minibatch_groups=mb_groups, epochs=epochs, independent_buckets=terms)
     everything = list(range(len(trajs)))
     old = _old_log_probs(wg, _padded_batch(trajs, everything, pad_token_id))  # [B, R] at the batch's weights
-    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
+    client = KLStreamingClient(wg, ref_wg, pad_token_id=pad_token_id)
     groups = sorted({t.gid for t in trajs})
-    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo"}
+    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo",
+            INDEPENDENT_BUCKETS_KEY: terms}
     planner.begin_batch({g: GROUP_SIZE for g in groups})
     client.begin_batch(meta)
     name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
@@ -136,6 +151,7 @@ def stream_minibatch_step(wg, trajs: list[Traj], arrival: list[int], pad_token_i
             chunk = build_ppo_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs,
                                     [rollout_lp[t] for _, t in op.items], dp_size=client.dp_size,
                                     pad_token_id=pad_token_id)
+            client.attach_ref(chunk)
             wg.stream_backward(chunk)
             kinds["ppo"] += 1
         else:
@@ -149,37 +165,49 @@ def stream_minibatch_step(wg, trajs: list[Traj], arrival: list[int], pad_token_i
             for op in planner.next_ops():
                 run(op)
     metrics = client.finalize(planner.finalize())
-    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, **planner.metrics()}
+    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, **planner.metrics(), "ref_calls": client.ref_calls}
 
 
-def minibatch_steps(wg, batches, pad_token_id: int, micro: int, *, mb_groups: int, epochs: int) -> dict:
+def minibatch_steps(wg, batches, pad_token_id: int, micro: int, *, mb_groups: int, epochs: int, ref_wg=None,
+                    entropy: bool = False) -> dict:
     """sync_a: verl on the streamed partition; sync_b: the same with rows regrouped (the floor); stream."""
     steps = {"sync_a": [], "sync_b": [], "stream": []}
     for trajs, arrival in batches:
         parts = partition_rows(trajs, arrival, mb_groups)
         mb_rows = len(parts[0])
         order_b, micro_b = regrouped(parts, micro)
+        terms = {"ref_wg": ref_wg, "entropy": entropy}
         steps["sync_a"].append(partial(sync_minibatch_step, wg, trajs, [i for p in parts for i in p], pad_token_id,
-                                       mb_rows=mb_rows, epochs=epochs))
+                                       mb_rows=mb_rows, epochs=epochs, **terms))
         steps["sync_b"].append(partial(sync_minibatch_step, wg, trajs, order_b, pad_token_id, mb_rows=mb_rows,
-                                       epochs=epochs, micro=micro_b))
+                                       epochs=epochs, micro=micro_b, **terms))
         steps["stream"].append(partial(stream_minibatch_step, wg, trajs, arrival, pad_token_id, mb_groups=mb_groups,
-                                       epochs=epochs))
+                                       epochs=epochs, ref_wg=ref_wg, terms=ref_wg is not None or entropy))
     return steps
 
 
-def run_minibatches(args, model_path, pad_id: int, vocab: int, groups: int, micro: int) -> tuple[dict, dict]:
-    """The comparison of ``equivalence.py --mini-batches K --ppo-epochs E``: (runs, JSON extras). Ray is left up."""
+def run_minibatches(args, model_path, pad_id: int, vocab: int, groups: int, micro: int, work=None) -> tuple[dict, dict]:
+    """The comparison of ``equivalence.py --mini-batches K --ppo-epochs E [--kl] [--entropy]``: (runs, JSON extras).
+    Ray is left up; ``work`` holds the reference model with ``--kl``."""
+    from thundersync_harness import kl_entropy_steps as kle
+
     if groups % args.mini_batches:
         raise SystemExit(f"--mini-batches {args.mini_batches} must divide the {groups} groups of a step")
     mb_groups = groups // args.mini_batches
+    kl_type = args.kl_type if getattr(args, "kl", False) else None
+    entropy = bool(getattr(args, "entropy", False))
     config = minibatch_config(model_path, groups=groups, micro=micro, mini_batches=args.mini_batches,
-                              epochs=args.ppo_epochs, optimizer=args.optimizer)
+                              epochs=args.ppo_epochs, optimizer=args.optimizer, kl_type=kl_type, entropy=entropy)
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
-    wg = start_workers(config, args.dp)
+    if kl_type or entropy:
+        ref_path = kle.build_reference(model_path, work / "ref") if kl_type else None
+        wg, ref_wg = kle.start_kl_workers(config, args.dp, ref_path)
+    else:
+        wg, ref_wg = start_workers(config, args.dp), None
     t0 = time.time()
     runs = {kind: train(wg, fns) for kind, fns in minibatch_steps(wg, batches, pad_id, micro, mb_groups=mb_groups,
-                                                                   epochs=args.ppo_epochs).items()}
+                                                                   epochs=args.ppo_epochs, ref_wg=ref_wg,
+                                                                   entropy=entropy).items()}
     infos = runs["stream"][1]
     _, micro_b = regrouped(partition_rows(*batches[0], mb_groups), micro)
     extra = {"mini_batches": args.mini_batches, "ppo_epochs": args.ppo_epochs, "mini_batch_groups": mb_groups,
@@ -188,5 +216,7 @@ def run_minibatches(args, model_path, pad_id: int, vocab: int, groups: int, micr
              "rerun_rows": sum(i["thundersync/minibatch_rerun_rows"] for i in infos),
              "floor_regrouping": "stride permutation inside each mini-batch" if micro_b == micro
              else f"micro-batches of {micro_b} rows inside each mini-batch (verl: {micro})",
+             "kl_loss_type": kl_type, "kl_loss_coef": kle.KL_COEF if kl_type else 0.0,
+             "entropy_coeff": kle.ENTROPY_COEF if entropy else 0.0, "ref_calls": sum(i["ref_calls"] for i in infos),
              "seconds_compare": time.time() - t0}
     return runs, extra

@@ -15,7 +15,7 @@ import torch
 
 from thundersync_verl.core import StreamingConfigError, StreamingStateError
 from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp, StreamPlanner, independent_key
 
 N = 4  # trajectories per group
 
@@ -174,3 +174,50 @@ def test_refusals():
     planner.next_ops()
     with pytest.raises(StreamingStateError, match="mini-batch 1 of epoch 1 is not complete"):
         planner.finalize()
+
+
+class TermsLearner(Learner):
+    """The learner with a KL/entropy part h_i per row (advantage-free), split as the streaming worker splits it:
+    direct and PPO chunks carry A_i g_i + h_i; a bucketed chunk puts g_i in the bucket and h_i in its companion."""
+
+    def __init__(self, grads, extra):
+        super().__init__(grads)
+        self.h = extra
+
+    def run(self, op):
+        if isinstance(op, (BackwardOp, PPOBackwardOp)) and op.dest != "direct":
+            super().run(op)
+            companion = independent_key(op.dest)
+            self.buckets[companion] = self.buckets.get(companion, 0) + sum(self.h[t] for _, t in op.items)
+        elif isinstance(op, (BackwardOp, PPOBackwardOp)):
+            super().run(op)
+            self.grad += sum(self.h[t] for _, t in op.items)
+        else:
+            super().run(op)
+
+
+@pytest.mark.parametrize("groups, mb_groups, every", [(4, 1, 1), (4, 2, 3), (6, 2, 1)])
+def test_kl_entropy_parts_follow_their_rows_into_their_own_mini_batch(groups, mb_groups, every):
+    trajs, order = _batch(groups, seed=groups + 5 * mb_groups + every)
+    planner = MiniBatchPlanner(StreamPlanner(max_chunk_size=3), minibatch_groups=mb_groups, independent_buckets=True)
+    gen = torch.Generator().manual_seed(5)
+    h = {t: torch.randn(5, generator=gen, dtype=torch.float64) for _, t, _, _ in trajs}
+    base, _, completion = _run(MiniBatchPlanner(StreamPlanner(max_chunk_size=3), minibatch_groups=mb_groups),
+                               trajs, order, every)
+    learner = TermsLearner(base.g, h)
+    planner.begin_batch({g: N for g in sorted({g for g, *_ in trajs})})
+    for k, i in enumerate(order):
+        planner.arrive(*trajs[i])
+        if (k + 1) % every == 0 or k + 1 == len(order):
+            for op in planner.next_ops():
+                learner.run(op)
+    final = planner.finalize()
+    learner.step(final.scale, final)
+    assert planner.metrics()["thundersync/minibatch_rerun_rows"] > 0 or mb_groups == groups
+    by_group = {}
+    for gid, tid, reward, tokens in trajs:
+        by_group.setdefault(gid, []).append((tid, reward, tokens))
+    for j, ((grad, op), (grad_plain, _)) in enumerate(zip(learner.steps, base.steps)):
+        members = completion[j * mb_groups:(j + 1) * mb_groups]
+        extra = sum(h[tid] for gid in members for tid, _, _ in by_group[gid])  # each row's h once, in its mini-batch
+        torch.testing.assert_close(grad, grad_plain + op.scale * extra, rtol=1e-9, atol=1e-12)

@@ -13,8 +13,12 @@ Why:
    sequences, ``minibatch_plan.StepOp.scale``) is applied once, at its step, like verl's per-mini-batch
    ``batch_num_tokens`` / ``global_batch_size``.
 3. Old log-probs ride in the chunk as ``ts_rollout_log_prob`` (the rollout's, at the batch's weights:
-   staleness 0), marked by the non-tensor ``ts_ppo``. KL and entropy terms are not part of this loss
-   yet: a PPO chunk on an actor configured with them is refused, naming the keys.
+   staleness 0), marked by the non-tensor ``ts_ppo``.
+4. KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``): verl's ``ppo_loss`` adds
+   them to every mini-batch's policy loss under the same ``loss_agg_mode`` and normaliser. A PPO chunk
+   adds ``stream_loss.independent_loss`` (the same term streamed chunks carry, at the current weights)
+   with the same token weights and the same dp_size factor; its reference log-probs were taken on
+   arrival (the reference is fixed), and the engine computes the entropy only when the bonus is on.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from functools import partial
 from typing import Any, Sequence
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingConfigError, StreamingInputError
+from thundersync_verl.core import StreamingInputError, token_weights
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.trainer.stream_loss import COEF_KEY, ROLLOUT_LP_KEY, build_stream_chunk
+from thundersync_verl.trainer.stream_loss import (COEF_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, IndependentTerms,
+                                                  build_stream_chunk, independent_loss)
 
 PPO_KEY = "ts_ppo"  # non-tensor: True on a PPO chunk (minibatch_plan.PPOBackwardOp)
 PPO_KL_METRIC = "stream/ppo_kl"
@@ -46,14 +51,7 @@ class PPOLossSettings:
         self.loss_mode = str((policy.get("loss_mode", "vanilla") if policy is not None else None) or "vanilla")
         self.loss_agg_mode = str(read("loss_agg_mode", "token-mean"))
         self.global_batch_info: dict = {}
-        extra = [k for k, on in (("use_kl_loss", bool(read("use_kl_loss", False))),
-                                 ("entropy_coeff", float(read("entropy_coeff", 0.0) or 0.0) != 0.0)) if on]
-        if extra:
-            raise StreamingConfigError(rule_message(
-                f"PPO chunks (mini-batches after the first) carry the policy term only; the actor sets {extra}",
-                "verl adds its KL and entropy terms to every mini-batch's loss; leaving them out would change the update",
-                "set actor_rollout_ref.actor.use_kl_loss=false and entropy_coeff=0, or ppo_mini_batch_size="
-                "data.train_batch_size with ppo_epochs=1 (one step per batch)"))
+        self.terms = IndependentTerms.from_actor_config(actor)  # point 4: KL / entropy, as verl's ppo_loss reads them
 
     def get(self, key: str, default=None):
         return getattr(self, key, default)
@@ -78,6 +76,9 @@ def stream_ppo_loss(model_output, data, dp_group=None, *, settings: PPOLossSetti
         metrics[PPO_KL_METRIC] = float(pg["actor/ppo_kl"])
     if "actor/pg_clipfrac" in pg:
         metrics[CLIPFRAC_METRIC] = float(pg["actor/pg_clipfrac"])
+    if settings.terms.active:  # point 4: the same deferred normaliser, so the same dp_size factor
+        weights = token_weights(settings.loss_agg_mode, mask, dtype=log_prob.dtype)  # [B, T], 0 off the mask
+        loss = loss + dp_size * independent_loss(model_output, data, log_prob, weights, settings.terms, metrics)
     return loss, metrics
 
 
@@ -90,13 +91,22 @@ def ppo_chunk_loss(actor_config: Any, chunk):
             f"a PPO chunk needs the old log-probs ({ROLLOUT_LP_KEY} [B, R])",
             "mini-batches after the first clip the ratio of the current policy to the batch's log-probs",
             "build PPO chunks with minibatch_loss.build_ppo_chunk"))
-    return partial(stream_ppo_loss, settings=PPOLossSettings(actor_config))
+    settings = PPOLossSettings(actor_config)
+    if settings.terms.use_kl_loss and REF_LP_KEY not in chunk.keys():
+        raise StreamingInputError(rule_message(
+            f"actor_rollout_ref.actor.use_kl_loss is on but the PPO chunk has no {REF_LP_KEY}",
+            "every mini-batch's loss has verl's KL term against the reference model's log-probs",
+            "pass ref_log_probs (taken on arrival) to minibatch_loss.build_ppo_chunk"))
+    va.assign_non_tensor(chunk, calculate_entropy=settings.terms.entropy_coeff != 0.0)  # the engine's forward
+    return partial(stream_ppo_loss, settings=settings)
 
 
 def build_ppo_chunk(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], advantages: Sequence[float],
                     old_log_probs: Sequence[Sequence[float]], *, dp_size: int, pad_token_id: int,
-                    temperature: float = 1.0, response_masks: Sequence[Sequence[int]] | None = None):
-    """The TensorDict ``stream_backward`` takes for a ``PPOBackwardOp`` (padded to a multiple of ``dp_size``)."""
+                    temperature: float = 1.0, response_masks: Sequence[Sequence[int]] | None = None,
+                    ref_log_probs: Sequence[Sequence[float]] | None = None):
+    """The TensorDict ``stream_backward`` takes for a ``PPOBackwardOp`` (padded to a multiple of ``dp_size``);
+    ``ref_log_probs`` with ``actor.use_kl_loss`` (point 4)."""
     if len(old_log_probs) != len(responses) or any(len(o) < len(r) for o, r in zip(old_log_probs, responses)):
         raise StreamingInputError(rule_message(
             "old_log_probs must give one value per response token of every row",
@@ -104,6 +114,7 @@ def build_ppo_chunk(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
             "pass the batch's log-probs of each trajectory's response (the rollout's), unshifted"))
     chunk = build_stream_chunk(prompts, responses, advantages, "direct", dp_size=dp_size, pad_token_id=pad_token_id,
                                temperature=temperature, response_masks=response_masks,
-                               rollout_log_probs=[list(o)[: len(r)] for o, r in zip(old_log_probs, responses)])
+                               rollout_log_probs=[list(o)[: len(r)] for o, r in zip(old_log_probs, responses)],
+                               ref_log_probs=ref_log_probs)
     va.assign_non_tensor(chunk, **{PPO_KEY: True})
     return chunk

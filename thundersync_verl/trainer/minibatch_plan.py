@@ -22,6 +22,12 @@ Why:
    (e-1) x K + (j-1) optimizer steps, is what verl's sync loop has too, and is reported per step.
 6. verl steps the LR scheduler once per batch, after the last mini-batch: only the last step does.
    That last step is ``finalize()``'s ``FinalizeOp``; the others are ops in the stream, in order.
+7. KL loss and entropy bonus (``independent_buckets``): a bucketed row's KL/entropy part does not
+   depend on the advantage, but it belongs to the row's mini-batch, which is unknown until its group
+   completes. So it is held in a companion bucket (``stream_plan.independent_key``) next to the policy
+   part: folded with coefficient 1 when the group lands in mini-batch 1, with 0 when it is dropped (the
+   row then runs again, KL and entropy included, as a PPO chunk of its own mini-batch). Each bucket then
+   costs two buffers on the learner (``thundersync_trainer.build_planner`` budgets for it).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Hashable, Mapping
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError, batch_scale
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.groups import canonical_sorted
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner, independent_key
 
 Item = tuple[Hashable, Hashable]
 
@@ -65,7 +71,7 @@ class StepOp:
 class MiniBatchPlanner:
     """The ``Planner`` of a batch with several optimizer steps (module docstring)."""
 
-    def __init__(self, first: StreamPlanner, *, minibatch_groups: int, epochs: int = 1):
+    def __init__(self, first: StreamPlanner, *, minibatch_groups: int, epochs: int = 1, independent_buckets: bool = False):
         if int(minibatch_groups) < 1 or int(epochs) < 1:
             raise StreamingConfigError(rule_message(
                 f"a mini-batch needs >= 1 group and >= 1 epoch (got {minibatch_groups}, {epochs})",
@@ -74,6 +80,7 @@ class MiniBatchPlanner:
         self.first, self.mb_groups, self.epochs = first, int(minibatch_groups), int(epochs)
         self.loss_agg_mode, self.max_chunk_size = first.loss_agg_mode, first.max_chunk_size
         self.estimator = first.estimator
+        self.independent_buckets = bool(independent_buckets)  # point 7: the learner keeps KL/entropy companions
         self.steps: list[StepOp] = []
 
     # ----- batch lifecycle ----------------------------------------------------------------
@@ -165,18 +172,25 @@ class MiniBatchPlanner:
                 rows[op.dest] = rows.get(op.dest, 0) + len(op.items)
             elif isinstance(op, FoldOp):
                 self._buckets.pop(op.group_id, None)
+        ops = [self._with_companions(op, 1.0) if isinstance(op, FoldOp) else op for op in ops]
         if not sealing:
             return ops
         if self.first.ready_count:
             raise StreamingStateError("mini-batch 1 sealed with rows left in its planner (a planner bug)")
         for gid in sorted(self._buckets, key=repr):  # dropped: the coefficient 0 leaves the gradient untouched
-            ops.append(FoldOp(gid, {key: 0.0 for key in sorted(self._buckets[gid])}))
+            ops.append(self._with_companions(FoldOp(gid, {key: 0.0 for key in sorted(self._buckets[gid])}), 0.0))
             self.rerun_rows += sum(self._buckets[gid].values())
         self._buckets = {}
         self.first.end_batch()
         self._sealed = True
         self._close_step(ops, epoch=1, mb=1)
         return ops
+
+    def _with_companions(self, op: FoldOp, coef: float) -> FoldOp:
+        """Point 7: the fold of a group's buckets plus their KL/entropy companions (1: kept, 0: dropped)."""
+        if not self.independent_buckets:
+            return op
+        return FoldOp(op.group_id, {**op.folds, **{independent_key(k): coef for k in op.folds}})
 
     # ----- mini-batches after the first, and later epochs ------------------------------------
     def _advance(self, ops: list) -> bool:

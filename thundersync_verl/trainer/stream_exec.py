@@ -75,9 +75,11 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
         method = "stream_token_backward"
     elif isinstance(op, PPOBackwardOp):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+        with_ref = all("ref_lp" in r for r in chunk_rows)  # use_kl_loss: taken on arrival (streamed_step)
         chunk = build_ppo_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                                 [r["rollout_lp"] for r in chunk_rows], dp_size=dp_size, pad_token_id=pad_token_id,
-                                temperature=temperature, response_masks=[r["mask"] for r in chunk_rows])
+                                temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
+                                ref_log_probs=[r["ref_lp"] for r in chunk_rows] if with_ref else None)
         method = "stream_backward"
     elif isinstance(op, BackwardOp):
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]

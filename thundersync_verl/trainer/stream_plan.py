@@ -84,6 +84,14 @@ def bucket_key(group_id: Hashable, reward: float) -> str:
     return f"g={group_id!r}|r={float(reward)!r}"
 
 
+INDEPENDENT_BUCKETS_KEY = "independent_buckets"  # batch meta: bucketed rows keep their KL/entropy part apart
+
+
+def independent_key(key: str) -> str:
+    """The companion of bucket ``key`` that holds its rows' KL/entropy part (``minibatch_plan.py`` point 7)."""
+    return f"{key}|independent"
+
+
 class StreamPlanner:
     """Turns trajectory arrivals into worker operations (see the module docstring)."""
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, StreamPlanner
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
 
 
@@ -141,6 +141,8 @@ class StreamedStep:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
         ctx, planner = self.ctx, self.planner
         meta = {"loss_agg_mode": planner.loss_agg_mode}
+        if getattr(planner, "independent_buckets", False):  # minibatch_plan point 7
+            meta[INDEPENDENT_BUCKETS_KEY] = True
         if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
             meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
         self._meta = meta

@@ -26,7 +26,9 @@ Why:
    With a KL loss or an entropy bonus (verl's ``use_kl_loss`` / ``entropy_coeff``, read from this
    worker's actor config) a bucket chunk runs twice: its policy part into the bucket, its KL/entropy
    part straight into ``.grad``, so the fold's A(r) multiplies the policy part only
-   (``stream_loss.py`` point 6). A direct chunk carries every term in one backward.
+   (``stream_loss.py`` point 6); with several mini-batches per batch (batch meta
+   ``independent_buckets``) that part goes into a companion bucket instead, folded with 1 or dropped
+   with the group (``minibatch_plan.py`` point 7). A direct chunk carries every term in one backward.
 4. Every method is collective-safe at any data-parallel size: checks that could differ between
    ranks (non-finite coefficients in a rank's rows) are agreed with one all-reduce first, and
    checks on replicated state (bucket keys, scale) fail identically everywhere, before any
@@ -68,7 +70,7 @@ from thundersync_verl.trainer.stream_loss import (
 )
 from thundersync_verl.trainer.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
-from thundersync_verl.trainer.stream_plan import settings_from_verl_config
+from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key, settings_from_verl_config
 
 DIRECT = "direct"
 QUEUE_WAIT_S = 600.0  # a queued call waits at most this long for its predecessor
@@ -86,6 +88,7 @@ class _BatchState:
         self.terms = terms or IndependentTerms()
         self.loss_fn = make_stream_loss(loss_agg_mode, self.terms)
         self.meta = dict(meta)
+        self.independent_buckets = bool(meta.get(INDEPENDENT_BUCKETS_KEY, False))  # minibatch_plan point 7
         self.failed: str | None = None
         self.chunks = self.rows = self.folds = 0
 
@@ -286,13 +289,14 @@ class StreamingActorWorker(_Base):
                 f"actor_rollout_ref.actor.use_kl_loss is on but the chunk has no {REF_LP_KEY}",
                 "the KL term compares every scored token's log-prob with the reference model's",
                 "compute them per arrival (stream_loss.attach_ref_log_probs) before sending the chunk"))
+        split = loss_fn is None and state.terms.active and dest != DIRECT  # policy -> bucket, KL/entropy -> .grad
+        companion = split and state.independent_buckets  # ... or into its companion bucket (mini-batches)
         if dest != DIRECT and dest not in state.buckets:
-            state.pool.check_fits(dest, 1)  # refused before the backward: the batch stays usable
+            state.pool.check_fits(dest, 2 if companion else 1)  # refused before the backward: the batch stays usable
         self._fit_micro_batches(chunk)
         learner = self._learner()
         previous = va.actor_loss_fn(self)
         va.set_actor_loss_fn(self, loss_fn or state.loss_fn)
-        split = loss_fn is None and state.terms.active and dest != DIRECT  # policy -> bucket, KL/entropy -> .grad
         try:
             if loss_fn is None:
                 set_chunk_part(chunk, "policy" if split else "all", state.terms)
@@ -304,7 +308,12 @@ class StreamingActorWorker(_Base):
                     self._harvest(state, dest, learner.bucket_gradient())
             if split:
                 set_chunk_part(chunk, "independent", state.terms)
-                learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
+                if companion:
+                    with learner.isolated():
+                        learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
+                        self._harvest(state, independent_key(dest), learner.bucket_gradient())
+                else:
+                    learner.forward_backward(lambda: self.actor.forward_backward(data=chunk))
         except Exception as exc:
             state.failed = f"stream_backward: {type(exc).__name__}: {exc}"
             raise

@@ -46,7 +46,7 @@ from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
-from thundersync_verl.trainer.stream_loss import exact_micro_batch_size
+from thundersync_verl.trainer.stream_loss import IndependentTerms, exact_micro_batch_size
 from thundersync_verl.trainer.stream_plan import StreamPlanner, settings_from_verl_config
 from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.trainer.timeline import TimelineFeed
@@ -151,18 +151,20 @@ def build_planner(config, ts: ThunderSyncConfig, *, bucket_bytes: int | None = N
     if opd_enabled(config):
         return validate_opd_config(config, max_chunk_size=ts.chunk_size)
     sizing, n = {}, int(config.actor_rollout_ref.rollout.n)
+    k, epochs = steps_per_batch(config)
+    companions = k * epochs > 1 and IndependentTerms.from_actor_config(config.actor_rollout_ref.actor).active
     if ts.memory_budget_bytes is not None:
         if not bucket_bytes:
             raise ValueError("build_planner: a memory budget needs the learner's bucket size (bucket_bytes)")
-        sizing = {"grad_numel": max(int(bucket_bytes) // 4, 1), "budget_bytes": int(ts.memory_budget_bytes) + int(bucket_bytes)}
+        unit = int(bucket_bytes) * (2 if companions else 1)  # minibatch_plan point 7: a KL/entropy companion each
+        sizing = {"grad_numel": max(unit // 4, 1), "budget_bytes": int(ts.memory_budget_bytes) + unit}
     try:
         planner = StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=ts.chunk_size, **sizing)
         if sizing:  # one group of the run's size must fit: found now, not at the first batch (dropped by the next begin)
             planner.begin_batch({"budget probe": n})
-        k, epochs = steps_per_batch(config)
         if k * epochs > 1:  # verl's mini-batches and epochs: one optimizer step per mini-batch (minibatch_plan.py)
             return MiniBatchPlanner(planner, minibatch_groups=int(config.actor_rollout_ref.actor.ppo_mini_batch_size),
-                                    epochs=epochs)
+                                    epochs=epochs, independent_buckets=companions)
         return planner
     except StreamingConfigError as exc:
         if not sizing:
