@@ -129,7 +129,7 @@ def resume_chain(ctx: dict) -> dict:
     """Point 2: disk full, learner killed, verifier hang with the trajectory timeout, then a clean resume."""
     ckpt = ctx["work"] / "ckpt_chain"
     shutil.rmtree(ckpt, ignore_errors=True)
-    hang = ["thundersync.trajectory_timeout_s=20", "+reward.custom_reward_function.reward_kwargs.verifier_timeout_s=600"]
+    hang = ["thundersync.trajectory_timeout_s=20", "reward.custom_reward_function.reward_kwargs.verifier_timeout_s=600"]
     runs = [replay_run("disk_full", ctx, faults="disk_full@step=2", ckpt=ckpt, expect_fail=True),
             replay_run("learner_kill", ctx, faults="learner_kill@batch=2,chunk=2", ckpt=ckpt, expect_fail=True),
             replay_run("verifier_hang", ctx, faults="verifier_hang@after=0", ckpt=ckpt, extra=hang, expect_fail=True),

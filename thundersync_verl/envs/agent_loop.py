@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+from thundersync_verl import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.envs import protocol
@@ -154,7 +155,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             body = protocol.tool_response_text(protocol.RETRY_ERROR_TEXT)
         else:
             result = await run_python_async(
-                call.code,
+                faults.tool_code(call.code) if faults.ACTIVE else call.code,  # $THUNDERSYNC_FAULTS: sandbox_kill
                 timeout_s=self.settings.tool_timeout_s,
                 extra_latency_s=self.latency.sample(self.tool_rng),
             )
