@@ -66,7 +66,7 @@ def _buffer(refills: list, threshold=None, **pace):
 
 
 def _pool(tq: _TQ) -> None:
-    """Six groups; at learner version 5 (global_steps 6) their generation staleness G is:"""
+    """Six groups; first seen at learner version 5 (global_steps 6), their generation staleness G is:"""
     tq.add_group("g0", 6, [(10, 5)])  # 0
     tq.add_group("g1", 5, [(10, 4)])  # lag 1 -> 1
     tq.add_group("g2", 4, [(10, 3)])  # 2
@@ -115,11 +115,11 @@ def test_waiting_staleness_grows_while_a_group_sits_in_the_pool(tq, tmp_path):
     tq.add_group("g6", 7, [(10, 7)])  # fresh, first seen at learner version 7
     buf.pace = type(buf.pace)(gain=10.0)  # now reject every stale group (budget = pool - needed)
     batch, metrics = buf.sample(global_steps=8, partition_id="train", batch_size=1)
-    # at v7, waiting W = 7 - 5 = 2 for the old groups: g0 2 + 2, g1 3 + 2, g2 4 + 2,
-    # g4: lags 5, 2 -> e = 5, max(2, 2.5) -> (50 + 25) / 20 = 3.75, + 2; g6: 0 (never rejected)
+    # at v7 the old groups (landed at v5) waited W = 2 on top of G accrued by v5 (as in the first sample):
+    # g0 0 + 2, g1 1 + 2, g2 2 + 2, g4 2.25 + 2; g6 landed at v7 on v7 weights: 0 (never rejected)
     line = json.loads(log.read_text().splitlines()[-1])
-    assert line["rejected"] == pytest.approx({"g2": 6.0, "g4": 5.75, "g1": 5.0, "g0": 4.0})
-    assert list(line["rejected"]) == ["g2", "g4", "g1", "g0"]
+    assert line["rejected"] == pytest.approx({"g4": 4.25, "g2": 4.0, "g1": 3.0, "g0": 2.0})
+    assert list(line["rejected"]) == ["g4", "g2", "g1", "g0"]
     assert {k.split("_")[0] for k in batch.keys} == {"g6"} and refills == [4]
     assert metrics["pace/rejected_total"] == 4 and metrics["pace/sampled_total"] == 3
 

@@ -153,10 +153,11 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
                 self._segments[key] = (per_turn, True)
 
     def _group_score(self, uid: str, keys: list[str], learner_version: int) -> float:
-        waiting = pc.waiting_staleness(learner_version, self._landed.get(uid, learner_version))
+        landed = self._landed.get(uid, learner_version)
+        waiting = pc.waiting_staleness(learner_version, landed)
         if not keys:
             return pc.effective_staleness(0.0, waiting, self.pace)
-        values = [pc.effective_staleness(pc.generation_staleness(self._segments[k][0], learner_version, self.pace),
+        values = [pc.effective_staleness(pc.generation_staleness(self._segments[k][0], landed, self.pace),
                                          waiting, self.pace) for k in keys]
         return sum(values) / len(values)
 

@@ -27,7 +27,7 @@ from thundersync_verl.core.pace import (
     waiting_staleness,
 )
 
-# 10 tokens by version 2, 20 by version 4, 10 by version 5; the learner is at version 5.
+# 10 tokens by version 2, 20 by version 4, 10 by version 5; the group finished when the learner was at 5.
 SEGMENTS = [Segment(10, 2), Segment(20, 4), Segment(10, 5)]
 
 

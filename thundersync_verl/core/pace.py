@@ -12,17 +12,21 @@ Why this module exists:
 3. This module is the math only (standard library + torch for the measured drift), so the
    sampler (``thundersync_verl/pace.py``) and the tests share one definition.
 
-Formulas (v: the learner version the trajectory would update, verl's ``global_steps - 1``):
+Formulas (v: the learner version the trajectory would update, verl's ``global_steps - 1``; v_land: the
+learner version when its group became sampleable, so the staleness accrued before completion and the
+staleness accrued in the pool add up to the plain version lag v - u when beta = 1 and gamma = 0):
   (1) segments    a trajectory's generated tokens in generation order, split where the rollout's
                   weight version changed: segment j holds n_j tokens made by version u_j
                   (one segment per agent turn; with only verl's ``min/max_global_steps``: two
                   segments of n/2 tokens at min and at max, see ``segments_from_span``).
-  (2) lag         l_j = max(0, v - u_j)
+  (2) lag         l_j = max(0, v_land - u_j)                          (accrued before completion)
   (3) drift       d_j = delta * l_j                                   (proxy: ``drift_per_version``)
-                  d_j = mean_{t in j} |log pi_v(y_t | y_<t) - log pi_{u_j}(y_t | y_<t)|
-                                                 (measured: the prefix re-scored by the current policy;
+                  d_j = mean_{t in j} |log pi_r(y_t | y_<t) - log pi_{u_j}(y_t | y_<t)|
+                                                 (measured: the prefix re-scored by a newer policy pi_r;
                                                   ``measured_segment_drift``; the rollout log-prob is
-                                                  the second term)
+                                                  the second term. Re-scored by a policy newer than
+                                                  v_land, the drift covers part of the wait too: lower
+                                                  beta accordingly)
   (4) prefix      e_1 = d_1,  e_j = max(d_j, gamma * e_{j-1})         (``prefix_carry`` gamma in [0, 1]:
                   tokens generated on a drifted prefix carry part of its drift)
   (5) generation  G = sum_j n_j e_j / sum_j n_j                       (0 for a trajectory with no tokens)
@@ -123,14 +127,15 @@ def segments_from_turns(turns: Iterable[Mapping]) -> list[Segment]:
     return out
 
 
-def generation_staleness(segments: Sequence[Segment], learner_version: int, settings: PaceSettings) -> float:
-    """(2)-(5): the token-weighted, prefix-carried drift of a trajectory's generated tokens."""
+def generation_staleness(segments: Sequence[Segment], landed_version: int, settings: PaceSettings) -> float:
+    """(2)-(5): the token-weighted, prefix-carried drift of a trajectory's generated tokens, accrued by
+    ``landed_version`` (the learner version when its group finished)."""
     total = sum(s.tokens for s in segments)
     if total <= 0:
         return 0.0
     carried, acc = 0.0, 0.0
     for seg in segments:
-        lag = max(0, learner_version - seg.version)
+        lag = max(0, landed_version - seg.version)
         drift = settings.drift_per_version * lag if seg.drift is None else float(seg.drift)
         carried = max(drift, settings.prefix_carry * carried)
         acc += seg.tokens * carried

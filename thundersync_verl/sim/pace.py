@@ -8,7 +8,7 @@ Why this module exists:
    are scored and the worst are rejected, with ``core/pace.py``'s budget restated here for
    whole-group version lags (the simulator has no per-token versions and the package must not
    import torch): v = learner version, born = a trajectory's start version,
-       G = delta * (v - born)            (one segment per trajectory; group mean)
+       G = delta * (v_land - born)       (one segment per trajectory; group mean; accrued by landing)
        W = v - v_land                    (v_land: the version when its group's last member landed)
        S = G + beta * W,   E = max(0, Q - b - Q*),   B = min(floor(kappa * E), Q - b)
    and the B highest-S groups with S > min_score are rejected (ties: the older group first).
@@ -64,10 +64,9 @@ class _PaceState(_State):
         super().try_learn(t)
 
     def _score(self, block: list[int]) -> float:
-        v, p = self.version, self.policy
-        gen = sum(v - self.version_of[tid] for tid in block) / len(block)
-        wait = max(0, v - max(self.landed_at[tid] for tid in block))
-        return p.drift_per_version * gen + p.waiting_weight * wait
+        p, landed = self.policy, max(self.landed_at[tid] for tid in block)
+        gen = sum(max(0, landed - self.version_of[tid]) for tid in block) / len(block)
+        return p.drift_per_version * gen + p.waiting_weight * max(0, self.version - landed)
 
     def _reject(self, t: float, need: int) -> None:
         blocks = list(self.ready)

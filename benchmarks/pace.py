@@ -1,0 +1,224 @@
+"""PACE vs unfiltered fully-async vs verl's drop threshold vs Sync, at equal wall-clock, on verl's real main_ppo.
+
+Why this benchmark exists:
+1. PACE (``thundersync_verl/pace.py``, formulas in ``core/pace.py``) claims lower effective
+   staleness for a bounded share of regenerated groups. That is measured here on the stack users
+   run: stock ``python -m verl.trainer.main_ppo`` with the ``recipes/cpu_tiny`` overlay, started by
+   ``benchmarks/modes.py``'s ``run_mode`` (imported, not copied), one run per policy:
+     sync              mode=sync (on-policy; verl's sync buffer)
+     fully_async       mode=fully_async, the PACE buffer with gain 0 (observes only), no threshold
+     fully_async_drop  as above with verl's max_off_policy_threshold=DROP_THRESHOLD, strategy drop
+     pace              mode=fully_async, the PACE buffer with PACE_OPTIONS, no threshold
+   Every async policy runs the same buffer class, so the staleness histograms come from one
+   instrument (its decision log); all share ``ASYNC_SHARED`` (a two-batch prefetch window, so
+   a pool of finished groups forms on this CPU).
+2. Equal wall-clock budget: the training clock of a run is the sum of verl's ``timing_s/step``
+   from step 2 on (start-up and the warm-up step excluded); the budget is the shortest run's
+   clock, and every figure (final reward = mean reward of the last 3 steps inside the budget,
+   staleness, rejected share) counts only the steps that ended inside it. The budget in
+   seconds is in the JSON (``wall_clock_budget_s``).
+3. The simulator's prediction for the same runs: the unfiltered fully-async run's trace replayed
+   (``sim.trace.replay``) under each async policy (``sim/pace.py``), the Sync run's under Sync.
+4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
+   distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
+
+    python benchmarks/pace.py [--quick] [--steps 16] [--policies sync,fully_async,fully_async_drop,pace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script modes.py
+import modes  # noqa: E402
+
+from thundersync_verl.demo import prepare_inputs  # noqa: E402
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
+
+POLICIES = ("sync", "fully_async", "fully_async_drop", "pace")
+DROP_THRESHOLD = 2  # verl's span bound (global_steps - dispatch step + 1), strategy drop
+PACE_OPTIONS = {"target_pool": 8, "gain": 0.5, "min_score": 1.0, "waiting_weight": 1.0, "drift_per_version": 1.0,
+                "prefix_carry": 0.5}
+ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
+SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
+           "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]
+ROLLOUT_N = 4  # trajectories per prompt in recipes/cpu_tiny/grpo.yaml
+LAST = 3  # steps averaged for the final reward
+HIST = ("0", "1", "2", "3", "4plus")
+
+
+def policy_overrides(policy: str, log_path: Path) -> tuple[str, list[str]]:
+    """(modes.py mode, extra hydra overrides) of one policy."""
+    if policy == "sync":
+        return "sync", []
+    pace = dict(PACE_OPTIONS) if policy == "pace" else {"gain": 0.0}
+    pace["log_path"] = str(log_path)
+    threshold = DROP_THRESHOLD if policy == "fully_async_drop" else "null"
+    kwargs = [f"+trainer.v1.sampler.sampler_kwargs.pace.{k}={v}" for k, v in pace.items()]
+    return "fully_async", ASYNC_SHARED + SAMPLER + kwargs + [f"trainer.v1.sampler.max_off_policy_threshold={threshold}"]
+
+
+def run_policy(policy: str, steps: int, inputs: dict, work: Path, scale: float) -> dict:
+    log_path = work / f"pace_{policy}" / "pace_decisions.jsonl"
+    log_path.unlink(missing_ok=True)
+    mode, extra = policy_overrides(policy, log_path)
+    run = modes.run_mode(mode, steps, inputs, work, latency_scale=scale, tag=f"_pace_{policy}", extra=extra)
+    run["mode"], run["decisions"] = mode, _read_jsonl(log_path)
+    return run
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def training_clock(per_step: dict) -> dict[int, float]:
+    """step -> seconds of training when it ended (sum of timing_s/step from step 2; step 1 at 0)."""
+    clock, t = {}, 0.0
+    for s in sorted(per_step):
+        if s > min(per_step):
+            t += per_step[s]["timing_s/step"]
+        clock[s] = t
+    return clock
+
+
+def summarise(policy: str, run: dict, budget_s: float) -> dict:
+    """The policy's figures over the steps that ended inside the budget."""
+    per_step, clock = run["per_step"], training_clock(run["per_step"])
+    inside = [s for s in sorted(per_step) if clock[s] <= budget_s + 1e-6]
+    rewards = [per_step[s].get("critic/score/mean", 0.0) for s in inside]
+    stale = [per_step[s].get("training/off_policy/trajectory_staleness/mean", 0.0) for s in inside]
+    decisions = [d for d in run["decisions"] if d["step"] in set(inside)]
+    rejected = sum(len(d["rejected"]) for d in decisions)
+    evicted = sum(per_step[s].get("training/off_policy/evicted_samples", 0.0) for s in inside)
+    sampled = sum(len(d["selected"]) for d in decisions) if decisions else 0
+    values = [v for d in decisions for v in d["selected_staleness"]]
+    hist = [0] * len(HIST)
+    for v in values:
+        hist[min(max(int(v), 0), len(HIST) - 1)] += 1
+    if policy == "sync":  # on-policy: every trajectory of every step at 0 (verl's per-step max says so)
+        if any(per_step[s].get("training/off_policy/trajectory_staleness/max", 0.0) != 0 for s in inside):
+            raise RuntimeError("the sync run trained a stale trajectory; its histogram cannot be read off the max")
+        hist[0] = modes.BATCH_PROMPTS * ROLLOUT_N * len(inside)
+    return {
+        "steps_inside_budget": len(inside),
+        "step_time_s": (clock[inside[-1]] / max(len(inside) - 1, 1)) if inside else None,
+        "final_reward": sum(rewards[-LAST:]) / max(len(rewards[-LAST:]), 1),
+        "staleness_mean": sum(stale) / max(len(stale), 1),
+        "staleness_hist": dict(zip(HIST, hist)),
+        "rejected_groups": int(rejected + evicted),
+        "rejected_share": (rejected + evicted) / max(rejected + evicted + sampled, 1) if policy != "sync" else 0.0,
+        "per_turn_share": (sum(d.get("per_turn_share", 0.0) for d in decisions) / len(decisions)) if decisions else None,
+        "reward_curve": [[round(clock[s], 2), round(per_step[s].get("critic/score/mean", 0.0), 4)] for s in sorted(per_step)],
+    }
+
+
+def simulate_policies(runs: dict, traces: Path) -> dict:
+    """The simulator's prediction: the unfiltered fully-async trace replayed under each policy."""
+    from thundersync_verl.sim import load_trace, replay, simulate
+    from thundersync_verl.sim.pace import PacePolicy
+
+    out = {}
+    sims = {"fully_async": None, "fully_async_drop": PacePolicy(drop_threshold=DROP_THRESHOLD),
+            "pace": PacePolicy(**{k: PACE_OPTIONS[k] for k in ("target_pool", "gain", "min_score", "waiting_weight",
+                                                               "drift_per_version")})}
+    sources = {"sync": "sync"} | {p: "fully_async" for p in sims}
+    for policy, base in sources.items():
+        if policy not in runs or base not in runs:
+            continue
+        path = traces / f"pace_{base}.jsonl"
+        if not path.is_file():
+            modes.write_sim_trace(runs[base]["mode"], runs[base], path)
+        cfg, source, costs = replay(load_trace(path))
+        if policy in sims:
+            cfg = replace(cfg, pace=sims[policy])
+        res = simulate(cfg, source, costs)
+        summary = res.staleness_summary()
+        out[policy] = {"step_time_s": round(res.step_time_s, 3), "staleness_mean": round(summary["mean"], 3),
+                       "staleness_hist": {str(k): v for k, v in summary["hist"].items()},
+                       "rejected_share": round(res.extra.get("rejected_share", 0.0), 3)}
+    return out
+
+
+def plot(rows: dict, budget_s: float, png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, r in rows.items():
+        xs, ys = zip(*r["reward_curve"]) if r["reward_curve"] else ((), ())
+        ax.plot(xs, ys, marker="o", label=policy)
+    ax.axvline(budget_s, color="grey", linestyle="--", label=f"budget {budget_s:.0f} s")
+    ax.set_xlabel("training clock (s, from the end of step 1)")
+    ax.set_ylabel("mean reward")
+    ax.legend(fontsize=8)
+    width = 0.8 / max(len(rows), 1)
+    for i, (policy, r) in enumerate(rows.items()):
+        counts = [r["staleness_hist"][h] for h in HIST]
+        total = max(sum(counts), 1)
+        bx.bar([j + i * width for j in range(len(HIST))], [c / total for c in counts], width, label=policy)
+    bx.set_xticks([j + 0.4 - width / 2 for j in range(len(HIST))], HIST)
+    bx.set_xlabel("staleness of trained trajectories (versions)")
+    bx.set_ylabel("share")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def print_table(rows: dict, sim: dict) -> None:
+    print(f"\n{'policy':<17} {'steps':>5} {'step s':>7} {'stale':>6} {'rej share':>9} {'reward':>7} | "
+          f"{'sim step s':>10} {'sim stale':>9} {'sim rej':>7}")
+    for policy, r in rows.items():
+        p = sim.get(policy, {})
+        print(f"{policy:<17} {r['steps_inside_budget']:>5} {r['step_time_s'] or 0:>7.2f} {r['staleness_mean']:>6.2f} "
+              f"{r['rejected_share']:>9.3f} {r['final_reward']:>7.3f} | {p.get('step_time_s', float('nan')):>10.2f} "
+              f"{p.get('staleness_mean', float('nan')):>9.2f} {p.get('rejected_share', float('nan')):>7.3f}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="6 steps per policy (~10 minutes on 2 cores)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--work-dir", default="runs/modes")
+    ap.add_argument("--latency-scale", type=float, default=modes.LATENCY_SCALE)
+    add_results_dir_argument(ap)
+    args = ap.parse_args(argv)
+    results_dir = find_results_dir(args.results_dir)
+    steps = 6 if args.quick else args.steps
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    work = Path(args.work_dir).resolve()
+    inputs = prepare_inputs(work)
+    runs = {p: run_policy(p, steps, inputs, work, args.latency_scale) for p in policies}
+    budget_s = min(training_clock(r["per_step"])[max(r["per_step"])] for r in runs.values())
+    rows = {p: summarise(p, runs[p], budget_s) for p in policies}
+    traces = work / "pace_traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    sim = simulate_policies(runs, traces)
+    print_table(rows, sim)
+    png = plot(rows, budget_s, results_dir / "pace.png")
+    result = {"steps": steps, "wall_clock_budget_s": round(budget_s, 2),
+              "budget_rule": "equal training clock: sum of verl timing_s/step from step 2, cut at the shortest run",
+              "latency_scale": args.latency_scale, "drop_threshold": DROP_THRESHOLD, "pace_options": PACE_OPTIONS,
+              "async_shared": ASYNC_SHARED, "png": str(png)}
+    for key in ("staleness_mean", "rejected_share", "final_reward", "step_time_s", "steps_inside_budget",
+                "staleness_hist", "per_turn_share"):
+        result[key] = {p: (round(r[key], 4) if isinstance(r[key], float) else r[key]) for p, r in rows.items()}
+    result["reward_curves"] = {p: r["reward_curve"] for p, r in rows.items()}
+    result["simulated"] = sim
+    write_result("pace", result, results_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main()
