@@ -16,9 +16,12 @@ Why:
    (`python benchmarks/modes.py` writes them to benchmarks/results/traces/, the default --trace-dir).
 4. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
    replay machinery is exact; it writes no result file.
-5. --out-of-sample: costs are fitted on ONE run (--fit, default the Sync trace of the emulated-device
-   recorded workload, ``modes.py --rollout emulated`` writes traces_emulated_<workload>/r<k>/) and every
-   OTHER run is predicted without refitting: other modes, the paper-shape workload, other repeats. A
+5. --out-of-sample: costs are fitted on ONE run (--fit, default the ThunderSync trace of the emulated-device
+   paper workload, ``modes.py --rollout emulated`` writes traces_emulated_<workload>/r<k>/) and every
+   OTHER run is predicted without refitting. The default fit is a streamed run because its learner records
+   many calls of different sizes per step, which separates the per-token from the per-call cost; a Sync
+   trace has one ``update_actor`` per step, so a fit on it cannot tell them apart (it put 4.1 s of
+   per-call overhead on every streamed chunk and predicted ThunderSync 52% to 1500% too slow). other modes, the paper-shape workload, other repeats. A
    target contributes only its workload (its trajectories' turns, tokens, tool times) and its
    configuration (mode, slots, micro/mini-batches, whether its learner runs a separate old-log-prob
    forward); the learner's per-token and per-chunk costs, optimizer, weight push, landing latency, step
@@ -186,14 +189,14 @@ def main(argv=None) -> int:
     ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
     ap.add_argument("--out-of-sample", action="store_true", help="fit on one trace (--fit), predict the others")
     ap.add_argument("--fit", default=None, help="--out-of-sample: the trace costs are fitted on (default: "
-                    "traces_emulated_recorded/r0/grpo_sync.jsonl in the results folder)")
+                    "traces_emulated_paper/r0/grpo_thundersync.jsonl in the results folder; point 5)")
     ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample: folders of traces to predict "
                     "(default: every traces_emulated_*/r*/ folder of the results folder)")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
-        fit = Path(args.fit) if args.fit else results / "traces_emulated_recorded" / "r0" / "grpo_sync.jsonl"
+        fit = Path(args.fit) if args.fit else results / "traces_emulated_paper" / "r0" / "grpo_thundersync.jsonl"
         if not fit.is_file():
             print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first (or pass --fit).", file=sys.stderr)
             return 2
