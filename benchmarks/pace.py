@@ -18,7 +18,9 @@ Why this benchmark exists:
    staleness, rejected share) counts only the steps that ended inside it. The budget in
    seconds is in the JSON (``wall_clock_budget_s``).
 3. The simulator's prediction for the same runs: the unfiltered fully-async run's trace replayed
-   (``sim.trace.replay``) under each async policy (``sim/pace.py``), the Sync run's under Sync.
+   (``sim.trace.replay``) under each async policy (``sim/pace.py``), with the trainer's 2-prompt
+   mini-batches (the trace's one learner record per step spread over them), the Sync run's under
+   Sync. The simulator's staleness is v - (start version); verl's, v - (last version used).
 4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
    distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
 
@@ -47,6 +49,7 @@ ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
 SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
            "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]
 ROLLOUT_N = 4  # trajectories per prompt in recipes/cpu_tiny/grpo.yaml
+MINI_BATCH_TRAJECTORIES = 2 * ROLLOUT_N  # recipes/cpu_tiny/mode/fully_async.yaml: ppo_mini_batch_size 2 prompts
 LAST = 3  # steps averaged for the final reward
 HIST = ("0", "1", "2", "3", "4plus")
 
@@ -69,6 +72,18 @@ def run_policy(policy: str, steps: int, inputs: dict, work: Path, scale: float) 
     run = modes.run_mode(mode, steps, inputs, work, latency_scale=scale, tag=f"_pace_{policy}", extra=extra)
     run["mode"], run["decisions"] = mode, _read_jsonl(log_path)
     return run
+
+
+def load_policy(policy: str, work: Path) -> dict:
+    """A finished run of ``policy`` read back from its folders (``--reuse``): verl's per-step metrics
+    (its file logger's metrics.jsonl) and the decision log."""
+    mode, _ = policy_overrides(policy, Path())
+    run_dir = work / f"{mode}_pace_{policy}"
+    per_step = {int(r["step"]): r["data"] for r in _read_jsonl(run_dir / "metrics.jsonl")}
+    if not per_step:
+        raise FileNotFoundError(f"--reuse: no metrics in {run_dir}; run benchmarks/pace.py without --reuse first")
+    return {"per_step": per_step, "run_dir": run_dir, "traj_path": run_dir / "trajectories.jsonl", "mode": mode,
+            "decisions": _read_jsonl(work / f"pace_{policy}" / "pace_decisions.jsonl")}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -133,8 +148,10 @@ def simulate_policies(runs: dict, traces: Path) -> dict:
         if not path.is_file():
             modes.write_sim_trace(runs[base]["mode"], runs[base], path)
         cfg, source, costs = replay(load_trace(path))
-        if policy in sims:
-            cfg = replace(cfg, pace=sims[policy])
+        if policy in sims:  # the trainer's 2-prompt mini-batches (the trace has one learner record per step)
+            chunks = max(source.batch_size // MINI_BATCH_TRAJECTORIES, 1)
+            cfg = replace(cfg, pace=sims[policy], mini_batch=MINI_BATCH_TRAJECTORIES)
+            costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s / chunks)
         res = simulate(cfg, source, costs)
         summary = res.staleness_summary()
         out[policy] = {"step_time_s": round(res.step_time_s, 3), "staleness_mean": round(summary["mean"], 3),
@@ -189,6 +206,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--work-dir", default="runs/modes")
     ap.add_argument("--latency-scale", type=float, default=modes.LATENCY_SCALE)
+    ap.add_argument("--reuse", action="store_true", help="read the runs of a previous invocation instead of running")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     results_dir = find_results_dir(args.results_dir)
@@ -198,14 +216,19 @@ def main(argv=None) -> dict:
     if unknown:
         ap.error(f"unknown policies {unknown}; choose from {POLICIES}")
     work = Path(args.work_dir).resolve()
-    inputs = prepare_inputs(work)
-    runs = {p: run_policy(p, steps, inputs, work, args.latency_scale) for p in policies}
+    if args.reuse:
+        runs = {p: load_policy(p, work) for p in policies}
+        steps = min(max(r["per_step"]) for r in runs.values())
+    else:
+        inputs = prepare_inputs(work)
+        runs = {p: run_policy(p, steps, inputs, work, args.latency_scale) for p in policies}
     budget_s = min(training_clock(r["per_step"])[max(r["per_step"])] for r in runs.values())
     rows = {p: summarise(p, runs[p], budget_s) for p in policies}
     traces = work / "pace_traces"
     traces.mkdir(parents=True, exist_ok=True)
     sim = simulate_policies(runs, traces)
     print_table(rows, sim)
+    results_dir.mkdir(parents=True, exist_ok=True)
     png = plot(rows, budget_s, results_dir / "pace.png")
     result = {"steps": steps, "wall_clock_budget_s": round(budget_s, 2),
               "budget_rule": "equal training clock: sum of verl timing_s/step from step 2, cut at the shortest run",
