@@ -181,3 +181,20 @@ def test_sao_recipe_offers_no_thundersync_mode_and_the_trainer_refuses_sao():
     cfg = _compose("thundersync", "algorithm.adv_estimator=sao", "actor_rollout_ref.rollout.n=1", recipe="grpo")
     with pytest.raises(StreamingConfigError, match="sao"):
         validate_thundersync_config(cfg)
+
+
+def test_the_critic_value_model_loads_on_cpu_through_verl(tmp_path):
+    """verl's ``load_valuehead_model`` asks for flash_attention_2; the CPU patch loads it with sdpa."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from verl.utils import model as verl_model
+
+    from thundersync_verl.verl_patches import APPLIED
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    config.num_labels = 1  # what verl's FSDP engine sets for a value model
+    assert "valuehead_sdpa_on_cpu" in APPLIED
+    critic = verl_model.load_valuehead_model(str(tmp_path), torch.float32, config, False)
+    values = critic(input_ids=torch.tensor([[1, 2, 3, 4]])).logits  # [B, T, 1]
+    assert values.shape == (1, 4, 1) and critic.config._attn_implementation == "sdpa"

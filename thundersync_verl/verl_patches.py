@@ -2,11 +2,12 @@
 
 Each patch is listed, with the reason it exists and the upstream fix that would remove it, in
 ``patches/README.md``; ``APPLIED`` records which ones ran in a process. Where they apply:
-- CPU platform only (1, 2, 5): ``apply_cpu_patches``, which the plugin calls only when the CPU
+- CPU platform only (1, 2, 5, 7): ``apply_cpu_patches``, which the plugin calls only when the CPU
   platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
   (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
-- Every platform (3, 4): the plugin applies them unconditionally. Neither changes what verl
-  computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds.
+- Every platform (3, 4, 6): the plugin applies them unconditionally. None changes what verl
+  computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds,
+  6 hands the critic's values to the ``sao`` estimator (other estimators unchanged).
 
 1. ``gloo_backend_string`` (CPU only): verl builds ``cpu:gloo,{device}:{backend}``; with the
    CPU platform that is ``cpu:gloo,cpu:gloo``, which torch rejects. Collapse a
@@ -30,6 +31,10 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
 6. ``sao_critic_values`` (every platform): verl's ``compute_advantage`` passes the critic's values
    only to its built-in GAE; for ``algorithm.adv_estimator=sao`` it now passes values, gamma and lam
    to the registered estimator (``thundersync_verl/sao.py``). Every other estimator goes through unchanged.
+7. ``valuehead_sdpa_on_cpu`` (CPU only): verl's ``load_valuehead_model`` (the critic's value model)
+   hard-codes ``attn_implementation="flash_attention_2"``, which needs a GPU, and then falls back to
+   ``trl`` (not a verl dependency), so the critic worker failed to build on the CPU. The same
+   ``AutoModelForTokenClassification`` is loaded with the config's own attention (``sdpa`` by default).
 """
 
 from __future__ import annotations
@@ -172,8 +177,31 @@ def patch_sao_critic_values() -> None:
     when_imported("verl.trainer.ppo.v1.utils", _wrap)  # the V1 trainers call the copy it imported
 
 
+def patch_valuehead_sdpa_on_cpu() -> None:
+    """Load the critic's value model with a CPU attention (verl asks for flash_attention_2)."""
+    def _wrap(module):
+        if getattr(module.load_valuehead_model, "_thundersync_patched", False):
+            return
+
+        def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+            from transformers import AutoModelForTokenClassification
+
+            attn = getattr(model_config, "_attn_implementation", None)
+            attn = attn if attn in ("sdpa", "eager") else "sdpa"
+            return AutoModelForTokenClassification.from_pretrained(
+                pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+                attn_implementation=attn, trust_remote_code=trust_remote_code)
+
+        load_valuehead_model._thundersync_patched = True
+        module.load_valuehead_model = load_valuehead_model
+        APPLIED.append("valuehead_sdpa_on_cpu")
+
+    when_imported("verl.utils.model", _wrap)
+
+
 def apply_cpu_patches() -> None:
     patch_gloo_backend_string()
+    patch_valuehead_sdpa_on_cpu()
     patch_fsdp_engines_on_cpu()
     patch_fsdp2_offload_unpinned()
     from thundersync_verl.backends.megatron import cpu_patches as megatron_cpu_patches
