@@ -15,10 +15,13 @@ Why:
    them with the weights the interrupted run pushed after step k, bit for bit. The final weights are
    compared with an uninterrupted run's; a streamed step sums in arrival order, so two uninterrupted
    runs differ too: their gap is the floor (``resume_gap_over_floor``), and ``resume_bitwise`` says
-   whether the final weights were bit-identical.
+   whether the final weights were bit-identical. Sync mode sums each batch in a fixed order, so there
+   a run resumed after step 1 must end bit-identical to the uninterrupted one (``resume_bitwise_sync``).
 4. The recoverable faults run on the live ``hf_cpu`` rollout (a killed tool changes what the model
-   sees next, which a recording cannot replay): sandboxes killed, verifier crashes, one NaN gradient.
-   The NaN step must take no optimizer step: its checkpoint's parameters equal the previous step's.
+   sees next, which a recording cannot replay): sandboxes killed, verifier crashes, one NaN gradient,
+   the first weight push cut half-way. The NaN step must take no optimizer step: its checkpoint's
+   parameters equal the previous step's. The cut push must be refused by the rollout and repeated
+   whole: what the rollout received as version 1 equals the learner's step-1 checkpoint bit for bit.
 5. ``half_steps``: steps whose optimizer update ran on part of a batch (a step recorded with fewer
    trajectories than the batch, or a failed step whose weights were pushed); ``trajectories_lost``:
    trajectories expected by the completed steps minus those they learned from.
@@ -59,22 +62,22 @@ def setup(work: Path) -> tuple[dict, Path]:
 
 
 def replay_run(name: str, ctx: dict, *, faults: str = "", extra: list[str] | None = None, ckpt: Path | None = None,
-               expect_fail: bool = False) -> dict:
-    """One ThunderSync ``main_ppo`` on the recording; returns its steps, log, weights folder and outcome."""
+               expect_fail: bool = False, mode: str = "thundersync") -> dict:
+    """One ``main_ppo`` (ThunderSync unless ``mode``) on the recording; returns its steps, log, weights folder, outcome."""
     wdir = ctx["work"] / "weights" / name
     if name in ctx.get("reuse", ()):
-        return dict(from_log(ctx["work"] / f"thundersync_{name}", STEPS), name=name, weights=wdir)
+        return dict(from_log(ctx["work"] / f"{mode}_{name}", STEPS), name=name, weights=wdir)
     shutil.rmtree(wdir, ignore_errors=True)
     wdir.mkdir(parents=True)
     env = {WEIGHTS_ENV: str(wdir), ENV: faults, LOG_ENV: str(ctx["work"] / f"faults_{name}.jsonl")}
     ckpt_args = ([f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=auto"] if ckpt
                  else ["trainer.resume_mode=disable"])
     try:
-        run = er.run_replay("thundersync", STEPS, ctx["inputs"], ctx["work"], "paper", ctx["rec"], 0.0, tag="_" + name,
+        run = er.run_replay(mode, STEPS, ctx["inputs"], ctx["work"], "paper", ctx["rec"], 0.0, tag="_" + name,
                             extra=ckpt_args + list(extra or []), env=env)
         ok, error = True, ""
     except RuntimeError:
-        run = from_log(ctx["work"] / f"thundersync_{name}", STEPS)
+        run = from_log(ctx["work"] / f"{mode}_{name}", STEPS)
         ok, error = run["ok"], run["error"]
     run.update(name=name, ok=ok, error=error, weights=wdir, expected_ok=not expect_fail)
     print(f"[faults] {name}: {'completed' if ok else 'stopped'} ({'as expected' if ok != expect_fail else 'UNEXPECTED'})",
@@ -150,18 +153,36 @@ def resume_chain(ctx: dict) -> dict:
     return {"runs": runs, "checks": checks, "restores": restores, "survived": survived}
 
 
+def sync_resume(ctx: dict) -> dict:
+    """Point 3 in Sync mode, whose batch sums in a fixed order: resumed after step 1 vs uninterrupted, bit for bit."""
+    ckpt_a, ckpt_b = ctx["work"] / "ckpt_sync_a", ctx["work"] / "ckpt_sync_b"
+    for folder in (ckpt_a, ckpt_b):
+        shutil.rmtree(folder, ignore_errors=True)
+    whole = replay_run("sync_uninterrupted", ctx, ckpt=ckpt_a, mode="sync")
+    if (ckpt_a / "global_step_1").is_dir():
+        shutil.copytree(ckpt_a / "global_step_1", ckpt_b / "global_step_1")
+        (ckpt_b / "latest_checkpointed_iteration.txt").write_text("1")
+    resumed = replay_run("sync_resumed", ctx, ckpt=ckpt_b, mode="sync")
+    return {"bitwise": whole["ok"] and resumed["ok"] and same_bits(weights(resumed, STEPS), weights(whole, STEPS)),
+            "restore_bitwise": same_bits(weights(resumed, 1), weights(whole, 1)),
+            "steps_resumed": sorted(resumed["per_step"])}
+
+
 def recoverable(ctx: dict) -> dict:
     """Point 4: sandboxes killed, verifier crashes and one NaN gradient (step 2) on the live hf_cpu rollout."""
     import torch
 
     name, ckpt = "recoverable", ctx["work"] / "ckpt_recoverable"
+    pushes = ctx["work"] / "weights" / name
     log = ctx["work"] / f"faults_{name}.jsonl"
     if name in ctx.get("reuse", ()):
         run = from_log(ctx["work"] / f"thundersync_{name}", 2)
     else:
         shutil.rmtree(ckpt, ignore_errors=True)
         log.unlink(missing_ok=True)
-        env = {ENV: "sandbox_kill@every=3;verifier_raise@every=5;nan_grad@batch=2,chunk=1", LOG_ENV: str(log)}
+        shutil.rmtree(pushes, ignore_errors=True)
+        env = {ENV: "sandbox_kill@every=3;verifier_raise@every=5;nan_grad@batch=2,chunk=1;push_fail@step=1",
+               LOG_ENV: str(log), WEIGHTS_ENV: str(pushes)}
         synth = ctx["work"] / f"{name}_synthesised.jsonl"  # the scripted agent: real tool calls, whatever they return
         synth.unlink(missing_ok=True)
         extra = er.workload_overrides("paper") + [
@@ -175,18 +196,23 @@ def recoverable(ctx: dict) -> dict:
             run = from_log(ctx["work"] / f"thundersync_{name}", 2)
     ok = run["ok"]
     fired = read_log(log)
-    kinds = {k: sum(f["fault"] == k for f in fired) for k in ("sandbox_kill", "verifier_raise", "nan_grad")}
+    kinds = {k: sum(f["fault"] == k for f in fired) for k in ("sandbox_kill", "verifier_raise", "nan_grad", "push_fail")}
     step2 = run["per_step"].get(2, {})
     models = [ckpt / f"global_step_{s}" / "actor" / "model_world_size_1_rank_0.pt" for s in (1, 2)]
-    unchanged = None
+    unchanged = pushed_whole = None
     if all(p.is_file() for p in models):
         a, b = (torch.load(p, weights_only=False) for p in models)
         unchanged = all(torch.equal(_local(a[k]), _local(b[k])) for k in a)
+        pushed = weights({"weights": pushes}, 1)  # what the rollout received after the cut push was repeated
+        pushed_whole = pushed is not None and sorted(pushed) == sorted(a) and all(
+            torch.equal(pushed[k], _local(a[k]).to(pushed[k].dtype)) for k in a)
     survived = {"sandbox_kill": ok and kinds["sandbox_kill"] > 0, "verifier_raise": ok and kinds["verifier_raise"] > 0,
                 "nan_grad": ok and kinds["nan_grad"] == 1 and step2.get("thundersync/steps_skipped_nonfinite") == 1
-                and bool(unchanged)}
+                and bool(unchanged),
+                "push_fail": ok and kinds["push_fail"] == 1 and step2.get("thundersync/weight_push_retries") == 1
+                and bool(pushed_whole)}
     return {"run": dict(run, name=name), "fired": kinds, "nan_step_params_unchanged": unchanged,
-            "survived": survived}
+            "push_retried_whole": pushed_whole, "survived": survived}
 
 
 def _local(t):
@@ -236,6 +262,7 @@ def main(argv=None) -> dict:
     again = replay_run("uninterrupted_again", ctx)
     chain = resume_chain(ctx)
     rec_faults = recoverable(ctx)
+    sync = sync_resume(ctx)
     start, final = weights(base, 0), weights(base, STEPS)
     resumed = weights(chain["runs"][-1], STEPS)
     floor = rel_gap(weights(again, STEPS), final, start) if base["ok"] and again["ok"] else None
@@ -247,11 +274,14 @@ def main(argv=None) -> dict:
         "faults_tried": len(survived), "faults_survived": sum(survived.values()),
         "trajectories_lost": lost, "half_steps": half,
         "resume_bitwise": same_bits(resumed, final),
+        "resume_bitwise_sync": sync["bitwise"], "resume_restore_bitwise_sync": sync["restore_bitwise"],
+        "sync_resumed_steps": sync["steps_resumed"],
         "resume_restore_bitwise": all(chain["restores"].values()),
         "resume_gap": gap, "resume_floor": floor,
         "resume_gap_over_floor": None if not (gap is not None and floor) else round(gap / floor, 3),
         "survived": survived, "checks": chain["checks"], "restores": chain["restores"],
         "recoverable_fired": rec_faults["fired"], "nan_step_params_unchanged": rec_faults["nan_step_params_unchanged"],
+        "push_retried_whole": rec_faults["push_retried_whole"],
         "errors": {r["name"]: first_clear_error(r["error"]) for r in chain["runs"]},
         "steps": STEPS, "trajectories_per_step": PER_STEP, "seconds": round(time.time() - t0, 1),
     }

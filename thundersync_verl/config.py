@@ -247,6 +247,8 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
     coalesce: bool = _key(True, _boolean, "GRPO: while the learner is busy, arrivals wait to share the next chunk")
     trajectory_timeout_s: float = _key(600.0, _number(above=0), "seconds a step waits for a missing trajectory "
                                        "before it fails without an optimizer step")
+    weight_push_retries: int = _key(2, _integer(0), "times a failed weight push is repeated (the whole version) "
+                                    "before the run stops; the rollout keeps its last complete version meanwhile")
     run_dir: str | None = _key(None, _optional(_path, "no traces"), "folder for event traces (JSONL) and per-step timeline PNGs")
     memory_budget_bytes: int | None = _key(None, _optional(_integer(0), "unbudgeted"),
                                            "learner bytes the streamed gradient buckets may hold at once")

@@ -16,6 +16,8 @@ Why:
        nan_grad@batch=B,chunk=C  the C-th streamed backward of the B-th batch leaves a NaN in the gradient
        learner_kill@batch=B,chunk=C  the learner process SIGKILLs itself after that backward
        disk_full@step=S        the checkpoint of step S is written to a full disk (``/dev/full``: ENOSPC)
+       push_fail@step=S        the first push of weight version S fails half-way: the learner sends half
+                               of the tensors, then raises (the receiver must refuse the partial snapshot)
    ``every``/``after``/``call`` count calls; ``batch``/``chunk``/``step`` name the place.
 4. Every fault that fires appends one JSON line to ``$THUNDERSYNC_FAULTS_LOG`` (when set), so a
    benchmark counts what was injected across processes (``benchmarks/faults.py``).
@@ -42,6 +44,7 @@ KNOWN = {
     "nan_grad": ("batch", "chunk"),
     "learner_kill": ("batch", "chunk"),
     "disk_full": ("step",),
+    "push_fail": ("step",),
 }
 # Tool code that kills its own sandbox process: the sandbox sees SIGKILL, as from an OOM killer.
 KILL_CODE = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
@@ -195,3 +198,10 @@ def checkpoint_disk(step: int) -> None:
         with open(FULL_DISK, "wb") as full:  # the kernel answers ENOSPC, as a full filesystem does
             full.write(b"\0" * (1 << 20))
             full.flush()
+
+
+def push_cut(version) -> bool:
+    """Before the learner sends weight version ``version``: whether ``push_fail`` cuts this push half-way
+    (the first push of the named version only: the repeated push is what recovers)."""
+    fault = _PLAN.faults.get("push_fail")
+    return fault is not None and fault.fired == 0 and version is not None and _at_place("push_fail", step=int(version))

@@ -242,9 +242,27 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def on_step_end(self):
         t0 = time.time()
         with api.marked_timer("update_weights", self.timing_raw, color="red"):
-            self.rollout_checkpoint.update_weights(self.global_steps)
+            self._push_weights()
         self.recorder.learner_op("weight_sync", t0, time.time())
         self.recorder.flush()
+
+    def _push_weights(self) -> None:
+        """Push this step's weights; a push that fails is repeated whole (``thundersync.weight_push_retries``).
+
+        The rollout refuses a partial snapshot (``backends/cpu/checkpoint_engine.py`` point 4), so until a
+        push completes it keeps generating nothing new: the next batch is sampled only after this returns.
+        """
+        for attempt in range(self.ts.weight_push_retries + 1):
+            try:
+                self.rollout_checkpoint.update_weights(self.global_steps)
+                return
+            except Exception as exc:  # a failed push leaves the learner's weights intact: send them again
+                self.run_state.weight_push_retries += 1
+                if attempt == self.ts.weight_push_retries:
+                    raise resume.push_failed(self.global_steps, attempt + 1, exc, self.config) from exc
+                logger.warning("step %s: weight push failed (%s: %s); pushing version %s again (%d of %d)",
+                               self.global_steps, type(exc).__name__, exc, self.global_steps, attempt + 1,
+                               self.ts.weight_push_retries)
 
     # -- reporting: the timeline PNGs reach verl's loggers as images (the thundersync/* scalars ride in the step's metrics)
     def fit(self, *args, **kwargs):

@@ -7,6 +7,10 @@
    is a collective) and puts one versioned snapshot into a named mailbox actor; each
    rollout worker awaits that version and yields the tensors to its server adapter.
 3. Full tensors, overwritten on the receiver: lossless, like verl's NCCL engine.
+4. A push that fails half-way (the sender dies or raises after part of the snapshot) must not leave the
+   rollout on a mix of two versions: the mailbox records how many tensors the snapshot has, and a
+   receiver refuses a snapshot with fewer (``IncompletePushError``) before loading any of it. The
+   trainer then pushes the whole version again (``thundersync.weight_push_retries``).
 """
 
 from __future__ import annotations
@@ -16,8 +20,15 @@ from typing import Any, AsyncGenerator
 
 import ray
 
+from thundersync_verl import faults
+from thundersync_verl.core.errors import rule_message
+
 BACKEND_NAME = "cpu_channel"
 CHANNEL_NAME = "thundersync_weight_channel"
+
+
+class IncompletePushError(RuntimeError):
+    """A weight snapshot holds fewer tensors than its sender announced (point 4)."""
 
 
 @ray.remote(num_cpus=0)
@@ -27,11 +38,14 @@ class WeightChannel:
     def __init__(self) -> None:
         self.version = None
         self.named: list = []
+        self.total = 0
         self.changed = asyncio.Condition()
 
-    async def put(self, version, named: list) -> int:
+    async def put(self, version, named: list, total: int | None = None) -> int:
+        """Publish ``named`` as ``version``; ``total``: the tensors of the whole snapshot (default: all sent)."""
         async with self.changed:
             self.version, self.named = version, named
+            self.total = len(named) if total is None else int(total)
             self.changed.notify_all()
         return len(named)
 
@@ -42,12 +56,18 @@ class WeightChannel:
                 return self.named
 
         try:
-            return await asyncio.wait_for(_ready(), timeout_s)
+            named = await asyncio.wait_for(_ready(), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"no weights for version {version} arrived within {timeout_s}s (latest: {self.version}); "
                 "the learner did not call send_weights for this step"
             ) from None
+        if len(named) != self.total:
+            raise IncompletePushError(rule_message(
+                f"weight version {self.version} holds {len(named)} of {self.total} tensors",
+                "the push failed half-way; loading it would leave the rollout on a mix of two versions",
+                "nothing was loaded; the trainer pushes the whole version again (thundersync.weight_push_retries)"))
+        return named
 
 
 def channel_handle():
@@ -79,6 +99,10 @@ def make_engine_class():
 
         async def send_weights(self, weights, global_steps: int | None = None):
             named = [(name, t.detach().to("cpu").clone()) for name, t in weights]  # all ranks: collective
+            if self.rank == 0 and faults.ACTIVE and faults.push_cut(global_steps):  # $THUNDERSYNC_FAULTS: push_fail
+                await channel_handle().put.remote(global_steps, named[: len(named) // 2], len(named))
+                raise RuntimeError(f"weight push of version {global_steps} failed after {len(named) // 2} of "
+                                   f"{len(named)} tensors (injected by {faults.ENV})")
             if self.rank == 0:
                 await channel_handle().put.remote(global_steps, named)
             return {}

@@ -1,0 +1,73 @@
+"""Checkpoint engine ``cpu_channel`` over a real Ray mailbox: a push cut half-way is refused whole. CPU only.
+
+``push_fail@step=S`` ($THUNDERSYNC_FAULTS) makes the learner send half of version S's tensors, then
+raise, as a sender that dies mid-push does. The receiver must load nothing of it (a rollout on a mix of
+two versions would generate from weights no learner ever had); the whole version pushed again must
+arrive intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+import torch
+
+from thundersync_verl import faults
+from thundersync_verl.backends.cpu.checkpoint_engine import IncompletePushError, make_engine_class
+
+pytestmark = pytest.mark.slow  # starts a Ray cluster (~10 s)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from thundersync_harness import engine_setup as setup
+
+    saved = dict(os.environ)
+    ray_tmp = setup.prepare_environment()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_tmp))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _engines():
+    cls = make_engine_class()
+    sender, receiver = cls(), cls()
+    sender.init_process_group(rank=0, is_sender=True)
+    receiver.init_process_group(rank=0, is_sender=False)
+    return sender, receiver
+
+
+async def _receive(receiver, version) -> dict:
+    return {name: t async for name, t in receiver.receive_weights(version)}
+
+
+def test_a_push_cut_half_way_is_refused_and_the_repeated_push_arrives_whole(ray_cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv(faults.LOG_ENV, str(tmp_path / "faults.jsonl"))
+    faults.reload("push_fail@step=3")
+    try:
+        sender, receiver = _engines()
+        weights = {f"layer{i}.weight": torch.randn(8, 4) for i in range(6)}
+        asyncio.run(sender.send_weights(iter(weights.items()), global_steps=2))  # not the named version
+        assert sorted(asyncio.run(_receive(receiver, 2))) == sorted(weights)
+        new = {k: v + 1.0 for k, v in weights.items()}
+        with pytest.raises(RuntimeError, match="failed after 3 of 6 tensors"):
+            asyncio.run(sender.send_weights(iter(new.items()), global_steps=3))
+        with pytest.raises(Exception, match="holds 3 of 6 tensors") as err:
+            asyncio.run(_receive(receiver, 3))  # nothing of the partial snapshot is handed to the rollout
+        assert "fix:" in str(err.value) or isinstance(err.value, IncompletePushError)
+        asyncio.run(sender.send_weights(iter(new.items()), global_steps=3))  # the trainer's retry: the whole version
+        got = asyncio.run(_receive(receiver, 3))
+        assert sorted(got) == sorted(new) and all(torch.equal(got[k], new[k]) for k in new)
+        assert [f["fault"] for f in faults.read_log(tmp_path / "faults.jsonl")] == ["push_fail"]
+    finally:
+        faults.reload("")
