@@ -1,0 +1,94 @@
+"""Stock ``main_ppo`` runs of the CPU recipe on one replayed recording, and the weights they pushed.
+
+Why:
+1. Comparing two modes' updates end to end (the drop-in test, checkpoint/resume) needs every run to see
+   the same trajectories: one run synthesises a recording (``replay`` backend, ``synthesize=paper``,
+   nothing slept), every later run replays it (``time_scale=0``).
+2. The replay server keeps each weight push (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``): version k is the
+   learner's parameters after step k, whatever the mode, so updates are compared on the real pushes.
+3. One launcher for the e2e tests that need it, so each test states only its overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from thundersync_verl.backends.replay.synthesize import SHAPES
+from thundersync_verl.demo import recipe_dir, run_env
+from thundersync_verl.envs.dataset import write_dataset
+
+REPLAY = "+actor_rollout_ref.rollout.engine_kwargs.replay"
+NO_LATENCY = ["thundersync.env.tool_latency.scale=0", "thundersync.env.verifier_latency.scale=0",
+              "thundersync.env.retry_prob=0"]
+WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
+
+
+def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
+             env_extra: dict | None = None, timeout: int = 900) -> list[dict]:
+    """One ``main_ppo`` of the ``grpo`` CPU recipe under ``work/name``; returns its per-step metrics."""
+    train = work / "train.parquet"
+    if not train.is_file():
+        write_dataset(train, 64, seed=0, split="train")
+        write_dataset(work / "val.parquet", 8, seed=0, split="test")
+    run = work / name
+    run.mkdir()
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={recipe_dir()}", "--config-name=grpo",
+           f"data.train_files={train}", f"data.val_files={work / 'val.parquet'}",
+           f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={steps}", f"mode={mode}",
+           "actor_rollout_ref.rollout.name=replay", f"thundersync.run_dir={run}", *SHAPES["paper"].overrides(),
+           *NO_LATENCY, *extra]
+    ray_tmp = tempfile.mkdtemp(prefix="tsr_", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = run_env(run, run / "metrics.jsonl")
+    env["THUNDERSYNC_RAY_TMP"] = env["RAY_TMPDIR"] = ray_tmp
+    env.update(env_extra or {})
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["data"] if "data" in r else r for r in rows if "timing_s/step" in r.get("data", r)]
+
+
+def record(work: Path, model: Path, steps: int) -> Path:
+    """Synthesise the ``paper``-shaped recording of ``steps`` Sync steps; every replay of it sees the same data."""
+    path = work / "recording.jsonl"
+    main_ppo(work, model, "record", "sync", [f"{REPLAY}.path={path}", f"{REPLAY}.synthesize=paper"], steps=steps)
+    return path
+
+
+def replayed(work: Path, model: Path, recording: Path, name: str, mode: str, extra: list[str], *, steps: int = 1,
+             env_extra: dict | None = None) -> tuple[list[dict], Path]:
+    """A run replaying ``recording``; returns (its step metrics, the folder of its weight pushes)."""
+    weights = work / f"weights_{name}"
+    rows = main_ppo(work, model, name, mode, [f"{REPLAY}.path={recording}", f"{REPLAY}.time_scale=0", *extra],
+                    steps=steps, env_extra={WEIGHTS_ENV: str(weights), **(env_extra or {})})
+    return rows, weights
+
+
+def pushed(weights: Path, version: int) -> dict[str, torch.Tensor]:
+    """The parameters pushed after step ``version``."""
+    path = weights / f"weights_v{version}.pt"
+    assert path.is_file(), f"no weight push v{version} in {weights}: {sorted(p.name for p in weights.glob('*'))}"
+    return torch.load(path)
+
+
+def start_weights(model: Path) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's parameters (the policy every run starts from), by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def distance(a: dict, b: dict) -> float:
+    """||a - b|| over the parameters both hold, in fp64."""
+    keys = a.keys() & b.keys()
+    assert keys, "the two weight sets share no parameter name"
+    return sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in keys) ** 0.5
