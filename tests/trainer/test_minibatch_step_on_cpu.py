@@ -72,7 +72,8 @@ class _Learner:
 
     def finalize_step(self, scale, lr_step=True):
         self.calls.append(("step", scale, lr_step))
-        return [{"grad_norm": 1.0, "lr": 1e-3}]
+        peak = 0 if lr_step else 4096  # mini-batch 1 held b0's bucket; the last mini-batch holds none
+        return [{"grad_norm": 1.0, "lr": 1e-3, "thundersync/peak_bucket_bytes": peak}]
 
 
 def test_two_mini_batches_step_twice_the_second_as_ppo_chunks_after_the_first_step():
@@ -106,6 +107,7 @@ def test_two_mini_batches_step_twice_the_second_as_ppo_chunks_after_the_first_st
     assert state.minibatch_steps == 1
     assert metrics["thundersync/optimizer_steps"] == 2 and metrics["thundersync/minibatch_policy_lag/max"] == 1
     assert metrics["thundersync/minibatch_rerun_rows"] == 1
+    assert metrics["thundersync/peak_bucket_bytes"] == 4096  # the batch's peak, not its last mini-batch's
 
 
 BASE = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync"]

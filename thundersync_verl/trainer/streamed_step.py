@@ -88,6 +88,7 @@ class StepState:
     rollout_makespan_s: float = 0.0
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
+    peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
 
 
 @dataclass
@@ -179,7 +180,8 @@ class StreamedStep:
             metrics["training/rollout_logprob_diff_max"] = state.lp_gap
         metrics.update(self.ctx.recorder.finish_step(out, self.planner.memory()))
         first = out[0] if isinstance(out, list) else out
-        metrics["thundersync/peak_bucket_bytes"] = first.get("thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0))
+        metrics["thundersync/peak_bucket_bytes"] = max(state.peak_bucket_bytes, first.get(
+            "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
         metrics["thundersync/budget_waits"] = state.budget_waits
         metrics.update(self.algo.metrics(self.state, self.ctx))
         return metrics
@@ -192,9 +194,12 @@ class StreamedStep:
             return
         self.pipe.drain()  # every backward of this mini-batch is in the gradient
         t0 = time.time()
-        self.ctx.worker_group.finalize_step(op.scale, op.lr_step)
+        step = self.ctx.worker_group.finalize_step(op.scale, op.lr_step)
         self.ctx.recorder.learner_op("optimizer", t0, time.time())
         self.state.minibatch_steps += 1
+        first = step[0] if isinstance(step, list) else step
+        if hasattr(first, "get"):
+            self.state.peak_bucket_bytes = max(self.state.peak_bucket_bytes, int(first.get("thundersync/peak_bucket_bytes", 0)))
         self.ctx.worker_group.stream_begin_batch(self._meta)  # tickets restart at 0: a new pipeline
         self.pipe = self.ctx.make_pipeline(self._op_done)
 
