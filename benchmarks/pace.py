@@ -44,7 +44,7 @@ from thundersync_verl.results import add_results_dir_argument, find_results_dir,
 POLICIES = ("sync", "fully_async", "fully_async_drop", "pace")
 DROP_THRESHOLD = 2  # verl's span bound (global_steps - dispatch step + 1), strategy drop
 PACE_OPTIONS = {"target_pool": 8, "gain": 0.5, "min_score": 1.0, "waiting_weight": 1.0, "drift_per_version": 1.0,
-                "prefix_carry": 0.5}
+                "prefix_carry": 0.5, "decide_every": "step"}
 ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
 SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
            "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]

@@ -97,6 +97,21 @@ def test_pace_rejects_the_worst_within_the_excess_and_refills_them(tq, tmp_path)
     assert list(line["rejected"]) == ["g3", "g4", "g2"]
 
 
+@pytest.mark.parametrize("every, second", [("step", 0), ("sample", 1)])
+def test_the_budget_is_spent_once_per_step_unless_asked_per_sample(tq, every, second):
+    _pool(tq)
+    refills: list = []
+    buf = _buffer(refills, target_pool=1, gain=1.0, decide_every=every)
+    batch, first = buf.sample(global_steps=6, partition_id="train", batch_size=2)  # rejects g3, g4, g2 (above)
+    tq.kv_clear(keys=batch.keys, partition_id="train")
+    tq.add_group("g7", 6, [(10, 3)])  # S = 2, and the pool g0, g7 + 2 new ones exceeds 2 + 1 by 1
+    tq.add_group("g8", 6, [(10, 5)])
+    tq.add_group("g9", 6, [(10, 5)])
+    _, again = buf.sample(global_steps=6, partition_id="train", batch_size=2)  # the same training step
+    assert first["pace/rejected"] == 3 and again["pace/rejected"] == second
+    assert refills == [3] + ([1] if second else [])
+
+
 def test_gain_zero_observes_only_and_leaves_verls_selection(tq):
     _pool(tq)
     refills: list = []
@@ -148,6 +163,8 @@ def test_verls_drop_threshold_still_evicts_first(tq):
 def test_config_errors_name_the_rule(tq):
     with pytest.raises(StreamingConfigError, match="unknown PACE option"):
         _buffer([], gian=1.0)
+    with pytest.raises(StreamingConfigError, match="decide_every"):
+        _buffer([], decide_every="batch")
     with pytest.raises(StreamingConfigError, match="regenerated"):
         PaceReplayBufferAsync(trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=None,
                               max_off_policy_strategy="drop", sampler_kwargs={"pace": {"gain": 1.0}}, refill_fn=None)

@@ -24,6 +24,10 @@ Why this module exists:
    counts. ``log_path`` adds one JSON line per decision (the benchmark reads it).
 5. ``gain=0`` scores and logs without rejecting: the same buffer measures unfiltered and
    threshold-only runs.
+6. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
+   the rejected groups are regenerated together, in one refill; ``sample`` decides at every
+   mini-batch sample (measured: on 2 shared CPU cores the trickle of small refills slowed the
+   learner's steps ~2x, see benchmarks/results/pace.json's notes).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import pace as pc
@@ -39,21 +44,28 @@ from thundersync_verl.trainer.samplers import FastPollReplayBufferAsync
 
 OPTIONS_KEY = "pace"
 HIST_LABELS = ("0", "1", "2", "3", "4plus")
+DECIDE_EVERY = ("step", "sample")
 
 
-def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None]:
-    """``(settings, per_turn_versions, log_path)`` from ``sampler_kwargs.pace``."""
+def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str]:
+    """``(settings, per_turn_versions, log_path, decide_every)`` from ``sampler_kwargs.pace``."""
     options = dict((sampler_kwargs or {}).get(OPTIONS_KEY) or {})
     per_turn = bool(options.pop("per_turn_versions", True))
     log_path = options.pop("log_path", None)
+    every = str(options.pop("decide_every", "step"))
     known = set(pc.PaceSettings.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
         raise StreamingConfigError(rule_message(
             f"unknown PACE option(s) {unknown} in trainer.v1.sampler.sampler_kwargs.pace",
             "a misspelt knob would silently run PACE with its default",
-            f"use only {sorted(known | {'per_turn_versions', 'log_path'})}"))
-    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None)
+            f"use only {sorted(known | {'per_turn_versions', 'log_path', 'decide_every'})}"))
+    if every not in DECIDE_EVERY:
+        raise StreamingConfigError(rule_message(
+            f"pace.decide_every must be one of {DECIDE_EVERY}, got {every!r}",
+            "the budget is spent once per training step or at every mini-batch sample",
+            "set pace.decide_every=step (default) or sample"))
+    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None), every
 
 
 def _turn_segments(turns) -> list[pc.Segment] | None:
@@ -71,7 +83,7 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
 
     def __init__(self, *args, sampler_kwargs=None, **kwargs):
         super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
-        self.pace, self.per_turn, self.log_path = pace_options(sampler_kwargs)
+        self.pace, self.per_turn, self.log_path, self.decide_every = pace_options(sampler_kwargs)
         if self.pace.gain > 0 and self.refill_fn is None:
             raise StreamingConfigError(rule_message(
                 "PACE with gain > 0 needs verl's refill_fn",
@@ -80,6 +92,7 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
         self._landed: dict[str, int] = {}  # uid -> learner version when its group was first seen finished
         self._segments: dict[str, tuple[list[pc.Segment], bool]] = {}  # trajectory key -> (segments, per turn)
         self._step: int | None = None
+        self._decided_step: int | None = None  # decide_every=step: the step whose budget was spent
         self._metrics: dict = {}
         self.rejected_total = 0
         self.sampled_total = 0
@@ -128,7 +141,10 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
                 members[uid].append(key)
         self._load_segments(partition_id, [k for keys in members.values() for k in keys])
         scores = {uid: self._group_score(uid, keys, learner_version) for uid, keys in members.items()}
-        decision = pc.decide(scores, batch_size, self.pace, self.prompt_global_steps[partition_id])
+        spent = self.decide_every == "step" and self._decided_step == self._step
+        settings = replace(self.pace, gain=0.0) if spent else self.pace
+        self._decided_step = self._step
+        decision = pc.decide(scores, batch_size, settings, self.prompt_global_steps[partition_id])
         if decision.rejected:
             self._clear_groups(partition_id, set(decision.rejected))  # verl's eviction of a stale group
             self.refill_fn(len(decision.rejected))  # ...and verl's refill: the prompts are generated again

@@ -12,7 +12,8 @@ Why this module exists:
        W = v - v_land                    (v_land: the version when its group's last member landed)
        S = G + beta * W,   E = max(0, Q - b - Q*),   B = min(floor(kappa * E), Q - b)
    and the B highest-S groups with S > min_score are rejected (ties: the older group first).
-   ``drop_threshold`` is verl's rule instead: every group with v - born + 1 > threshold goes
+   The budget is spent at a step's first chunk (``once_per_step``, the sampler's default) or at
+   every chunk. ``drop_threshold`` is verl's rule instead: every group with v - born + 1 > threshold goes
    (verl counts spans from the prompt's dispatch step; here from the trajectory's start).
 3. Rejected trajectories are regenerated: they leave the staleness gate (``_State.retired``) and
    fresh trajectories are drawn from the stream, as verl's refill submits new prompts. Their
@@ -39,6 +40,7 @@ class PacePolicy:
     drift_per_version: float = 1.0  # delta
     min_score: float = 0.0
     drop_threshold: int | None = None  # set: verl's drop rule instead of PACE's budget
+    once_per_step: bool = True  # PACE's budget at a step's first chunk only (the sampler's decide_every=step)
 
     def budget(self, pool: int, needed: int) -> int:
         excess = max(0, pool - needed - self.target_pool)
@@ -59,7 +61,8 @@ class _PaceState(_State):
 
     def try_learn(self, t: float) -> None:
         need = min(self.mini_batch, self.n - self.consumed)
-        if self.learner_phase is None and self.n_ready >= need and self.ready:
+        first = self.consumed == 0 or not self.policy.once_per_step or self.policy.drop_threshold is not None
+        if self.learner_phase is None and self.n_ready >= need and self.ready and first:
             self._reject(t, need)
         super().try_learn(t)
 
