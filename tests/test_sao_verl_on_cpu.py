@@ -27,7 +27,9 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "cpu_tiny"
 LAUNCHER = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z"]
 SAO_KEYS = ("actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.policy_loss.loss_mode",
             "actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high", "algorithm.",
-            "critic.", "trainer.critic_warmup")
+            "critic.", "trainer.critic_warmup", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")  # micro-batches: rows = prompts x 1
 
 
 def _batch(seed: int, observations: bool, b: int = 4, t: int = 9):
@@ -178,6 +180,9 @@ def test_sao_recipe_offers_no_thundersync_mode_and_the_trainer_refuses_sao():
     from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
 
     assert sorted(p.stem for p in (RECIPES / "sao" / "mode").glob("*.yaml")) == ["async", "fully_async", "sync"]
+    for mode in ("sync", "async", "fully_async"):  # verl asserts micro | rows; rows = prompts per mini-batch x 1
+        actor = _compose(mode).actor_rollout_ref.actor
+        assert actor.ppo_mini_batch_size % actor.ppo_micro_batch_size_per_gpu == 0
     cfg = _compose("thundersync", "algorithm.adv_estimator=sao", "actor_rollout_ref.rollout.n=1", recipe="grpo")
     with pytest.raises(StreamingConfigError, match="sao"):
         validate_thundersync_config(cfg)
@@ -198,3 +203,22 @@ def test_the_critic_value_model_loads_on_cpu_through_verl(tmp_path):
     critic = verl_model.load_valuehead_model(str(tmp_path), torch.float32, config, False)
     values = critic(input_ids=torch.tensor([[1, 2, 3, 4]])).logits  # [B, T, 1]
     assert values.shape == (1, 4, 1) and critic.config._attn_implementation == "sdpa"
+
+
+def test_the_benchmark_command_composes():
+    """benchmarks/sao.py launches main_ppo with these overrides: they compose into the SAO settings asked for."""
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+
+    spec = importlib.util.spec_from_file_location("sao_bench", RECIPES.parents[1] / "benchmarks" / "sao.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cmd = bench.sao_command({"train": "t.parquet", "val": "v.parquet", "student": "m"}, mode="fully_async", steps=12,
+                            warmup=4, critic_epochs=3, extra=["critic.optim.lr=0.01"])
+    config_path = next(a.split("=", 1)[1] for a in cmd if a.startswith("--config-path="))
+    with initialize_config_dir(config_dir=config_path, version_base=None):
+        cfg = compose(config_name="sao", overrides=[a for a in cmd[3:] if not a.startswith("--")])
+    assert (cfg.trainer.critic_warmup, cfg.critic.ppo_epochs, cfg.trainer.total_training_steps) == (4, 3, 12)
+    assert cfg.trainer.v1.trainer_mode == "separate_async" and cfg.critic.optim.lr == 0.01
+    assert cfg.critic.model.path == "m" and cfg.actor_rollout_ref.rollout.n == 1
