@@ -1,0 +1,137 @@
+"""SAO on the embedded CPU task: stock ``verl.trainer.main_ppo`` with the ``sao`` recipe, one JSON line.
+
+``python benchmarks/sao.py [--mode sync|async|fully_async] [--steps 30]`` (``--quick``: 8 steps, sync).
+
+Why:
+1. SAO must train through verl's own machinery: one rollout per prompt on the live ``hf_cpu`` rollout,
+   verl's critic worker as the value model (``critic.ppo_epochs`` = 2 critic updates per policy update,
+   ``trainer.critic_warmup`` critic-only steps), the registered ``sao`` estimator (GAE over agent tokens,
+   Monte-Carlo targets) and ``sao`` policy loss (double-sided mask against the rollout log-probs).
+   Nothing of verl's loop is re-implemented: this script builds the inputs, launches
+   ``recipes/cpu_tiny/sao/sao.yaml`` and reads verl's step metrics.
+2. Output: ONE JSON line (also ``benchmarks/results/sao_<mode>.json``) with ``reward_first5``,
+   ``reward_last5`` (verl's ``critic/score/mean``), ``value_explained_variance_last``
+   (``critic/vf_explained_var``: the values the step's advantages used against its Monte-Carlo
+   returns), ``value_loss_last`` (``critic/vf_loss``), steps, mode; and a PNG of the three curves.
+3. ``gap_over_floor`` (streamed SAO vs sync) is reported as not measured: the ThunderSync trainer does
+   not stream SAO yet (it refuses ``adv_estimator=sao``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from thundersync_verl.demo import prepare_inputs, run_env, run_verl
+from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cpu_tiny" / "sao"
+MODES = ("sync", "async", "fully_async")
+CURVES = (("critic/score/mean", "mean reward"), ("critic/vf_loss", "value loss"),
+          ("critic/vf_explained_var", "explained variance"))
+
+
+def sao_command(inputs: dict, *, mode: str, steps: int, warmup: int, critic_epochs: int, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={RECIPE}", "--config-name=sao",
+        f"data.train_files={inputs['train']}", f"data.val_files={inputs['val']}",
+        f"actor_rollout_ref.model.path={inputs['student']}", f"trainer.total_training_steps={steps}",
+        f"mode={mode}", f"trainer.experiment_name=sao_{mode}", f"trainer.critic_warmup={warmup}",
+        f"critic.ppo_epochs={critic_epochs}", *extra,
+    ]
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x == x]
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def _last(per_step: dict, key: str) -> float | None:
+    vals = [per_step[s][key] for s in sorted(per_step) if key in per_step[s] and per_step[s][key] == per_step[s][key]]
+    return round(vals[-1], 4) if vals else None
+
+
+def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_epochs: int) -> dict:
+    steps = sorted(per_step)
+    rewards = [per_step[s].get("critic/score/mean", float("nan")) for s in steps]
+    k = min(5, len(rewards))
+    actor_steps = [s for s in steps if "actor/pg_loss" in per_step[s]]
+    return {
+        "algo": "sao", "mode": mode, "steps": len(steps),
+        "reward_first5": _mean(rewards[:k]), "reward_last5": _mean(rewards[-k:]),
+        "value_explained_variance_last": _last(per_step, "critic/vf_explained_var"),
+        "value_explained_variance_first": next((round(per_step[s]["critic/vf_explained_var"], 4) for s in steps
+                                                if "critic/vf_explained_var" in per_step[s]), None),
+        "value_loss_last": _last(per_step, "critic/vf_loss"),
+        "value_loss_first": next((round(per_step[s]["critic/vf_loss"], 4) for s in steps if "critic/vf_loss" in per_step[s]), None),
+        "masked_frac_mean": _mean([per_step[s]["actor/sao_masked_frac"] for s in actor_steps
+                                   if "actor/sao_masked_frac" in per_step[s]]),
+        "critic_warmup": warmup, "critic_ppo_epochs": critic_epochs,
+        "first_actor_step": actor_steps[0] if actor_steps else None,
+        "seconds": round(seconds, 1),
+        "gap_over_floor": None,
+        "gap_over_floor_status": "not measured: the ThunderSync trainer does not stream SAO yet",
+    }
+
+
+def plot(per_step: dict, png: Path, title: str, warmup: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(per_step)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (key, label) in zip(axes, CURVES):
+        ax.plot(steps, [per_step[s].get(key, float("nan")) for s in steps], marker=".")
+        ax.axvline(warmup + 0.5, color="grey", ls=":", lw=1)  # the first policy update follows the warm-up
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=MODES, default="sync")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--critic-warmup", type=int, default=3)
+    parser.add_argument("--critic-epochs", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="8 steps (2 of them critic-only): a few minutes")
+    parser.add_argument("--work-dir", default=str(REPO / "runs" / "sao"))
+    parser.add_argument("extra", nargs="*", help="further hydra overrides")
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    steps, warmup = (8, 2) if args.quick else (args.steps, args.critic_warmup)
+    results_dir = find_results_dir(args.results_dir)
+    work = Path(args.work_dir).resolve() / args.mode
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob("*.jsonl"):
+        stale.unlink()
+    inputs = prepare_inputs(work.parent, variants=("student",))
+    cmd = sao_command(inputs, mode=args.mode, steps=steps, warmup=warmup, critic_epochs=args.critic_epochs,
+                      extra=args.extra)
+    print(f"[sao] {' '.join(cmd[1:5])} ... (full log: {work / 'verl.log'})", flush=True)
+    t0 = time.time()
+    per_step = run_verl(cmd, run_env(work, work / "metrics.jsonl"), work / "verl.log", steps)
+    if not per_step:
+        raise RuntimeError(f"verl finished without logging a training step; see {work / 'verl.log'}")
+    result = summarise(per_step, mode=args.mode, seconds=time.time() - t0, warmup=warmup,
+                       critic_epochs=args.critic_epochs)
+    name = f"sao_{args.mode}" + ("_quick" if args.quick else "")
+    png = plot(per_step, results_dir / f"{name}.png", f"SAO / {args.mode} on the embedded CPU task "
+               f"(n=1, critic warm-up {warmup}, {args.critic_epochs} critic epochs)", warmup)
+    result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
+    write_result(name, result, results_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main()
