@@ -174,3 +174,33 @@ def test_verl_loads_the_sampler_from_its_config_keys():
     from verl.utils.import_utils import load_extern_type
 
     assert load_extern_type("pkg://thundersync_verl.pace", "PaceReplayBufferAsync") is PaceReplayBufferAsync
+
+
+@pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace"])
+def test_the_benchmark_overrides_build_the_pace_buffer_through_verls_keys(policy, tmp_path):
+    """benchmarks/pace.py's overrides on the cpu_tiny recipe select this buffer with the settings asked for."""
+    import importlib.util
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from verl.utils.import_utils import load_extern_type
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("pace_bench", root / "benchmarks" / "pace.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mode, extra = bench.policy_overrides(policy, tmp_path / "decisions.jsonl")
+    launcher = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", f"mode={mode}"]
+    with initialize_config_dir(config_dir=str(root / "recipes" / "cpu_tiny"), version_base=None):
+        cfg = compose(config_name="grpo", overrides=launcher + bench.modes.workload(0.2, mode) + extra)
+    sampler = cfg.trainer.v1.sampler
+    cls = load_extern_type(sampler.custom_sampler.path, sampler.custom_sampler.name)
+    assert cls is PaceReplayBufferAsync and cfg.trainer.v1.trainer_mode == "separate_async"
+    buf = cls(trainer_mode="separate_async", trainer_config=cfg.trainer.v1.separate_async,
+              max_off_policy_threshold=sampler.max_off_policy_threshold,
+              max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
+              refill_fn=[].append)
+    assert buf.max_off_policy_threshold == (bench.DROP_THRESHOLD if policy == "fully_async_drop" else None)
+    assert buf.pace.gain == (bench.PACE_OPTIONS["gain"] if policy == "pace" else 0.0)
+    assert buf.log_path == str(tmp_path / "decisions.jsonl") and buf.decide_every == "step"
+    assert cfg.trainer.v1.separate_async.num_warmup_batches == 2
