@@ -2,8 +2,8 @@
 
 ``push_fail@step=S`` ($THUNDERSYNC_FAULTS) makes the learner send half of version S's tensors, then
 raise, as a sender that dies mid-push does. The receiver must load nothing of it (a rollout on a mix of
-two versions would generate from weights no learner ever had); the whole version pushed again must
-arrive intact.
+two versions would generate from weights no learner ever had): it keeps waiting, and the whole version
+pushed again must reach it intact; a partial snapshot still there at the wait's end is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from thundersync_verl import faults
-from thundersync_verl.backends.cpu.checkpoint_engine import IncompletePushError, make_engine_class
+from thundersync_verl.backends.cpu.checkpoint_engine import IncompletePushError, channel_handle, make_engine_class
 
 pytestmark = pytest.mark.slow  # starts a Ray cluster (~10 s)
 
@@ -51,7 +51,10 @@ async def _receive(receiver, version) -> dict:
     return {name: t async for name, t in receiver.receive_weights(version)}
 
 
-def test_a_push_cut_half_way_is_refused_and_the_repeated_push_arrives_whole(ray_cluster, monkeypatch, tmp_path):
+def test_a_push_cut_half_way_is_never_loaded_and_the_repeated_push_completes_the_waiting_receiver(
+        ray_cluster, monkeypatch, tmp_path):
+    import ray
+
     monkeypatch.setenv(faults.LOG_ENV, str(tmp_path / "faults.jsonl"))
     faults.reload("push_fail@step=3")
     try:
@@ -62,11 +65,18 @@ def test_a_push_cut_half_way_is_refused_and_the_repeated_push_arrives_whole(ray_
         new = {k: v + 1.0 for k, v in weights.items()}
         with pytest.raises(RuntimeError, match="failed after 3 of 6 tensors"):
             asyncio.run(sender.send_weights(iter(new.items()), global_steps=3))
-        with pytest.raises(Exception, match="holds 3 of 6 tensors") as err:
-            asyncio.run(_receive(receiver, 3))  # nothing of the partial snapshot is handed to the rollout
-        assert "fix:" in str(err.value) or isinstance(err.value, IncompletePushError)
-        asyncio.run(sender.send_weights(iter(new.items()), global_steps=3))  # the trainer's retry: the whole version
-        got = asyncio.run(_receive(receiver, 3))
+        with pytest.raises(Exception, match="holds 3 of 6 tensors") as err:  # only the partial snapshot: refused
+            ray.get(channel_handle().get.remote(3, 1.0))
+        assert "IncompletePushError" in repr(err.value) or isinstance(err.value, IncompletePushError)
+
+        async def repeat_while_a_receiver_waits():
+            waiting = asyncio.ensure_future(_receive(receiver, 3))  # sees the partial snapshot, keeps waiting
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            await sender.send_weights(iter(new.items()), global_steps=3)  # the trainer's retry: the whole version
+            return await asyncio.wait_for(waiting, 30)
+
+        got = asyncio.run(repeat_while_a_receiver_waits())
         assert sorted(got) == sorted(new) and all(torch.equal(got[k], new[k]) for k in new)
         assert [f["fault"] for f in faults.read_log(tmp_path / "faults.jsonl")] == ["push_fail"]
     finally:

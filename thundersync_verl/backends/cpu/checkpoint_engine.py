@@ -9,8 +9,9 @@
 3. Full tensors, overwritten on the receiver: lossless, like verl's NCCL engine.
 4. A push that fails half-way (the sender dies or raises after part of the snapshot) must not leave the
    rollout on a mix of two versions: the mailbox records how many tensors the snapshot has, and a
-   receiver refuses a snapshot with fewer (``IncompletePushError``) before loading any of it. The
-   trainer then pushes the whole version again (``thundersync.weight_push_retries``).
+   receiver waits for a COMPLETE snapshot of its version; none of a partial one is ever handed out. The
+   trainer pushes the whole version again (``thundersync.weight_push_retries``), which completes every
+   waiting receiver; one still partial when the wait times out fails with ``IncompletePushError``.
 """
 
 from __future__ import annotations
@@ -50,24 +51,28 @@ class WeightChannel:
         return len(named)
 
     async def get(self, version, timeout_s: float = 600.0) -> list:
+        """The complete snapshot of ``version`` (any version when None), waiting up to ``timeout_s`` (point 4)."""
+        def complete() -> bool:
+            return self.version is not None and (version is None or self.version == version) and len(self.named) == self.total
+
         async def _ready():
             async with self.changed:
-                await self.changed.wait_for(lambda: self.version is not None and (version is None or self.version == version))
+                await self.changed.wait_for(complete)
                 return self.named
 
         try:
-            named = await asyncio.wait_for(_ready(), timeout_s)
+            return await asyncio.wait_for(_ready(), timeout_s)
         except asyncio.TimeoutError:
+            if self.version is not None and (version is None or self.version == version):
+                raise IncompletePushError(rule_message(
+                    f"weight version {self.version} holds {len(self.named)} of {self.total} tensors after {timeout_s}s",
+                    "the push failed half-way and was not repeated; loading it would leave the rollout on a mix of "
+                    "two versions",
+                    "nothing was loaded; check the learner's weight push (thundersync.weight_push_retries)")) from None
             raise TimeoutError(
                 f"no weights for version {version} arrived within {timeout_s}s (latest: {self.version}); "
                 "the learner did not call send_weights for this step"
             ) from None
-        if len(named) != self.total:
-            raise IncompletePushError(rule_message(
-                f"weight version {self.version} holds {len(named)} of {self.total} tensors",
-                "the push failed half-way; loading it would leave the rollout on a mix of two versions",
-                "nothing was loaded; the trainer pushes the whole version again (thundersync.weight_push_retries)"))
-        return named
 
 
 def channel_handle():
