@@ -41,6 +41,9 @@ Why:
    only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
    in each row's backward: the term the floor (same scalars, rows regrouped) never sees, and one a
    streamed row (scalar A_i or 1, 1 / N applied at the barrier) cannot share with verl.
+   A fine floor runs verl's own update once more with ONE row per micro-batch (``floor_fine_over_floor``):
+   a streamed step adds its chunks of 1-4 rows to the gradient one by one, a summation in finer pieces
+   than the regrouped floor's; ``gap_over_max_floor`` is the gap over the larger of the two floors.
 8. ``--kl [--kl-type X] --entropy [--loss-agg-mode M]``: GRPO with verl's KL loss (a reference model in its
    own worker group, as verl's trainer builds it) and entropy bonus, streamed (each chunk's reference
    log-probs computed on arrival) against verl's ``update_actor`` with the same settings
@@ -110,7 +113,8 @@ CONTROL_POW2, CONTROL_OTHER = 16.0, 24.0  # advantage multipliers of the rescali
 def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False) -> dict:
     """``diagnostics``: also the stream with verl's rounding of 1/N (``prescaled_stream_step``) and verl's
     update with the advantages x16 and x24 (the control of point 7)."""
-    kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other"] if diagnostics else [])
+    kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other", "sync_fine"]
+                                              if diagnostics else [])
     steps = {kind: [] for kind in kinds}
     for trajs, arrival in batches:
         in_order = list(range(len(trajs)))
@@ -121,6 +125,7 @@ def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False) 
             steps["stream_prescaled"].append(partial(prescaled_stream_step, wg, trajs, arrival, pad_id))
             steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_POW2))
             steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_OTHER))
+            steps["sync_fine"].append(partial(sync_step, wg, trajs, in_order, pad_id, micro=1))
     return steps
 
 
@@ -306,6 +311,8 @@ def _report_diagnostics(runs: dict) -> dict:
     gaps = [relative_gap(p, a) for p, a in zip(runs["stream_prescaled"][0], da)]
     (d_pow2, info_pow2), d_other = runs["sync_pow2"], runs["sync_other"][0]
     control = [relative_gap(o, p) for o, p in zip(d_other, d_pow2)]
+    fine = [relative_gap(f, a) for f, a in zip(runs["sync_fine"][0], da)]  # verl's own update, one row per micro-batch
+    stream_gaps = [relative_gap(st, a) for st, a in zip(runs["stream"][0], da)]
     clipped = all(i["grad_norm"] > 1.0 for i in info_pow2)  # verl's clip: 1.0 (optim.clip_grad / actor.grad_clip)
     eps = max(1e-6 * (1 / CONTROL_POW2 - 1 / CONTROL_OTHER) / i["grad_norm"] for i in info_a)
     print("  stream with 1/N rounded where verl rounds it (diagnostic), gap to verl per step: "
@@ -315,7 +322,13 @@ def _report_diagnostics(runs: dict) -> dict:
           + f": {'both clipped, the same step' if clipped else 'NOT all above the clip 1.0: no control'}; "
           + f"clip eps term <= {eps:.1e}), gap (gap/floor) per step: "
           + ", ".join(f"{g:.3e} ({g / f:.2f})" for g, f in zip(control, floors)))
+    print("  fine floor: verl's update with one row per micro-batch vs the regular one, per step: "
+          + ", ".join(f"{g:.3e} ({g / f:.2f} x floor)" for g, f in zip(fine, floors))
+          + "; stream gap over the larger of the two floors: "
+          + ", ".join(f"{g / max(f, x):.2f}" for g, f, x in zip(stream_gaps, floors, fine)))
     return {"gap_normaliser_matched": max(gaps), "gap_verl_rescaled_over_floor": max(g / f for g, f in zip(control, floors)),
+            "floor_fine_over_floor": max(x / f for x, f in zip(fine, floors)),
+            "gap_over_max_floor": max(g / max(f, x) for g, f, x in zip(stream_gaps, floors, fine)),
             "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a)}
 
 

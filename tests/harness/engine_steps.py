@@ -29,14 +29,17 @@ from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 
 # ----- the batch-synchronous path: verl's own functions --------------------------------------
-def _verl_update(wg, data, n: int, calculate_entropy: bool = False) -> dict:
-    """verl's ``update_actor`` on a DataProto batch: one epoch, one mini-batch of ``n`` rows."""
+def _verl_update(wg, data, n: int, calculate_entropy: bool = False, micro: int | None = None) -> dict:
+    """verl's ``update_actor`` on a DataProto batch: one epoch, one mini-batch of ``n`` rows (micro-batches of
+    ``micro`` rows when given, else the worker's configured size)."""
     import numpy as np
 
     td = va.to_no_padding(data.to_tensordict())
     va.assign_non_tensor(td, calculate_entropy=calculate_entropy, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=n, mini_batch_size=n, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    if micro is not None:
+        va.assign_non_tensor(td, micro_batch_size_per_gpu=int(micro))
     metrics = va.td_get(wg.update_actor(td), "metrics")
     return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
 
@@ -47,7 +50,8 @@ def _old_log_probs(wg, data) -> torch.Tensor:
     return va.unpad_response(va.td_get(wg.compute_log_prob(td), "log_probs"), td).float()  # [B, R]
 
 
-def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, advantage_scale: float = 1.0) -> dict:
+def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, advantage_scale: float = 1.0,
+              micro: int | None = None) -> dict:
     """compute_log_prob -> compute_advantage (GRPO) -> update_actor, as verl's trainer does.
 
     ``advantage_scale`` (a diagnostic) multiplies every advantage: with the gradient norm above verl's clip
@@ -56,7 +60,7 @@ def sync_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, ad
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
     if advantage_scale != 1.0:
         data.batch["advantages"] = data.batch["advantages"] * advantage_scale
-    return _verl_update(wg, data, len(row_order))
+    return _verl_update(wg, data, len(row_order), micro=micro)
 
 
 def rollout_batch(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int):
