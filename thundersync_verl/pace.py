@@ -26,8 +26,9 @@ Why this module exists:
    threshold-only runs.
 6. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
    the rejected groups are regenerated together, in one refill; ``sample`` decides at every
-   mini-batch sample (measured: on 2 shared CPU cores the trickle of small refills slowed the
-   learner's steps ~2x, see benchmarks/results/pace.json's notes).
+   mini-batch sample (measured with ``benchmarks/pace.py --quick`` on 2 shared CPU cores: deciding
+   at every sample, the trickle of small refills made PACE's steps 12.8-15.9 s, learner compute ~2x;
+   once per step, 5.9-8.1 s like the other fully-async runs, at the same tokens).
 """
 
 from __future__ import annotations
