@@ -77,17 +77,19 @@ def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_
     }
 
 
-def plot(per_step: dict, png: Path, title: str, warmup: int) -> Path:
+def plot(per_step: dict, png: Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = sorted(per_step)
+    first_actor = next((s for s in steps if "actor/pg_loss" in per_step[s]), None)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, (key, label) in zip(axes, CURVES):
         ax.plot(steps, [per_step[s].get(key, float("nan")) for s in steps], marker=".")
-        ax.axvline(warmup + 0.5, color="grey", ls=":", lw=1)  # the first policy update follows the warm-up
+        if first_actor is not None:  # verl's critic_warmup=k: steps 1..k-1 update the critic only
+            ax.axvline(first_actor - 0.5, color="grey", ls=":", lw=1)
         ax.set_xlabel("step")
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                        critic_epochs=args.critic_epochs)
     name = f"sao_{args.mode}" + ("_quick" if args.quick else "")
     png = plot(per_step, results_dir / f"{name}.png", f"SAO / {args.mode} on the embedded CPU task "
-               f"(n=1, critic warm-up {warmup}, {args.critic_epochs} critic epochs)", warmup)
+               f"(n=1, critic_warmup={warmup}, {args.critic_epochs} critic epochs)")
     result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
     write_result(name, result, results_dir)
     return result
