@@ -2,7 +2,7 @@
 
 The hooks are exercised against the real components they change (the sandboxed tool and verifier
 processes, torch gradients, a write to a full disk); the main_ppo runs are in benchmarks/faults.py
-and tests/e2e/test_resume_on_cpu.py.
+and tests/e2e/test_resume_main_ppo_on_cpu.py.
 """
 
 from __future__ import annotations
