@@ -92,8 +92,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
                     "min_version": int(out.extra_fields.get("min_global_steps") or 0),  # PACE's per-turn versions
                     "max_version": int(out.extra_fields.get("max_global_steps") or 0)}
             turns.append(turn)
-            versions.append(int(out.extra_fields.get("min_global_steps") or 0))
-            versions.append(int(out.extra_fields.get("max_global_steps") or 0))
+            versions += [turn["min_version"], turn["max_version"]]
             action_start = len(response_ids)
             response_ids += out.token_ids
             response_mask += [1] * len(out.token_ids)

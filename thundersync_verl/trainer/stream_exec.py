@@ -75,27 +75,29 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
         method = "stream_token_backward"
     elif isinstance(op, PPOBackwardOp):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-        with_ref = all("ref_lp" in r for r in chunk_rows)  # use_kl_loss: taken on arrival (streamed_step)
         chunk = build_ppo_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                                 [r["rollout_lp"] for r in chunk_rows], dp_size=dp_size, pad_token_id=pad_token_id,
                                 temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
-                                ref_log_probs=[r["ref_lp"] for r in chunk_rows] if with_ref else None)
+                                ref_log_probs=_row_field(chunk_rows, "ref_lp"))
         method = "stream_backward"
     elif isinstance(op, BackwardOp):
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-        with_lp = all("rollout_lp" in r for r in chunk_rows)
-        with_ref = all("ref_lp" in r for r in chunk_rows)  # use_kl_loss: taken on arrival (streamed_step)
         chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                                    op.dest, dp_size=dp_size, pad_token_id=pad_token_id,
                                    temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
-                                   rollout_log_probs=[r["rollout_lp"] for r in chunk_rows] if with_lp else None,
-                                   ref_log_probs=[r["ref_lp"] for r in chunk_rows] if with_ref else None)
+                                   rollout_log_probs=_row_field(chunk_rows, "rollout_lp"),
+                                   ref_log_probs=_row_field(chunk_rows, "ref_lp"))
         method = "stream_backward"
     else:
         raise TypeError(f"unknown stream op {op!r}")
     if queued:
         va.assign_non_tensor(chunk, **{SEQ_KEY: int(seq)})
     return method + suffix, (chunk,)
+
+
+def _row_field(chunk_rows: list, key: str) -> list | None:
+    """Every row's ``key`` (``rollout_lp``; ``ref_lp`` with use_kl_loss, taken on arrival), or None if a row lacks it."""
+    return [r[key] for r in chunk_rows] if all(key in r for r in chunk_rows) else None
 
 
 def _stats(op, parts: list) -> dict:

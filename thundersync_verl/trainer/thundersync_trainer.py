@@ -257,9 +257,9 @@ class ThunderSyncTrainer(api.PPOTrainer):
                 self.rollout_checkpoint.update_weights(self.global_steps)
                 return
             except Exception as exc:  # a failed push leaves the learner's weights intact: send them again
-                self.run_state.weight_push_retries += 1
                 if attempt == self.ts.weight_push_retries:
                     raise resume.push_failed(self.global_steps, attempt + 1, exc, self.config) from exc
+                self.run_state.weight_push_retries += 1
                 logger.warning("step %s: weight push failed (%s: %s); pushing version %s again (%d of %d)",
                                self.global_steps, type(exc).__name__, exc, self.global_steps, attempt + 1,
                                self.ts.weight_push_retries)
