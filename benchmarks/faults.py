@@ -13,10 +13,13 @@ Why:
 3. Exactness of resume: each resumed run pushes the weights it restored (version k) and the replay
    server keeps every push (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``); ``resume_restore_bitwise`` compares
    them with the weights the interrupted run pushed after step k, bit for bit. The final weights are
-   compared with an uninterrupted run's; a streamed step sums in arrival order, so two uninterrupted
-   runs differ too: their gap is the floor (``resume_gap_over_floor``), and ``resume_bitwise`` says
-   whether the final weights were bit-identical. Sync mode sums each batch in a fixed order, so there
-   a run resumed after step 1 must end bit-identical to the uninterrupted one (``resume_bitwise_sync``).
+   compared with an uninterrupted run's. A streamed step sums in arrival order unless
+   ``thundersync.deterministic=true`` (batch order, whole chunks: ``trajectory_source.py`` point 4), which
+   the chain and both uninterrupted runs set: then two uninterrupted runs must agree bit for bit
+   (``run_to_run_bitwise``) and so must the resumed run (``resume_bitwise``); their gap stays reported
+   (``resume_gap_over_floor``, 0 when bitwise). Sync is verl's own trainer, run as it comes: a run resumed
+   after step 1 against the uninterrupted one (``resume_bitwise_sync``; verl orders its batch by
+   TransferQueue arrival, so this is reported, not required).
 4. The recoverable faults run on the live ``hf_cpu`` rollout (a killed tool changes what the model
    sees next, which a recording cannot replay): sandboxes killed, verifier crashes, one NaN gradient,
    the first weight push cut half-way. The NaN step must take no optimizer step: its checkpoint's
@@ -47,6 +50,8 @@ STEPS = 3
 PER_STEP = modes.BATCH_PROMPTS * 4  # prompts x rollout.n
 WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 FLOOR_FACTOR = 3.0  # a resumed run's final gap may be this many times the run-to-run floor
+DETERMINISTIC = ["thundersync.deterministic=true"]  # the resume comparison's ThunderSync runs (point 3)
+RESUME_COMPARED = {"uninterrupted", "uninterrupted_again", "disk_full", "learner_kill", "verifier_hang", "resumed"}
 
 
 def setup(work: Path) -> tuple[dict, Path]:
@@ -72,9 +77,10 @@ def replay_run(name: str, ctx: dict, *, faults: str = "", extra: list[str] | Non
     env = {WEIGHTS_ENV: str(wdir), ENV: faults, LOG_ENV: str(ctx["work"] / f"faults_{name}.jsonl")}
     ckpt_args = ([f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=auto"] if ckpt
                  else ["trainer.resume_mode=disable"])
+    ordered = DETERMINISTIC if mode == "thundersync" and name in RESUME_COMPARED else []
     try:
         run = er.run_replay(mode, STEPS, ctx["inputs"], ctx["work"], "paper", ctx["rec"], 0.0, tag="_" + name,
-                            extra=ckpt_args + list(extra or []), env=env)
+                            extra=ckpt_args + ordered + list(extra or []), env=env)
         ok, error = True, ""
     except RuntimeError:
         run = from_log(ctx["work"] / f"{mode}_{name}", STEPS)
@@ -274,6 +280,7 @@ def main(argv=None) -> dict:
         "faults_tried": len(survived), "faults_survived": sum(survived.values()),
         "trajectories_lost": lost, "half_steps": half,
         "resume_bitwise": same_bits(resumed, final),
+        "run_to_run_bitwise": same_bits(weights(again, STEPS), final), "deterministic": True,
         "resume_bitwise_sync": sync["bitwise"], "resume_restore_bitwise_sync": sync["restore_bitwise"],
         "sync_resumed_steps": sync["steps_resumed"],
         "resume_restore_bitwise": all(chain["restores"].values()),

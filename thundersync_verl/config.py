@@ -252,6 +252,10 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
     run_dir: str | None = _key(None, _optional(_path, "no traces"), "folder for event traces (JSONL) and per-step timeline PNGs")
     memory_budget_bytes: int | None = _key(None, _optional(_integer(0), "unbudgeted"),
                                            "learner bytes the streamed gradient buckets may hold at once")
+    deterministic: bool = _key(False, _boolean, "GRPO: trajectories enter the learner in batch order and whole chunks, "
+                               "so a step's sums do not depend on timing (bitwise-reproducible replays and resumes; less overlap)")
+    stop_file: str | None = _key(None, _optional(_path, "no stop file"), "once this file exists the run stops at the next "
+                                 "step boundary, saving a checkpoint there when trainer.save_freq > 0 (pre-emption, time limits)")
     env: EnvConfig = _key(None, _section(EnvConfig), "the embedded tool-use task", factory=EnvConfig)
     opd: OPDConfig = _key(None, _section(OPDConfig), "OPD turn streaming and its teacher calls", factory=OPDConfig)
 

@@ -12,6 +12,8 @@
 #   DATA_DIR      train.parquet + val.parquet from                                 (required)
 #                 python -m thundersync_verl.data.swe_smith --input <SWE-smith> --out $DATA_DIR [--name val]
 #   TEACHER_PATH  teacher checkpoint, same tokenizer, e.g. Qwen3-32B              (opd)
+#   THUNDERSYNC_STOP_FILE  a path; once the file exists the run stops at the next step boundary with a
+#                 checkpoint (touch it from the scheduler's pre-emption or time-limit hook; thundersync mode)
 # Hardware toggles (defaults for B200 nodes; verl's example scripts expose the same kind of switches):
 #   ATTN_BACKEND=fused   Megatron attention: TransformerEngine's cuDNN fused attention runs on Blackwell;
 #                        set flash where a FlashAttention build for the GPU is installed

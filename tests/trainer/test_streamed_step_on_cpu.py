@@ -72,14 +72,15 @@ class _Learner:
 
 
 def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True,
-          budget_buckets: int | None = None):
+          budget_buckets: int | None = None, deterministic: bool = False):
     sizing = {} if budget_buckets is None else {"grad_numel": 1, "budget_bytes": 4 * (budget_buckets + 1)}
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4, **sizing)
     ctx = StepContext(
         worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
         make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
         forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=timeout_s, poll_s=0.001,
-        coalesce=coalesce, fused_forward=True, memory_budget_bytes=None if budget_buckets is None else 4 * budget_buckets)
+        coalesce=coalesce, fused_forward=True, memory_budget_bytes=None if budget_buckets is None else 4 * budget_buckets,
+        deterministic=deterministic)
     return StreamedStep(ctx, GRPOArrivals(planner))
 
 
@@ -125,6 +126,46 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
     assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
     assert state.rows["a_0_0"]["rollout_lp"] == [-0.5, -0.5, -0.5]  # fused: the chunk carries the rollout's
     assert torch.equal(tq.records["a_0_0"][1]["old_log_probs"], torch.tensor([-0.5, -0.5, -0.5]))
+
+
+SCHEDULES = {  # two timings of the same batch: poll at which each trajectory becomes visible
+    "groups_in_order": {"a_0_0": 1, "a_1_0": 1, "a_2_0": 2, "b_0_0": 2, "b_1_0": 3, "b_2_0": 3},
+    "reversed_interleaved": {"b_2_0": 1, "a_2_0": 1, "b_1_0": 2, "a_1_0": 4, "b_0_0": 6, "a_0_0": 9},
+}
+
+
+def _learner_calls(schedule: dict, **kw) -> list:
+    tq, learner = _TQ(), _Learner()
+    for key, at in schedule.items():
+        uid, s = key.split("_")[:2]
+        tq.add(key, REWARDS[uid][int(s)], visible_at=at)
+    _step(tq, learner, ["a", "b"], 3, **kw).run()
+    return learner.calls + [("step", learner.steps)]
+
+
+@pytest.mark.parametrize("budget_buckets", [None, 3])
+def test_deterministic_step_sends_the_same_chunks_and_folds_whatever_the_timing(budget_buckets):
+    """thundersync.deterministic: every chunk, fold and their order follow the batch, not arrival: the sums agree bitwise."""
+    runs = [_learner_calls(sched, deterministic=True, budget_buckets=budget_buckets) for sched in SCHEDULES.values()]
+    assert runs[0] == runs[1]
+    backwards = [c for c in runs[0] if c[0] == "backward"]
+    assert backwards and any(c[0] == "fold" for c in runs[0])  # streamed chunks and group folds both ran
+    free = [_learner_calls(sched) for sched in SCHEDULES.values()]  # the control: arrival order shapes the step
+    assert free[0] != free[1]
+
+
+def test_batch_order_gate_hands_on_whole_blocks_in_batch_order():
+    from thundersync_verl.trainer.trajectory_source import BatchOrderGate
+
+    gate = BatchOrderGate(["p", "q"], 2, block=3)
+    gate.add([("q_0_0", {}), ("p_1_0", {})])
+    assert gate.take() == []  # p_0 has not landed: the block is not whole
+    gate.add([("p_0_0", {})])
+    assert [k for k, _ in gate.take()] == ["p_0_0", "p_1_0", "q_0_0"] and not gate.empty
+    gate.add([("q_1_0", {})])
+    assert [k for k, _ in gate.take()] == ["q_1_0"] and gate.empty  # the last block may be shorter
+    with pytest.raises(ValueError, match="q_1_0: not an expected sample of this batch, or landed twice"):
+        gate.add([("q_1_0", {})])
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():

@@ -64,3 +64,12 @@ def test_a_memory_budget_too_small_for_one_group_is_refused_naming_the_key():
     with pytest.raises(StreamingConfigError, match=r"thundersync.memory_budget_bytes=4000 cannot hold one open group"
                                                    r"(.|\n)*one bucket = 4000 bytes(.|\n)*fix: raise thundersync.memory_budget_bytes to at least 4 x 4000"):
         build_planner(cfg, ThunderSyncConfig.from_verl(cfg), bucket_bytes=4000)
+
+
+def test_deterministic_order_is_refused_for_opd_turn_streaming():
+    with initialize_config_dir(config_dir=str(recipe_dir()), version_base=None):
+        cfg = compose(config_name="opd", overrides=BASE + ["thundersync.deterministic=true"])
+    with pytest.raises(StreamingConfigError, match=r"thundersync\.deterministic=true orders whole trajectories"
+                                                   r"(.|\n)*set thundersync\.deterministic=false for OPD"):
+        validate_thundersync_config(cfg)
+    validate_thundersync_config(_cfg("thundersync.deterministic=true"))  # GRPO: accepted

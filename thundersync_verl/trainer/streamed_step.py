@@ -32,7 +32,7 @@ from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
 from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, StreamPlanner
-from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
+from thundersync_verl.trainer.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
 
 
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
@@ -71,6 +71,7 @@ class StepContext:
     fused_forward: bool  # thundersync.learner_forward == "fused"
     memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
     ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
+    deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
 
 
 @dataclass
@@ -104,18 +105,25 @@ class ArrivalSource:
     """The batch's trajectories and, for OPD, its scored turns, as they land (one poll, one timeout).
 
     ``done`` turns true once a poll STARTS with every trajectory landed: an agent loop publishes a
-    trajectory's turns before the trajectory, so that poll still collects the last turns.
+    trajectory's turns before the trajectory, so that poll still collects the last turns. With a
+    ``gate`` (GRPO, ``thundersync.deterministic``) landed trajectories are handed on only when
+    ``release`` is true and their block is whole; ``done`` then also waits for the gate to empty.
     """
 
-    def __init__(self, trajectories: TrajectorySource, turns=None):
-        self.trajectories, self.turns = trajectories, turns
+    def __init__(self, trajectories: TrajectorySource, turns=None, gate: BatchOrderGate | None = None):
+        self.trajectories, self.turns, self.gate = trajectories, turns, gate
         self.done = False
 
-    def poll(self) -> Arrivals:
+    def poll(self, release: bool = True) -> Arrivals:
         landed_before = self.trajectories.done
         turns = self.turns.poll() if self.turns is not None else []
         trajs = [] if landed_before else self.trajectories.poll()
-        self.done = landed_before if self.turns is not None else self.trajectories.done
+        if self.gate is not None:
+            self.gate.add(trajs)
+            trajs = self.gate.take() if release else []
+            landed_before = landed_before and self.gate.empty
+        self.done = landed_before if self.turns is not None else self.trajectories.done and (
+            self.gate is None or self.gate.empty)
         return Arrivals(trajs, turns)
 
     def never_arrived(self) -> TrajectoryNeverArrived:
@@ -134,7 +142,14 @@ class StreamedStep:
         self.ctx, self.algo, self.planner = ctx, algo, algo.planner
         self.state = StepState(t_start=ctx.recorder.t_step_start)
         trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
-        self.source = ArrivalSource(trajectories, algo.begin(ctx))
+        turns = algo.begin(ctx)
+        gate = None
+        if ctx.deterministic:
+            if turns is not None:
+                raise ValueError("thundersync.deterministic=true orders whole trajectories; OPD streams turns, which "
+                                 "it cannot order. Set thundersync.deterministic=false for OPD.")
+            gate = BatchOrderGate(ctx.uids, ctx.n, algo.planner.max_chunk_size)
+        self.source = ArrivalSource(trajectories, turns, gate)
         self.pipe = ctx.make_pipeline(self._op_done)
         self._held = 0  # ready rows the last plan could not place
 
@@ -226,7 +241,7 @@ class StreamedStep:
             self.pipe.collect()
             if self.ctx.coalesce and self._plan_now():
                 return Arrivals()
-            arrivals = self.source.poll()
+            arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: one block at a time
             if arrivals or self.source.done:
                 return arrivals
             if time.time() - self.state.t_start > self.ctx.timeout_s:

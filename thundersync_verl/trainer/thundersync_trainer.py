@@ -31,6 +31,7 @@ the per-step work and a few hooks change:
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ray
@@ -89,6 +90,11 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
     if opd_enabled(config):
         validate_opd_config(config, max_chunk_size=ts.chunk_size)  # k1 policy gradient, no task rewards, one teacher
+        if ts.deterministic:
+            raise StreamingConfigError(rule_message(
+                "thundersync.deterministic=true orders whole trajectories; OPD streams scored turns",
+                "turns of different trajectories interleave with the tool calls' timing, which no batch order fixes",
+                "set thundersync.deterministic=false for OPD"))
     _check_minibatch_forward(config, ts)
     _check_kl_entropy(config)
     return ts
@@ -240,11 +246,28 @@ class ThunderSyncTrainer(api.PPOTrainer):
         return None  # nothing to pause: the rollout pool keeps its own weights until on_step_end
 
     def on_step_end(self):
-        t0 = time.time()
-        with api.marked_timer("update_weights", self.timing_raw, color="red"):
-            self._push_weights()
-        self.recorder.learner_op("weight_sync", t0, time.time())
+        if not self._stop_requested():
+            t0 = time.time()
+            with api.marked_timer("update_weights", self.timing_raw, color="red"):
+                self._push_weights()
+            self.recorder.learner_op("weight_sync", t0, time.time())
         self.recorder.flush()
+
+    def _stop_requested(self) -> bool:
+        """``thundersync.stop_file`` exists: end the run at this step boundary, its checkpoint saved.
+
+        verl's loop ends once ``global_steps`` passes ``total_training_steps``; the push is skipped (a
+        resume pushes the weights it restores), the checkpoint is written unless verl just wrote it.
+        """
+        if not self.ts.stop_file or not os.path.exists(self.ts.stop_file):
+            return False
+        save_freq = int(self.config.trainer.save_freq)
+        if save_freq > 0 and self.global_steps % save_freq and self.global_steps < self.total_training_steps:
+            self._save_checkpoint()
+        logger.warning("step %s: %s exists; the run stops at this step boundary%s", self.global_steps,
+                       self.ts.stop_file, " (checkpoint saved)" if save_freq > 0 else " (trainer.save_freq<=0: no checkpoint)")
+        self.total_training_steps = self.global_steps
+        return True
 
     def _push_weights(self) -> None:
         """Push this step's weights; a push that fails is repeated whole (``thundersync.weight_push_retries``).
@@ -331,6 +354,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
             fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
+            deterministic=ts.deterministic,
             ref_log_probs=self._ref_log_probs if self.use_reference_policy else None)
 
     def _ref_log_probs(self, keys: list, tags: list) -> dict[str, list[float]]:

@@ -10,6 +10,13 @@
 3. The source only polls (one ``kv_list`` call, a controller RPC); waiting, its interval and the
    timeout belong to the one streamed step (``streamed_step.py``): the agent loop exposes no push
    channel through verl's public surface.
+4. ``BatchOrderGate`` (``thundersync.deterministic``): a streamed step sums its gradients in the order
+   trajectories land, and floating-point addition is not associative, so two runs on the same
+   trajectories (a run and its resumed continuation) differ in the last bits. The gate hands landed
+   trajectories on in the batch's own order (prompt as the dataloader gave it, then sample index) and
+   in blocks of exactly ``block`` (the last one may be shorter), so every chunk, bucket and fold, and
+   so every sum, is the same whatever the timing. The price is overlap: a trajectory that lands early
+   waits for those before it.
 """
 
 from __future__ import annotations
@@ -62,3 +69,37 @@ class TrajectorySource:
                 self.arrival_time[key] = time.time()
                 new.append((key, tag))
         return new
+
+
+class BatchOrderGate:
+    """Landed trajectories, handed on in batch order and whole blocks (module docstring, point 4)."""
+
+    def __init__(self, uids: list[str], n_per_prompt: int, block: int):
+        if block < 1:
+            raise ValueError(f"BatchOrderGate: block must be >= 1, got {block}")
+        self.order = [(uid, str(s)) for uid in uids for s in range(n_per_prompt)]
+        self.block = block
+        self._unseen = set(self.order)
+        self._landed: dict[tuple[str, str], tuple[str, dict]] = {}
+        self._cursor = 0  # trajectories of ``order`` handed on
+
+    @property
+    def empty(self) -> bool:
+        return self._cursor >= len(self.order)
+
+    def add(self, landed: list[tuple[str, dict]]) -> None:
+        for key, tag in landed:
+            uid, session = key.split("_")[:2]
+            if (uid, session) not in self._unseen:
+                raise ValueError(f"trajectory {key}: not an expected sample of this batch, or landed twice")
+            self._unseen.discard((uid, session))
+            self._landed[(uid, session)] = (key, tag)
+
+    def take(self) -> list[tuple[str, dict]]:
+        """The next block if every trajectory of it has landed (at the batch's end, what is left), else []."""
+        end = min(self._cursor + self.block, len(self.order))
+        wanted = self.order[self._cursor:end]
+        if not wanted or any(w not in self._landed for w in wanted):
+            return []
+        self._cursor = end
+        return [self._landed.pop(w) for w in wanted]
