@@ -7,9 +7,10 @@ Why:
    steps. The run is verl's real ``main_ppo`` with the ThunderSync trainer on the embedded CPU task and
    the live ``hf_cpu`` rollout, so every part that could leak runs: Ray actors, the streaming learner,
    the tool sandboxes and verifier subprocesses, the weight pushes.
-2. It is bounded and stops by itself: the step count is the minutes over a measured step time
-   (``STEP_S``, re-measured from the run's own first steps and reported), and a hard limit of three
-   times the minutes ends a run that hangs.
+2. It is bounded and stops by itself: when the minutes are up the soak creates the run's
+   ``thundersync.stop_file`` and the trainer ends at the next step boundary (the way a scheduler's
+   pre-emption hook stops a run); the step cap (``MAX_STEPS_PER_MIN``) is only a backstop, and a hard
+   limit of three times the minutes kills a run that hangs.
 3. Every ``--sample-s`` seconds the driver and all its descendants (Ray's raylet and GCS, the worker
    actors, the sandbox processes they start) are sampled: RSS, open fds, process count. Growth is the
    last sample before the last step ended minus the first sample after the warm-up step (the first
@@ -38,7 +39,7 @@ import psutil
 from thundersync_verl.demo import parse_step_line, prepare_inputs, run_env, verl_command
 from thundersync_verl.results import add_results_dir_argument, write_result
 
-STEP_S = 20.0  # ThunderSync step of the cpu_tiny recipe on a loaded 2-core machine (measured; the run reports its own)
+MAX_STEPS_PER_MIN = 30  # a backstop cap on steps (the stop file ends the run; the cpu_tiny step takes 5-20 s here)
 PER_STEP = 8 * 4  # recipe: train_batch_size x rollout.n
 GRACE_S = 15.0  # after the driver exits, processes get this long to go before they count as leftovers
 
@@ -90,13 +91,14 @@ def run(minutes: float, work: Path, sample_s: float) -> dict:
     if not (model / "config.json").is_file():
         build_tiny_model(model)
     inputs = prepare_inputs(work, model=str(model))
-    steps = max(3, math.ceil(minutes * 60 / STEP_S))
+    steps = max(3, math.ceil(minutes * MAX_STEPS_PER_MIN))
     run_dir = work / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob("*.jsonl"):
-        stale.unlink()
+    for stale in [*run_dir.glob("*.jsonl"), run_dir / "STOP"]:
+        stale.unlink(missing_ok=True)
     cmd = verl_command(inputs, algo="grpo", mode="thundersync", steps=steps,
-                       extra=[f"thundersync.run_dir={run_dir}", "thundersync.env.trace_path=" + str(run_dir / "traj.jsonl")])
+                       extra=[f"thundersync.run_dir={run_dir}", "thundersync.env.trace_path=" + str(run_dir / "traj.jsonl"),
+                              f"thundersync.stop_file={run_dir / 'STOP'}"])
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_soak_ray_")
     samples, step_at, seen = [], {}, {}
@@ -116,6 +118,9 @@ def run(minutes: float, work: Path, sample_s: float) -> dict:
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         while proc.poll() is None:
+            if time.time() - t0 > minutes * 60 and not (run_dir / "STOP").exists():
+                (run_dir / "STOP").touch()  # point 2: the trainer stops at the next step boundary
+                print(f"[soak] {minutes} minutes up: stop file written", flush=True)
             if time.time() - t0 > 3 * minutes * 60 + 600:
                 proc.kill()  # a hung run: ends here, and is reported
                 break
@@ -126,7 +131,8 @@ def run(minutes: float, work: Path, sample_s: float) -> dict:
     time.sleep(GRACE_S)
     with open(run_dir / "samples.jsonl", "w") as f:
         f.writelines(json.dumps(s) + "\n" for s in samples)
-    return {"rc": rc, "steps": steps, "samples": samples, "step_at": step_at, "t0": t0, "t_end": time.time(),
+    stopped = "exists; the run stops at this step boundary" in (run_dir / "verl.log").read_text(errors="replace")
+    return {"rc": rc, "steps": steps, "stopped_by_stop_file": stopped, "samples": samples, "step_at": step_at, "t0": t0, "t_end": time.time(),
             "leftovers": leftovers(seen, env["RAY_TMPDIR"]), "processes_seen": len(seen), "run_dir": run_dir}
 
 
@@ -152,7 +158,8 @@ def summarise(out: dict, minutes: float) -> dict:
     step_times = [b - a for a, b in zip([out["step_at"][s] for s in steps_done], [out["step_at"][s] for s in steps_done][1:])]
     return {
         "minutes_requested": minutes, "minutes_run": round((out["t_end"] - out["t0"]) / 60, 2), "exit_code": out["rc"],
-        "steps_planned": out["steps"], "steps_completed": len(steps_done),
+        "steps_cap": out["steps"], "steps_completed": len(steps_done),
+        "stopped_by_stop_file": out["stopped_by_stop_file"],
         "step_s_median": round(sorted(step_times)[len(step_times) // 2], 2) if step_times else None,
         "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1), "rss_mb_after_warmup": round(first["rss_mb"], 1),
         "rss_mb_peak": round(max(s["rss_mb"] for s in during), 1),

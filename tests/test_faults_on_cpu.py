@@ -160,3 +160,45 @@ def test_replay_resumed_at_a_version_passes_over_the_answers_recorded_before_it(
     assert resumed.next_generate([1, 2], min_version=2).response_ids == [9]
     with pytest.raises(ReplayMissError):
         resumed.next_generate([1, 2], min_version=2)
+
+
+def test_teacher_hang_is_cut_by_the_attempt_timeout_and_retried(plan):
+    """``teacher_hang``: the agent loop's teacher request never answers; the per-attempt timeout retries it."""
+    from types import SimpleNamespace
+
+    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher, TeacherRetryPolicy, TeacherScoringError
+
+    class Server:  # verl's teacher client surface: prompt_logprobs rows, one per prefix token
+        calls = 0
+
+        async def generate(self, request_id, prompt_ids, sampling_params):
+            Server.calls += 1
+            return SimpleNamespace(extra_fields={"prompt_logprobs": [[-0.5]] * len(prompt_ids),
+                                                 "prompt_ids": [[t] for t in prompt_ids]})
+
+    faults.reload("teacher_hang@call=1")
+    teacher = AgentTurnTeacher(Server(), TeacherRetryPolicy(max_attempts=2, timeout_s=0.3))
+    values, attempts = asyncio.run(teacher.score("t", 0, [1, 2, 3, 4], 2))
+    assert attempts == 2 and values == [-0.5, -0.5] and Server.calls == 1  # the hung attempt never reached the server
+    assert [r["fault"] for r in faults.read_log(plan)] == ["teacher_hang"]
+    faults.reload("teacher_hang@every=1")  # every attempt hangs: a clear error after the last
+    with pytest.raises(TeacherScoringError, match=r"after 2 attempt\(s\); last error: no reply within teacher_timeout_s=0.2"):
+        asyncio.run(AgentTurnTeacher(Server(), TeacherRetryPolicy(max_attempts=2, timeout_s=0.2)).score("t", 0, [1, 2, 3], 1))
+
+
+def test_rollout_kill_kills_the_process_serving_the_named_call(plan):
+    """``rollout_kill@call=N``: the rollout server's process dies at its N-th generate call (a real SIGKILL)."""
+    import multiprocessing as mp
+    import signal
+
+    def serve(spec):
+        faults.reload(spec)
+        for _ in range(3):
+            faults.rollout_generate()
+
+    for spec, code in (("rollout_kill@call=2", -signal.SIGKILL), ("rollout_kill@call=4", 0)):
+        proc = mp.get_context("fork").Process(target=serve, args=(spec,))
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == code, spec
+    assert [(r["fault"], r["call"]) for r in faults.read_log(plan)] == [("rollout_kill", 2)]

@@ -18,6 +18,10 @@ Why:
        disk_full@step=S        the checkpoint of step S is written to a full disk (``/dev/full``: ENOSPC)
        push_fail@step=S        the first push of weight version S fails half-way: the learner sends half
                                of the tensors, then raises (the receiver must refuse the partial snapshot)
+       rollout_kill@call=N     a rollout server process (``replay`` / ``hf_cpu`` policy replica) SIGKILLs
+                               itself at its N-th generate call: the replica dies mid-batch
+       teacher_hang@every=N    every N-th teacher request of an agent loop (OPD) never answers: the
+                               per-attempt ``thundersync.opd.teacher_timeout_s`` must cut it and retry
    ``every``/``after``/``call`` count calls; ``batch``/``chunk``/``step`` name the place.
 4. Every fault that fires appends one JSON line to ``$THUNDERSYNC_FAULTS_LOG`` (when set), so a
    benchmark counts what was injected across processes (``benchmarks/faults.py``).
@@ -45,11 +49,14 @@ KNOWN = {
     "learner_kill": ("batch", "chunk"),
     "disk_full": ("step",),
     "push_fail": ("step",),
+    "rollout_kill": ("every", "call", "after"),
+    "teacher_hang": ("every", "call", "after"),
 }
 # Tool code that kills its own sandbox process: the sandbox sees SIGKILL, as from an OOM killer.
 KILL_CODE = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
 RAISE_CODE = "raise RuntimeError('verifier crashed (injected by THUNDERSYNC_FAULTS)')\n"
-HANG_CODE = "import time\ntime.sleep(300)\n"  # far past any step timeout, yet an orphan still ends
+HANG_S = 300  # a hang: far past any step or teacher timeout, yet an orphan still ends
+HANG_CODE = f"import time\ntime.sleep({HANG_S})\n"
 
 
 class FaultSpecError(ValueError):
@@ -157,6 +164,17 @@ def read_log(path: str | os.PathLike) -> list[dict]:
 def tool_code(code: str) -> str:
     """The code a tool call runs in its sandbox: ``sandbox_kill`` replaces it with one that is killed."""
     return KILL_CODE if _count_call("sandbox_kill") else code
+
+
+def rollout_generate() -> None:
+    """A rollout server's generate call: ``rollout_kill`` kills the replica's process here (as a lost node)."""
+    if _count_call("rollout_kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def teacher_hangs() -> bool:
+    """An agent loop's teacher request: whether ``teacher_hang`` makes it never answer."""
+    return _count_call("teacher_hang")
 
 
 def verifier_program(program: str) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from thundersync_verl import faults
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
 
@@ -143,6 +144,8 @@ class AgentTurnTeacher:
         return cls(next(iter(clients.values())), retry_policy_from_config(config))
 
     async def _ask(self, prefix: list[int]) -> list:
+        if faults.ACTIVE and faults.teacher_hangs():  # $THUNDERSYNC_FAULTS: the teacher never answers
+            await asyncio.sleep(faults.HANG_S)
         out = await self.client.generate(request_id=uuid.uuid4().hex, prompt_ids=prefix, sampling_params=dict(TEACHER_SAMPLING))
         fields = getattr(out, "extra_fields", None) or {}
         rows = fields.get("prompt_logprobs")

@@ -246,18 +246,20 @@ class ThunderSyncTrainer(api.PPOTrainer):
         return None  # nothing to pause: the rollout pool keeps its own weights until on_step_end
 
     def on_step_end(self):
-        if not self._stop_requested():
-            t0 = time.time()
-            with api.marked_timer("update_weights", self.timing_raw, color="red"):
-                self._push_weights()
-            self.recorder.learner_op("weight_sync", t0, time.time())
+        stopping = self._stop_requested()
+        t0 = time.time()
+        with api.marked_timer("update_weights", self.timing_raw, color="red"):
+            self._push_weights()  # also when stopping: the rollout ends on the weights the checkpoint holds
+        self.recorder.learner_op("weight_sync", t0, time.time())
         self.recorder.flush()
+        if stopping:
+            self.total_training_steps = self.global_steps  # verl's loop ends after this step
 
     def _stop_requested(self) -> bool:
         """``thundersync.stop_file`` exists: end the run at this step boundary, its checkpoint saved.
 
-        verl's loop ends once ``global_steps`` passes ``total_training_steps``; the push is skipped (a
-        resume pushes the weights it restores), the checkpoint is written unless verl just wrote it.
+        verl's loop ends once ``global_steps`` passes ``total_training_steps`` (set by ``on_step_end``);
+        the checkpoint is written here unless verl just wrote it.
         """
         if not self.ts.stop_file or not os.path.exists(self.ts.stop_file):
             return False
@@ -266,7 +268,6 @@ class ThunderSyncTrainer(api.PPOTrainer):
             self._save_checkpoint()
         logger.warning("step %s: %s exists; the run stops at this step boundary%s", self.global_steps,
                        self.ts.stop_file, " (checkpoint saved)" if save_freq > 0 else " (trainer.save_freq<=0: no checkpoint)")
-        self.total_training_steps = self.global_steps
         return True
 
     def _push_weights(self) -> None:

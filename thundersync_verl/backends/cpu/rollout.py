@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from thundersync_verl import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.cpu.engine import HFGenerationEngine
@@ -129,6 +130,8 @@ class HFCpuServer(contract.ServerControl):
         num_prompt_logprobs = params.pop("prompt_logprobs", None)
         if num_prompt_logprobs is not None:  # a teacher call: score the sequence, generate nothing
             return await self._score(list(prompt_ids), int(num_prompt_logprobs))
+        if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: rollout_kill
+            faults.rollout_generate()
         start = self.recorder.clock() if self.recorder is not None else 0.0
         gen = await self.engine.generate(list(prompt_ids), params)
         self.requests_served += 1

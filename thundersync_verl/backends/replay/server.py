@@ -30,6 +30,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from thundersync_verl import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section
@@ -101,6 +102,8 @@ class ReplayServer(contract.ServerControl):
         if params.get("prompt_logprobs") is not None:
             raise ValueError("rollout 'replay' serves recorded generations and cannot score prompts "
                              "(prompt_logprobs); use hf_cpu for distillation.teacher_models")
+        if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: rollout_kill
+            faults.rollout_generate()
         await self._open.wait()  # like hf_cpu: calls that arrive after an abort wait for resume
         start = self.recorder.clock() if self.recorder is not None else time.time()
         version = self.version
