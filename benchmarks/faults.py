@@ -9,7 +9,8 @@ Why:
 2. The resume chain replays one recording (``replay`` backend, the synthesised ``paper`` workload,
    nothing slept), so every attempt sees the same trajectories: ``disk_full`` at step 2's save, then a
    resume whose learner is killed between two chunks of step 3, then a resume whose verifier hangs
-   until ``thundersync.trajectory_timeout_s`` fails step 3, then a clean resume to the end.
+   until ``thundersync.trajectory_timeout_s`` fails step 3, then a resume whose rollout replica dies
+   mid-batch (its process killed at a generate call of step 3), then a clean resume to the end.
 3. Exactness of resume: each resumed run pushes the weights it restored (version k) and the replay
    server keeps every push (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``); ``resume_restore_bitwise`` compares
    them with the weights the interrupted run pushed after step k, bit for bit. The final weights are
@@ -22,7 +23,9 @@ Why:
    TransferQueue arrival, so this is reported, not required).
 4. The recoverable faults run on the live ``hf_cpu`` rollout (a killed tool changes what the model
    sees next, which a recording cannot replay): sandboxes killed, verifier crashes, one NaN gradient,
-   the first weight push cut half-way. The NaN step must take no optimizer step: its checkpoint's
+   the first weight push cut half-way; and an OPD run whose teacher leaves every 10th request
+   unanswered (the attempt timeout must retry each: ``thundersync/opd/teacher_retries``). The NaN step
+   must take no optimizer step: its checkpoint's
    parameters equal the previous step's. The cut push must be refused by the rollout and repeated
    whole: what the rollout received as version 1 equals the learner's step-1 checkpoint bit for bit.
 5. ``half_steps``: steps whose optimizer update ran on part of a batch (a step recorded with fewer
@@ -51,7 +54,10 @@ PER_STEP = modes.BATCH_PROMPTS * 4  # prompts x rollout.n
 WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 FLOOR_FACTOR = 3.0  # a resumed run's final gap may be this many times the run-to-run floor
 DETERMINISTIC = ["thundersync.deterministic=true"]  # the resume comparison's ThunderSync runs (point 3)
-RESUME_COMPARED = {"uninterrupted", "uninterrupted_again", "disk_full", "learner_kill", "verifier_hang", "resumed"}
+RESUME_COMPARED = {"uninterrupted", "uninterrupted_again", "disk_full", "learner_kill", "verifier_hang", "rollout_kill",
+                   "resumed"}
+TEACHER_HANG_EVERY = 10  # teacher requests of one agent-loop worker process
+ROLLOUT_KILL_CALL = 12  # a step of the paper workload makes ~100 generate calls: the replica dies mid-batch
 
 
 def setup(work: Path) -> tuple[dict, Path]:
@@ -123,9 +129,9 @@ def rel_gap(a: dict, b: dict, start: dict) -> float:
     return diff / moved if moved > 0 else float("inf")
 
 
-def learned_per_step(run_dir: Path) -> dict[int, int]:
+def learned_per_step(run_dir: Path, algo: str = "grpo") -> dict[int, int]:
     """Trajectories each completed step learned from (the step recorder's trace)."""
-    trace = Path(run_dir) / "grpo_thundersync.jsonl"
+    trace = Path(run_dir) / f"{algo}_thundersync.jsonl"
     counts: dict[int, int] = {}
     for line in (trace.read_text().splitlines() if trace.is_file() else []):
         rec = json.loads(line)
@@ -142,20 +148,25 @@ def resume_chain(ctx: dict) -> dict:
     runs = [replay_run("disk_full", ctx, faults="disk_full@step=2", ckpt=ckpt, expect_fail=True),
             replay_run("learner_kill", ctx, faults="learner_kill@batch=2,chunk=2", ckpt=ckpt, expect_fail=True),
             replay_run("verifier_hang", ctx, faults="verifier_hang@after=0", ckpt=ckpt, extra=hang, expect_fail=True),
+            replay_run("rollout_kill", ctx, faults=f"rollout_kill@call={ROLLOUT_KILL_CALL}", ckpt=ckpt,
+                       extra=["thundersync.trajectory_timeout_s=60"], expect_fail=True),
             replay_run("resumed", ctx, ckpt=ckpt)]
     checks = {
         "disk_full": "could not be written" in runs[0]["error"] and "No space left" in runs[0]["error"],
         "learner_kill": "learner worker died during step 3" in runs[1]["error"] and weights(runs[1], 3) is None,
         "verifier_hang": "did not arrive within" in runs[2]["error"] and weights(runs[2], 3) is None,
+        "rollout_kill": any(p in runs[3]["error"] for p in CLEAR_ERRORS) and weights(runs[3], 3) is None,
     }
     # each resume restored the last complete checkpoint bit for bit: what it pushed first is what the
     # interrupted run pushed after that step
     restores = {"learner_kill": same_bits(weights(runs[1], 1), weights(runs[0], 1)),
                 "verifier_hang": same_bits(weights(runs[2], 2), weights(runs[1], 2)),
-                "resumed": same_bits(weights(runs[3], 2), weights(runs[1], 2))}
+                "rollout_kill": same_bits(weights(runs[3], 2), weights(runs[1], 2)),
+                "resumed": same_bits(weights(runs[4], 2), weights(runs[1], 2))}
     survived = {"disk_full": checks["disk_full"] and restores["learner_kill"],
                 "learner_kill": checks["learner_kill"] and restores["verifier_hang"],
-                "verifier_hang": checks["verifier_hang"] and restores["resumed"] and runs[3]["ok"]}
+                "verifier_hang": checks["verifier_hang"] and restores["rollout_kill"],
+                "rollout_kill": checks["rollout_kill"] and restores["resumed"] and runs[4]["ok"]}
     return {"runs": runs, "checks": checks, "restores": restores, "survived": survived}
 
 
@@ -221,11 +232,33 @@ def recoverable(ctx: dict) -> dict:
             "push_retried_whole": pushed_whole, "survived": survived}
 
 
+def teacher_fault(ctx: dict) -> dict:
+    """Point 4 for OPD: every ``TEACHER_HANG_EVERY``-th teacher request never answers; the attempt timeout retries it."""
+    name = "opd_teacher_hang"
+    log = ctx["work"] / f"faults_{name}.jsonl"
+    if name in ctx.get("reuse", ()):
+        run = from_log(ctx["work"] / f"opd_thundersync_{name}", 2)
+    else:
+        log.unlink(missing_ok=True)
+        env = {ENV: f"teacher_hang@every={TEACHER_HANG_EVERY}", LOG_ENV: str(log)}
+        extra = ["thundersync.opd.teacher_timeout_s=5", "thundersync.opd.teacher_max_attempts=3"]
+        try:
+            run = modes.run_mode("thundersync", 2, ctx["inputs"], ctx["work"], algo="opd", latency_scale=0.0,
+                                 tag="_" + name, extra=extra, env_extra=env)
+            run.update(ok=True, error="")
+        except RuntimeError:
+            run = from_log(ctx["work"] / f"opd_thundersync_{name}", 2)
+    hangs = sum(f["fault"] == "teacher_hang" for f in read_log(log))
+    retries = sum(int(m.get("thundersync/opd/teacher_retries", 0)) for m in run["per_step"].values())
+    return {"run": dict(run, name=name), "hangs": hangs, "retries": retries,
+            "survived": {"teacher_hang": run["ok"] and hangs > 0 and retries >= hangs}}
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-CLEAR_ERRORS = ("could not be written", "learner worker died", "did not arrive within")
+CLEAR_ERRORS = ("could not be written", "learner worker died", "did not arrive within", "its agent loop failed")
 
 
 def first_clear_error(log: str) -> str:
@@ -240,7 +273,8 @@ def losses(runs: list[dict]) -> tuple[int, int]:
     """(trajectories lost, half steps) over every run (module docstring, point 5)."""
     lost = half = 0
     for run in runs:
-        learned = learned_per_step(run["run_dir"])
+        algo = "opd" if run["name"].startswith("opd_") else "grpo"
+        learned = learned_per_step(run["run_dir"], algo)
         per_step = PER_STEP if run["name"] != "recoverable" else modes.BATCH_PROMPTS * 4
         lost += sum(per_step - n for n in learned.values())
         half += sum(n < per_step for n in learned.values())
@@ -268,14 +302,15 @@ def main(argv=None) -> dict:
     again = replay_run("uninterrupted_again", ctx)
     chain = resume_chain(ctx)
     rec_faults = recoverable(ctx)
+    teacher = teacher_fault(ctx)
     sync = sync_resume(ctx)
     start, final = weights(base, 0), weights(base, STEPS)
     resumed = weights(chain["runs"][-1], STEPS)
     floor = rel_gap(weights(again, STEPS), final, start) if base["ok"] and again["ok"] else None
     gap = rel_gap(resumed, final, start) if resumed is not None and final is not None else None
-    survived = {**chain["survived"], **rec_faults["survived"]}
+    survived = {**chain["survived"], **rec_faults["survived"], **teacher["survived"]}
     survived["resume"] = gap is not None and floor is not None and (gap == 0.0 or gap <= FLOOR_FACTOR * floor)
-    lost, half = losses([base, again, *chain["runs"], rec_faults["run"]])
+    lost, half = losses([base, again, *chain["runs"], rec_faults["run"], teacher["run"]])
     result = {
         "faults_tried": len(survived), "faults_survived": sum(survived.values()),
         "trajectories_lost": lost, "half_steps": half,
@@ -289,6 +324,7 @@ def main(argv=None) -> dict:
         "survived": survived, "checks": chain["checks"], "restores": chain["restores"],
         "recoverable_fired": rec_faults["fired"], "nan_step_params_unchanged": rec_faults["nan_step_params_unchanged"],
         "push_retried_whole": rec_faults["push_retried_whole"],
+        "teacher_hangs": teacher["hangs"], "teacher_retries": teacher["retries"],
         "errors": {r["name"]: first_clear_error(r["error"]) for r in chain["runs"]},
         "steps": STEPS, "trajectories_per_step": PER_STEP, "seconds": round(time.time() - t0, 1),
     }

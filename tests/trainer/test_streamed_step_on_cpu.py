@@ -161,11 +161,25 @@ def test_batch_order_gate_hands_on_whole_blocks_in_batch_order():
     gate.add([("q_0_0", {}), ("p_1_0", {})])
     assert gate.take() == []  # p_0 has not landed: the block is not whole
     gate.add([("p_0_0", {})])
-    assert [k for k, _ in gate.take()] == ["p_0_0", "p_1_0", "q_0_0"] and not gate.empty
+    assert gate.take() == []  # group q is not complete: its members' order is not known yet
     gate.add([("q_1_0", {})])
+    assert [k for k, _ in gate.take()] == ["p_0_0", "p_1_0", "q_0_0"] and not gate.empty
     assert [k for k, _ in gate.take()] == ["q_1_0"] and gate.empty  # the last block may be shorter
     with pytest.raises(ValueError, match="q_1_0: not an expected sample of this batch, or landed twice"):
         gate.add([("q_1_0", {})])
+
+
+def test_batch_order_gate_orders_a_groups_members_by_content_not_sample_index():
+    """The same answers dealt to other sample indices (a replay serves identical first requests in call order)."""
+    from thundersync_verl.trainer.trajectory_source import BatchOrderGate
+
+    def released(answer_of: dict) -> list:
+        gate = BatchOrderGate(["p"], 3, block=2, content=lambda keys: {k: answer_of[k] for k in keys})
+        gate.add([(k, {}) for k in answer_of])
+        return [answer_of[k] for k, _ in gate.take() + gate.take()]
+
+    assert released({"p_0_0": "b", "p_1_0": "c", "p_2_0": "a"}) == released({"p_0_0": "c", "p_1_0": "a", "p_2_0": "b"}) \
+        == ["a", "b", "c"]
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():

@@ -148,7 +148,7 @@ class StreamedStep:
             if turns is not None:
                 raise ValueError("thundersync.deterministic=true orders whole trajectories; OPD streams turns, which "
                                  "it cannot order. Set thundersync.deterministic=false for OPD.")
-            gate = BatchOrderGate(ctx.uids, ctx.n, algo.planner.max_chunk_size)
+            gate = BatchOrderGate(ctx.uids, ctx.n, algo.planner.max_chunk_size, content=self._row_content)
         self.source = ArrivalSource(trajectories, turns, gate)
         self.pipe = ctx.make_pipeline(self._op_done)
         self._held = 0  # ready rows the last plan could not place
@@ -256,8 +256,9 @@ class StreamedStep:
         if not arrivals.trajectories:
             return
         keys = [k for k, _ in arrivals.trajectories]
-        rows = fetch_rows(self.ctx.tq, keys)
-        state.rows.update(rows)
+        missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
+        state.rows.update(fetch_rows(self.ctx.tq, missing) if missing else {})
+        rows = {k: state.rows[k] for k in keys}
         for key, tag in arrivals.trajectories:
             self.algo.admit_trajectory(key, rows[key], state, t_seen)
             self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
@@ -282,6 +283,11 @@ class StreamedStep:
                     state.forward_metrics[name] = max(state.forward_metrics.get(name, float("-inf")), value)
                 else:
                     state.forward_metrics.setdefault(name, value)
+
+    def _row_content(self, keys: list) -> dict[str, tuple]:
+        """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
+        self.state.rows.update(fetch_rows(self.ctx.tq, keys))
+        return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
 
     def _old_log_probs_from_rollout(self, keys: list) -> dict[str, list[float]]:
         """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode).

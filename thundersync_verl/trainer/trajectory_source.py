@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 class TrajectoryNeverArrived(RuntimeError):
@@ -72,20 +72,28 @@ class TrajectorySource:
 
 
 class BatchOrderGate:
-    """Landed trajectories, handed on in batch order and whole blocks (module docstring, point 4)."""
+    """Landed trajectories, handed on in batch order and whole blocks (module docstring, point 4).
 
-    def __init__(self, uids: list[str], n_per_prompt: int, block: int):
+    The order is the batch's prompts as the dataloader gave them; within a prompt's group, the
+    members sorted by ``content`` (key -> a sortable value, e.g. the tokens) when given, else by
+    sample index. Content, because which sample index receives which of a group's answers depends on
+    the order the n identical first requests were served, and the step must not.
+    """
+
+    def __init__(self, uids: list[str], n_per_prompt: int, block: int,
+                 content: Callable[[list[str]], dict[str, Any]] | None = None):
         if block < 1:
             raise ValueError(f"BatchOrderGate: block must be >= 1, got {block}")
-        self.order = [(uid, str(s)) for uid in uids for s in range(n_per_prompt)]
-        self.block = block
-        self._unseen = set(self.order)
-        self._landed: dict[tuple[str, str], tuple[str, dict]] = {}
-        self._cursor = 0  # trajectories of ``order`` handed on
+        self.uids, self.n, self.block, self.content = list(uids), n_per_prompt, block, content
+        self._unseen = {(uid, str(s)) for uid in uids for s in range(n_per_prompt)}
+        self._landed: dict[str, dict[str, tuple[str, dict]]] = {uid: {} for uid in uids}  # uid -> session -> (key, tag)
+        self._order: list[tuple[str, dict]] = []  # complete groups, in batch order, members sorted
+        self._groups_ordered = 0
+        self._cursor = 0  # entries of ``_order`` handed on
 
     @property
     def empty(self) -> bool:
-        return self._cursor >= len(self.order)
+        return self._groups_ordered == len(self.uids) and self._cursor >= len(self._order)
 
     def add(self, landed: list[tuple[str, dict]]) -> None:
         for key, tag in landed:
@@ -93,13 +101,20 @@ class BatchOrderGate:
             if (uid, session) not in self._unseen:
                 raise ValueError(f"trajectory {key}: not an expected sample of this batch, or landed twice")
             self._unseen.discard((uid, session))
-            self._landed[(uid, session)] = (key, tag)
+            self._landed[uid][session] = (key, tag)
 
     def take(self) -> list[tuple[str, dict]]:
         """The next block if every trajectory of it has landed (at the batch's end, what is left), else []."""
-        end = min(self._cursor + self.block, len(self.order))
-        wanted = self.order[self._cursor:end]
-        if not wanted or any(w not in self._landed for w in wanted):
+        while self._groups_ordered < len(self.uids) and len(self._landed[self.uids[self._groups_ordered]]) == self.n:
+            members = self._landed.pop(self.uids[self._groups_ordered])
+            entries = [members[s] for s in sorted(members, key=int)]
+            if self.content is not None:
+                value = self.content([k for k, _ in entries])
+                entries.sort(key=lambda e: value[e[0]])  # stable: equal content keeps sample order
+            self._order += entries
+            self._groups_ordered += 1
+        end = min(self._cursor + self.block, len(self._order))
+        if self._cursor == end or (end - self._cursor < self.block and self._groups_ordered < len(self.uids)):
             return []
-        self._cursor = end
-        return [self._landed.pop(w) for w in wanted]
+        block, self._cursor = self._order[self._cursor:end], end
+        return block
