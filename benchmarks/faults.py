@@ -122,11 +122,10 @@ def same_bits(a: dict | None, b: dict | None) -> bool:
 
 def rel_gap(a: dict, b: dict, start: dict) -> float:
     """||a - b|| / ||b - start|| over every parameter (float64)."""
-    import torch
+    from thundersync_harness.main_ppo_runs import distance
 
-    diff = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b) ** 0.5
-    moved = sum(float((b[k].double() - start[k].double()).norm() ** 2) for k in b) ** 0.5
-    return diff / moved if moved > 0 else float("inf")
+    moved = distance(b, start)
+    return distance(a, b) / moved if moved > 0 else float("inf")
 
 
 def learned_per_step(run_dir: Path, algo: str = "grpo") -> dict[int, int]:

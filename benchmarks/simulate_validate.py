@@ -43,9 +43,9 @@ import numpy as np
 from thundersync_verl.sim.engine import simulate
 from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table
 from thundersync_verl.sim.calibrate import landing_latency, transferred
-from thundersync_verl.sim.trace import (TraceSource, _backward_records_per_step, find_traces, fit_learner_costs,
-                                        load_trace, measured_step_time, records_recompute_prefix, replay,
+from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
+from thundersync_verl.sim.transfer import fit_call_costs, shared_cores_for, transfer_costs
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -91,51 +91,114 @@ def validate_file(path: Path) -> dict:
             "dropped_steps": source.dropped_steps}
 
 
-def out_of_sample_costs(fit, target, cfg):
-    """The fit run's learner costs for the target's configuration: with the old-log-prob forward only when the
-    target's learner runs one (plain Sync, Async), per-record overhead times the target's records per step."""
-    fit_trace, fit_calib = fit
-    if not any(r["op"] == "forward" for r in target.learner):
-        fit_trace = replace(fit_trace, learner=[r for r in fit_trace.learner if r["op"] != "forward"])
-    split = target.algo == "opd" and cfg.resolved_granularity() == "turn"
-    costs = replace(fit_learner_costs(fit_trace, fit_calib.contention, split_forward=split),
-                    step_gap_s=fit_calib.step_gap_s, prefix_recompute=split and records_recompute_prefix(target))
-    if cfg.resolved_granularity() == "batch":
-        costs = replace(costs, chunk_overhead_s=costs.chunk_overhead_s * _backward_records_per_step(target))
-    return costs
+def is_bypass(path: Path) -> bool:
+    """Sync in verl's bypass mode (no separate old-log-prob forward): modes.py names its trace *_bypass."""
+    return Path(path).stem.endswith("_bypass")
 
 
-def predict_file(path: Path, fit) -> dict:
+def rollout_on_own_device(path: Path) -> bool:
+    """An emulated-device run (``modes.py --rollout emulated`` writes meta.json beside its traces)."""
+    return (Path(path).parent / "meta.json").is_file()
+
+
+def predict_file(path: Path, fit, micro_batch: int | None) -> dict:
     """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
+    fit_trace, fit_calib, fit_path = fit
     trace = load_trace(path)
     sim_mode, own = replay_calibration(trace)
-    calib = transferred(own, fit[1], landing_latency(*fit))
+    calib = shared_cores_for(transferred(own, fit_calib, landing_latency(fit_trace, fit_calib)), sim_mode,
+                             rollout_on_own_device(fit_path))
     source = TraceSource(trace, stream=sim_mode == "fully_async", calib=calib)
     cfg = replay_config(trace, source, 1, sim_mode, calib)
-    res = simulate(cfg, source, out_of_sample_costs(fit, trace, cfg))
+    costs = transfer_costs((fit_trace, fit_calib, is_bypass(fit_path)), trace, is_bypass(path),
+                           cfg.resolved_granularity(), micro_batch)
+    res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
-    return {"file": str(path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
-            "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0}
+    return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
+            "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0,
+            "measured_split": measured_split(trace), "predicted_split": simulated_split(res)}
 
 
-def out_of_sample(fit_path: Path, target_dirs: list[Path]) -> dict:
-    fit_trace = load_trace(fit_path)
-    fit = (fit_trace, replay_calibration(fit_trace)[1])
-    targets = [p for d in target_dirs for p in find_traces(d) if p.resolve() != fit_path.resolve()]
+def _short(path) -> str:
+    return "/".join(Path(path).parts[-3:])
+
+
+def print_out_of_sample(rows: list[dict]) -> None:
+    table = [[_short(r["file"]), Path(r["fit"]).stem, r["sim_mode"], r["measured_s"], r["predicted_s"],
+              f"{100 * r['rel_err']:+.1f}%"] + [f"{r['measured_split'][k]:.2f} / {r['predicted_split'][k]:.2f}"
+                                                 for k in SPLIT] for r in rows]
+    print("Out of sample, per steady step, measured / predicted seconds: rollouts only, learner only, both, neither:")
+    print(format_table(table, ["trace", "fitted on", "replayed as", "measured_s", "predicted_s", "rel_err",
+                               "R only", "L only", "both", "neither"]))
+
+
+def _target_entry(r: dict) -> dict:
+    return {"fit": _short(r["fit"]), "measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
+            "rel_err": round(r["rel_err"], 4),
+            "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
+            "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
+
+
+def fit_summary(fit_path: Path, micro_batch: int | None) -> tuple[tuple, dict]:
+    """((trace, calibration, path), what was fitted) for one fit run."""
+    trace = load_trace(fit_path)
+    calib = replay_calibration(trace)[1]
+    calls = {op: fit_call_costs(trace, op, calib.contention, micro_batch) for op in ("backward", "forward")}
+    return (trace, calib, fit_path), {
+        "calls_s": {op: {k: round(v, 6) for k, v in vars(c).items()} for op, c in calls.items() if c is not None},
+        "calibration": calib.summary(), "landing_s": round(landing_latency(trace, calib), 4),
+        "rollout_on_own_device": rollout_on_own_device(fit_path)}
+
+
+def out_of_sample(fit_path: Path, target_dirs: list[Path], micro_batch: int | None = None,
+                  only: list[Path] | None = None) -> dict:
+    """Costs fitted on fit_path predict every other trace of target_dirs (or exactly `only`)."""
+    fit, summary = fit_summary(fit_path, micro_batch)
+    targets = only if only is not None else [p for d in target_dirs for p in find_traces(d)
+                                             if p.resolve() != fit_path.resolve()]
     if not targets:
         raise SystemExit(f"no target traces in {[str(d) for d in target_dirs]}: run "
                          "`python benchmarks/modes.py --rollout emulated [--workload paper]` first")
-    rows = [predict_file(p, fit) for p in targets]
-    table = [["/".join(Path(r["file"]).parts[-3:]), r["mode"], r["sim_mode"], r["measured_s"], r["predicted_s"],
-              f"{100 * r['rel_err']:+.1f}%"] for r in rows]
-    print(f"Out of sample: costs fitted on {fit_path} only")
-    print(format_table(table, ["trace", "mode", "replayed as", "measured_s", "predicted_s", "rel_err"]))
-    return {"fit": str(fit_path), "fit_costs": {k: round(v, 6) if isinstance(v, float) else v
-                                                for k, v in vars(fit_learner_costs(fit_trace, fit[1].contention)).items()},
-            "fit_calibration": fit[1].summary(), "fit_landing_s": round(landing_latency(*fit), 4),
+    rows = [predict_file(p, fit, micro_batch) for p in targets]
+    print(f"Costs fitted on {fit_path} only:")
+    print_out_of_sample(rows)
+    return {"fit": str(fit_path), "fit_costs": summary, "rows": rows,
             "max_abs_rel_err_out_of_sample": round(max(abs(r["rel_err"]) for r in rows), 4),
-            "per_target": {t[0]: {"measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
-                                  "rel_err": round(r["rel_err"], 4)} for t, r in zip(table, rows)}}
+            "per_target": {_short(r["file"]): _target_entry(r) for r in rows}}
+
+
+# fit_per_family (module docstring, point 5): the folder of a family's traces, the files of the family in it,
+# the run every other trace is predicted from, and the run that predicts that one in turn.
+FAMILIES = {
+    "emulated_paper": ("traces_emulated_paper/r0", "grpo_*", "grpo_thundersync", "grpo_sync_bypass"),
+    "emulated_recorded": ("traces_emulated_recorded/r0", "grpo_*", "grpo_thundersync", "grpo_sync_bypass"),
+    "shared_core_grpo": ("traces", "grpo_*", "grpo_thundersync", "grpo_sync"),
+    "shared_core_opd": ("traces", "opd_*", "opd_thundersync", "opd_sync"),
+}
+
+
+def out_of_sample_families(results: Path, micro_batch: int) -> dict:
+    """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
+    families, per_target, fits = {}, {}, {}
+    for name, (folder, pattern, fit, back) in FAMILIES.items():
+        files = sorted((results / folder).glob(pattern + ".jsonl"))
+        main, other = results / folder / f"{fit}.jsonl", results / folder / f"{back}.jsonl"
+        if main not in files or other not in files:
+            print(f"note: family {name}: {main.name} or {other.name} missing in {results / folder}; not predicted")
+            continue
+        print(f"\n== {name}")
+        a = out_of_sample(main, [], micro_batch, only=[p for p in files if p != main])
+        b = out_of_sample(other, [], micro_batch, only=[main])
+        fits[_short(main)], fits[_short(other)] = a["fit_costs"], b["fit_costs"]
+        rows = a["rows"] + b["rows"]
+        families[name] = {"fits": {_short(main): "every other trace", _short(other): _short(main)},
+                          "max_abs_rel_err": round(max(abs(r["rel_err"]) for r in rows), 4)}
+        per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
+    if not per_target:
+        raise SystemExit(f"no family's traces under {results}: run `{PRODUCER} --rollout emulated` first")
+    return {"micro_batch_size": micro_batch, "fit_per_family": families, "fit_costs": fits,
+            "max_abs_rel_err_out_of_sample": max(f["max_abs_rel_err"] for f in families.values()),
+            "per_target": per_target}
 
 
 def print_report(rows: list[dict]) -> None:
@@ -188,21 +251,28 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="same replay (it is already fast); kept for uniformity")
     ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
     ap.add_argument("--out-of-sample", action="store_true", help="fit on one trace (--fit), predict the others")
-    ap.add_argument("--fit", default=None, help="--out-of-sample: the trace costs are fitted on (default: "
-                    "traces_emulated_paper/r0/grpo_thundersync.jsonl in the results folder; point 5)")
-    ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample: folders of traces to predict "
-                    "(default: every traces_emulated_*/r*/ folder of the results folder)")
+    ap.add_argument("--fit", default=None, help="--out-of-sample: one trace to fit on instead of the families' fits "
+                    "(point 5); its predictions of --targets are written instead")
+    ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample with --fit: folders of traces to "
+                    "predict (default: the fit trace's folder)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="--out-of-sample: the runs' learner micro-batch "
+                    "(benchmarks/modes.py trains one trajectory per micro-batch)")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
-        fit = Path(args.fit) if args.fit else results / "traces_emulated_paper" / "r0" / "grpo_thundersync.jsonl"
+        if args.fit is None:
+            write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, args.micro_batch_size),
+                         args.results_dir)
+            return 0
+        fit = Path(args.fit)
         if not fit.is_file():
-            print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first (or pass --fit).", file=sys.stderr)
+            print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first.", file=sys.stderr)
             return 2
-        dirs = [Path(d) for d in args.targets] if args.targets else [
-            d for d in sorted(results.glob("traces_emulated_*/r*")) if not d.parent.name.endswith("_quick")]
-        write_result(f"{SCRIPT}_out_of_sample", out_of_sample(fit, dirs), args.results_dir)
+        dirs = [Path(d) for d in args.targets] if args.targets else [fit.parent]
+        out = out_of_sample(fit, dirs, args.micro_batch_size)
+        out.pop("rows")
+        write_result(f"{SCRIPT}_out_of_sample", out, args.results_dir)
         return 0
     tmp = None
     if args.self_test:

@@ -134,12 +134,14 @@ SCHEDULES = {  # two timings of the same batch: poll at which each trajectory be
 }
 
 
-def _learner_calls(schedule: dict, **kw) -> list:
+def _learner_calls(schedule: dict, names: dict | None = None, **kw) -> list:
+    """The learner's calls for one arrival ``schedule``; ``names`` renames the prompts (verl's uids are random)."""
+    names = names or {"a": "a", "b": "b"}
     tq, learner = _TQ(), _Learner()
     for key, at in schedule.items():
-        uid, s = key.split("_")[:2]
-        tq.add(key, REWARDS[uid][int(s)], visible_at=at)
-    _step(tq, learner, ["a", "b"], 3, **kw).run()
+        uid, s, i = key.split("_")
+        tq.add(f"{names[uid]}_{s}_{i}", REWARDS[uid][int(s)], visible_at=at)
+    _step(tq, learner, [names["a"], names["b"]], 3, **kw).run()
     return learner.calls + [("step", learner.steps)]
 
 
@@ -147,7 +149,9 @@ def _learner_calls(schedule: dict, **kw) -> list:
 def test_deterministic_step_sends_the_same_chunks_and_folds_whatever_the_timing(budget_buckets):
     """thundersync.deterministic: every chunk, fold and their order follow the batch, not arrival: the sums agree bitwise."""
     runs = [_learner_calls(sched, deterministic=True, budget_buckets=budget_buckets) for sched in SCHEDULES.values()]
-    assert runs[0] == runs[1]
+    renamed = _learner_calls(SCHEDULES["groups_in_order"], {"a": "zz", "b": "b0"}, deterministic=True,
+                             budget_buckets=budget_buckets)  # the prompts' ids sort the other way round
+    assert runs[0] == runs[1] == renamed
     backwards = [c for c in runs[0] if c[0] == "backward"]
     assert backwards and any(c[0] == "fold" for c in runs[0])  # streamed chunks and group folds both ran
     free = [_learner_calls(sched) for sched in SCHEDULES.values()]  # the control: arrival order shapes the step

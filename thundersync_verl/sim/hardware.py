@@ -105,12 +105,13 @@ class LearnerCosts:
     forward_s_per_token: float = 0.0
     forward_overhead_s: float = 0.0
     step_gap_s: float = 0.0  # driver time between a weight push and the next step (data loading, bookkeeping)
+    s_per_row: float = 0.0  # host work per trained row (one micro-batch of one sequence: dispatch, loss, bookkeeping)
 
     def sequence_cost(self, lo, hi):
         """Seconds on one replica to train positions [lo, hi) of a sequence (arrays allowed)."""
         if self.prefix_recompute:
             lo = 0 * lo
-        return self.s_per_token * (hi - lo) + self.s_per_token_sq * (hi * hi - lo * lo)
+        return self.s_per_row + self.s_per_token * (hi - lo) + self.s_per_token_sq * (hi * hi - lo * lo)
 
 
 @dataclass(frozen=True)

@@ -259,8 +259,11 @@ class StreamedStep:
         missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
         state.rows.update(fetch_rows(self.ctx.tq, missing) if missing else {})
         rows = {k: state.rows[k] for k in keys}
+        gate = self.source.gate
         for key, tag in arrivals.trajectories:
-            self.algo.admit_trajectory(key, rows[key], state, t_seen)
+            planned = key if gate is None else gate.alias[key]  # deterministic: ids by batch place, not random uids
+            state.rows[planned] = rows[key]
+            self.algo.admit_trajectory(planned, rows[key], state, t_seen)
             self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
             state.keys.append(key)
             state.tags.append(tag)
@@ -318,7 +321,8 @@ class GRPOArrivals:
         self.planner = planner
 
     def begin(self, ctx: StepContext):
-        self.planner.begin_batch({uid: ctx.n for uid in ctx.uids})
+        groups = [f"{i:08d}" for i in range(len(ctx.uids))] if ctx.deterministic else ctx.uids  # BatchOrderGate.alias
+        self.planner.begin_batch({gid: ctx.n for gid in groups})
         return None  # no turn source
 
     def admit_turn(self, turn, tag, state: StepState, t_seen: float) -> None:

@@ -77,7 +77,9 @@ class BatchOrderGate:
     The order is the batch's prompts as the dataloader gave them; within a prompt's group, the
     members sorted by ``content`` (key -> a sortable value, e.g. the tokens) when given, else by
     sample index. Content, because which sample index receives which of a group's answers depends on
-    the order the n identical first requests were served, and the step must not.
+    the order the n identical first requests were served, and the step must not. ``alias`` names each
+    handed-on trajectory by its place in that order: the planner ranks groups and members by their
+    ids, and verl's prompt ids are random, so the planner is given these names instead.
     """
 
     def __init__(self, uids: list[str], n_per_prompt: int, block: int,
@@ -90,6 +92,7 @@ class BatchOrderGate:
         self._order: list[tuple[str, dict]] = []  # complete groups, in batch order, members sorted
         self._groups_ordered = 0
         self._cursor = 0  # entries of ``_order`` handed on
+        self.alias: dict[str, str] = {}  # trajectory key -> its place in the order, "<group>_<member>" (zero-padded)
 
     @property
     def empty(self) -> bool:
@@ -111,6 +114,8 @@ class BatchOrderGate:
             if self.content is not None:
                 value = self.content([k for k, _ in entries])
                 entries.sort(key=lambda e: value[e[0]])  # stable: equal content keeps sample order
+            for rank, (key, _) in enumerate(entries):
+                self.alias[key] = f"{self._groups_ordered:08d}_{rank:04d}"
             self._order += entries
             self._groups_ordered += 1
         end = min(self._cursor + self.block, len(self._order))

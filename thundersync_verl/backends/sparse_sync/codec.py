@@ -18,8 +18,10 @@ Why:
 4. A checksum over the buckets and the manifest travels with every push (wrapping int64 sums of the
    bytes per block, mixed with each block's position: one reduction pass over the changed pairs
    only); the receiver recomputes it before touching its weights.
-5. Only torch and numpy are imported. On CPU tensors the compare, flatnonzero and block sums run as
-   numpy kernels on zero-copy views (1.5-5x faster than torch's there); any other device runs torch's.
+5. Three interchangeable kernels give the same payloads bit for bit (tested): on CPU tensors the
+   compiled one (``native``: the diff in one pass, see ``kernels.cpp``) when it is built, else
+   numpy's compare, flatnonzero and block sums on zero-copy views (1.5-5x faster than torch's
+   there); any other device runs torch's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from thundersync_verl.backends.sparse_sync import native
 
 INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
@@ -78,6 +82,7 @@ class Scratch:
     def __init__(self) -> None:
         self._bool: dict[str, np.ndarray] = {}
         self._arange = np.empty(0, dtype=np.int64)
+        self._pairs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def mask(self, slot: str, n: int) -> np.ndarray:
         buf = self._bool.get(slot)
@@ -90,6 +95,14 @@ class Scratch:
             self._arange = np.arange(max(n, 1 << 16), dtype=np.int64)
         return self._arange[:n]
 
+    def pairs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``n`` int32 positions and ``n`` values of ``dtype`` (the compiled diff's output)."""
+        bufs = self._pairs.get(dtype)
+        if bufs is None or bufs[0].numel() < n:
+            size = max(n, 1 << 16)
+            bufs = self._pairs[dtype] = (torch.empty(size, dtype=INDEX_DTYPE), torch.empty(size, dtype=dtype))
+        return bufs[0][:n], bufs[1][:n]
+
 
 def diff_update(new: torch.Tensor, old: torch.Tensor, *, words: bool = True, kernel: str | None = None,
                 scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +112,14 @@ def diff_update(new: torch.Tensor, old: torch.Tensor, *, words: bool = True, ker
     ``words``: compare eight bytes at a time and split only the changed words into elements (used
     when the word view is aligned; below ~12% changed bf16 elements it costs less than an element
     compare: the index extraction scans a quarter as many flags). ``kernel``: "numpy" (CPU default:
-    numpy's compare and flatnonzero run 1.5-3x faster than torch's there, on the same memory) or
-    "torch" (any device). ``scratch``: reusable buffers for the CPU kernel.
+    numpy's compare and flatnonzero run 1.5-3x faster than torch's there, on the same memory),
+    "torch" (any device) or "native" (the compiled one-pass diff, word-wide whatever ``words``).
+    Default: "native" on CPU when it is built, else "numpy" on CPU, else "torch". ``scratch``:
+    reusable buffers for the CPU kernels.
     """
-    kernel = kernel or ("numpy" if new.device.type == "cpu" else "torch")
+    kernel = kernel or default_kernel(new, old)
+    if kernel == "native":
+        return _diff_native(new, old, scratch or Scratch())
     words_new, words_old = (_as_words(new), _as_words(old)) if words else (None, None)
     if words_new is None or words_old is None:
         if kernel == "numpy":
@@ -114,6 +131,27 @@ def diff_update(new: torch.Tensor, old: torch.Tensor, *, words: bool = True, ker
     if kernel == "numpy":
         return _diff_words_numpy(words_new.numpy(), words_old.numpy(), new.numpy().dtype, scratch or Scratch())
     return _diff_words_torch(words_new, words_old, new.dtype)
+
+
+def default_kernel(*tensors: torch.Tensor) -> str:
+    """"native" when the compiled kernels are built and take these tensors, else "numpy" on CPU, else "torch"."""
+    if native.usable_for(*tensors) is not None:
+        return "native"
+    return "numpy" if all(t.device.type == "cpu" for t in tensors) else "torch"
+
+
+def _native_for(*tensors: torch.Tensor):
+    kernels = native.usable_for(*tensors)
+    if kernels is None:
+        raise RuntimeError(f"the compiled sparse_sync kernels cannot take these tensors (flat contiguous CPU ones "
+                           f"only) or are not built: {native.why_unavailable()}")
+    return kernels
+
+
+def _diff_native(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    pos, values = scratch.pairs(new.numel(), new.dtype)
+    k = _native_for(new, old).diff_update(new, old, pos, values)
+    return pos[:k].clone(), values[:k].clone()  # the scratch is reused by the next chunk
 
 
 def _diff_elements_numpy(new: np.ndarray, old: np.ndarray, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +330,10 @@ def block_digest(t: torch.Tensor, block: int = 1024, kernel: str | None = None) 
     words = (words if words.data_ptr() % WORD_BYTES == 0 else words.clone()).view(torch.int64)  # [n_words]
     n_full = n_words // block
     rest = words[n_full * block :]
-    if (kernel or ("numpy" if words.device.type == "cpu" else "torch")) == "numpy":  # unsigned: defined wrap
+    kernel = kernel or default_kernel(words)
+    if kernel == "native":
+        mixed, rest_sum = _native_for(words).block_digest(words, block)
+    elif kernel == "numpy":  # unsigned: defined wrap
         arr = words.numpy().view(np.uint64)
         sums = np.add.reduce(arr[: n_full * block].reshape(n_full, block), axis=1)  # [n_full]
         mixed = int(np.add.reduce(sums * np.arange(1, 2 * n_full, 2, dtype=np.uint64))) if n_full else 0

@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from thundersync_verl.backends.sparse_sync import codec
+from thundersync_verl.backends.sparse_sync import codec, native
 from thundersync_verl.core.errors import rule_message
 
 DEFAULT_CHUNK_ELEMS = 1 << 20  # 2 MB of bf16: the cast chunk stays in cache for the diff
@@ -249,6 +249,14 @@ class Mirror:
             self._index = torch.empty(indices.numel(), dtype=torch.int64, device=self.device)
         return self._index[: indices.numel()].copy_(indices)
 
+    def _scatter(self, target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """``target[indices] = values``: the compiled kernel on CPU (int32 positions as sent), else index_copy_."""
+        kernels = native.usable_for(target, indices, values)
+        if kernels is not None:
+            kernels.scatter(target, indices, values)
+        else:
+            target.index_copy_(0, self._positions(indices), values)
+
     def reset(self) -> None:
         self.flat.clear()
         self.shapes.clear()
@@ -297,7 +305,7 @@ class Mirror:
                 target.copy_(values)
                 stats.dense_elems += e.count
             else:
-                target.index_copy_(0, self._positions(bucket.indices[e.idx_off : e.idx_off + e.count]), values)
+                self._scatter(target, bucket.indices[e.idx_off : e.idx_off + e.count], values)
                 stats.pairs += e.count
             stats.entries += 1
             stats.names.add(e.name)

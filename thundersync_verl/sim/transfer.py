@@ -1,0 +1,152 @@
+"""Out-of-sample transfer: one run's measured learner and system costs, another run's configuration.
+
+Why this module exists:
+1. A simulator is only as good as its predictions of runs it was not fitted on. The fit run's
+   records measure the learner; the target contributes only its workload (the replayed
+   trajectories) and its configuration (mode, micro-batch size, whether its learner runs a
+   separate old-log-prob forward). Nothing here reads a target's step time or op durations.
+2. One learner call costs a call overhead (the driver's request to the worker, the batch's
+   transfer), plus host work per trained row (one micro-batch of one sequence: dispatch,
+   loss, bookkeeping), plus compute per token. A streamed run's records (many calls of 1 to
+   a few rows and of different lengths) separate the three (`fit_call_costs`, non-negative
+   least squares); a batch trainer's update is ONE call of all its rows, so the same three
+   numbers price it. Fitting "overhead + cost x tokens" instead, as the in-sample replay
+   does, folds the per-row work into one of the two and mispredicts the other shape: on a
+   0.4 M-parameter model the per-row work is most of a micro-batch's time.
+3. A separate old-log-prob forward (verl's Sync as configured, one-step-off Async, Fully
+   Async; not Sync in bypass mode, not ThunderSync, which takes the old log-probs from its own
+   forward) is one more call over the same rows without gradients: the call overhead, half
+   the per-row host work (the forward's dispatches, not the backward's) and a third of the
+   per-token compute (forward 2 P FLOPs of the 6 P of a forward and backward, hardware.py).
+   A fit run that records the forward itself (`forward` records) gives it directly instead.
+4. How much the learner slows while rollouts run is a property of what shares the learner's
+   cores: with the rollout engine on the same cores (the shared-core runs) it is the engine's
+   decoding and applies to every mode; with the rollout on its own (emulated) device the
+   engine costs no CPU, and what slowed the fit run's learner was its own driver taking
+   arrivals in on the learner's core, which only a streaming trainer does
+   (`shared_cores_for`).
+5. Driver work between steps (the step gap) is the trainer's own bookkeeping: it transfers
+   between runs of the same trainer, and is zero where the fit run's trainer differs (the fit
+   does not measure another trainer's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .calibrate import Calibration, op_overlap
+from .hardware import LearnerCosts
+from .trace import Trace, fit_learner_costs, parse_mode, records_recompute_prefix
+
+FORWARD_FLOP_SHARE = 1.0 / 3.0  # a forward is 2 P of the 6 P FLOPs per token of a forward and backward
+FORWARD_HOST_SHARE = 0.5  # a forward dispatches the forward's ops; a training row dispatches those and the backward's
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """Seconds of one learner call: call_s + row_s x rows + token_s x tokens (alone, no shared-core slowdown)."""
+
+    call_s: float
+    row_s: float
+    token_s: float
+
+    def forward(self) -> "CallCosts":
+        """The same rows through a forward without gradients (module docstring, point 3)."""
+        return CallCosts(self.call_s, self.row_s * FORWARD_HOST_SHARE, self.token_s * FORWARD_FLOP_SHARE)
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[K] argmin |x c - y|^2 with c >= 0, by trying every support (K is 3 here)."""
+    best, out = np.inf, np.zeros(x.shape[1])
+    for k in range(1, x.shape[1] + 1):
+        for support in itertools.combinations(range(x.shape[1]), k):
+            coef, *_ = np.linalg.lstsq(x[:, support], y, rcond=None)
+            if (coef >= 0).all():
+                err = float(((x[:, support] @ coef - y) ** 2).sum())
+                if err < best:
+                    best, out = err, np.zeros(x.shape[1])
+                    out[list(support)] = coef
+    return out
+
+
+def record_rows(trace: Trace, recs: list, micro_batch: int | None) -> np.ndarray:
+    """[R] rows each record trained: its `rows`, else its step's trajectories (a batch trainer's update);
+    micro_batch None: every record is one row (a trace written by the simulator's own cost model)."""
+    if micro_batch is None:
+        return np.ones(len(recs))
+    per_step = Counter(r["step"] for r in trace.trajectories)
+    return np.asarray([r["rows"] if isinstance(r.get("rows"), int) else -(-per_step[r["step"]] // micro_batch)
+                       for r in recs], dtype=np.float64)
+
+
+def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | None) -> CallCosts | None:
+    """CallCosts of one op kind from its records (durations at their alone speed); None without records."""
+    recs = [r for r in trace.learner if r["op"] == op]
+    if not recs:
+        return None
+    secs = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
+    if contention > 1.0:
+        secs = secs / (1.0 + (contention - 1.0) * op_overlap(trace, recs))
+    tokens = np.asarray([r["tokens"] for r in recs], dtype=np.float64)
+    rows = record_rows(trace, recs, micro_batch)
+    if micro_batch is None or len(np.unique(rows)) < 2:  # rows cannot be told from calls: one line per record
+        base = fit_learner_costs(replace(trace, learner=recs), contention)
+        if micro_batch is None:
+            return CallCosts(base.chunk_overhead_s, 0.0, base.s_per_token)
+        return CallCosts(0.0, base.chunk_overhead_s / float(rows.mean()), base.s_per_token)
+    call, row, token = nonnegative_least_squares(np.stack([np.ones_like(tokens), rows, tokens], axis=1), secs)
+    return CallCosts(float(call), float(row), float(token))
+
+
+def separate_forward(trace: Trace, bypass: bool) -> bool:
+    """Whether the run's learner computed old log-probs in a call of their own (module docstring, point 3)."""
+    mode = parse_mode(trace.mode)[0]
+    return mode in ("sync", "async", "fully_async") and not bypass and any(r["op"] == "forward" for r in trace.learner)
+
+
+def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: bool) -> Calibration:
+    """The fit run's shared-core slowdowns as they apply to the target (module docstring, point 4)."""
+    if rollout_on_own_device and target_mode != "thundersync":
+        return replace(fit, contention=1.0, rollout_contention=1.0)
+    return fit
+
+
+def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_bypass: bool, gran: str,
+                   micro_batch: int | None) -> LearnerCosts:
+    """The fit run's learner costs for the target's configuration.
+
+    fit: (trace, calibration, whether its Sync ran in bypass mode). gran: the target's replayed granularity.
+    micro_batch None: each record is one call and a batch update pays one call per record of the target
+    (traces written by the simulator's own cost model, whose records are its chunks).
+    """
+    trace, calib, fit_bypass = fit
+    train = fit_call_costs(trace, "backward", calib.contention, micro_batch)
+    if train is None:
+        raise ValueError(f"{trace.path}: no backward records, so the learner's cost cannot be fitted from this run; "
+                         "fit on a run whose trainer recorded its updates (benchmarks/modes.py writes them)")
+    fixed = fit_learner_costs(replace(trace, learner=[r for r in trace.learner if r["op"] != "forward"]),
+                              calib.contention)
+    calls = train
+    if gran in ("batch", "mini_batch") and separate_forward(target, target_bypass):
+        measured = fit_call_costs(trace, "forward", calib.contention, micro_batch) \
+            if separate_forward(trace, fit_bypass) else None
+        fwd = measured or train.forward()
+        calls = CallCosts(train.call_s + fwd.call_s, train.row_s + fwd.row_s, train.token_s + fwd.token_s)
+    call_s = calls.call_s
+    if micro_batch is None and gran == "batch":
+        call_s *= _records_per_step(target)
+    same_trainer = parse_mode(trace.mode)[0] == parse_mode(target.mode)[0]
+    split = target.algo == "opd" and gran == "turn"
+    return replace(fixed, s_per_token=calls.token_s, chunk_overhead_s=call_s,
+                   s_per_row=calls.row_s / (micro_batch or 1), forward_s_per_token=0.0, forward_overhead_s=0.0,
+                   step_gap_s=calib.step_gap_s if same_trainer else 0.0,
+                   prefix_recompute=split and records_recompute_prefix(target))
+
+
+def _records_per_step(trace: Trace) -> int:
+    counts = Counter(r["step"] for r in trace.learner if r["op"] == "backward")
+    return max(1, round(float(np.median(list(counts.values()))))) if counts else 1
