@@ -45,7 +45,7 @@ from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, for
 from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
-from thundersync_verl.sim.transfer import fit_call_costs, shared_cores_for, transfer_costs
+from thundersync_verl.sim.transfer import RunSettings, fit_call_costs, shared_cores_for, transfer_costs
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -101,7 +101,7 @@ def rollout_on_own_device(path: Path) -> bool:
     return (Path(path).parent / "meta.json").is_file()
 
 
-def predict_file(path: Path, fit, micro_batch: int | None) -> dict:
+def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
     fit_trace, fit_calib, fit_path = fit
     trace = load_trace(path)
@@ -110,8 +110,10 @@ def predict_file(path: Path, fit, micro_batch: int | None) -> dict:
                              rollout_on_own_device(fit_path))
     source = TraceSource(trace, stream=sim_mode == "fully_async", calib=calib)
     cfg = replay_config(trace, source, 1, sim_mode, calib)
+    if sim_mode == "fully_async" and settings.fully_async_mini_batch:
+        cfg = replace(cfg, mini_batch=settings.fully_async_mini_batch)
     costs = transfer_costs((fit_trace, fit_calib, is_bypass(fit_path)), trace, is_bypass(path),
-                           cfg.resolved_granularity(), micro_batch)
+                           cfg.resolved_granularity(), settings.micro_batch)
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
@@ -139,27 +141,27 @@ def _target_entry(r: dict) -> dict:
             "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
 
 
-def fit_summary(fit_path: Path, micro_batch: int | None) -> tuple[tuple, dict]:
+def fit_summary(fit_path: Path, settings: RunSettings) -> tuple[tuple, dict]:
     """((trace, calibration, path), what was fitted) for one fit run."""
     trace = load_trace(fit_path)
     calib = replay_calibration(trace)[1]
-    calls = {op: fit_call_costs(trace, op, calib.contention, micro_batch) for op in ("backward", "forward")}
+    calls = {op: fit_call_costs(trace, op, calib.contention, settings.micro_batch) for op in ("backward", "forward")}
     return (trace, calib, fit_path), {
         "calls_s": {op: {k: round(v, 6) for k, v in vars(c).items()} for op, c in calls.items() if c is not None},
         "calibration": calib.summary(), "landing_s": round(landing_latency(trace, calib), 4),
         "rollout_on_own_device": rollout_on_own_device(fit_path)}
 
 
-def out_of_sample(fit_path: Path, target_dirs: list[Path], micro_batch: int | None = None,
+def out_of_sample(fit_path: Path, target_dirs: list[Path], settings: RunSettings = RunSettings(),
                   only: list[Path] | None = None) -> dict:
     """Costs fitted on fit_path predict every other trace of target_dirs (or exactly `only`)."""
-    fit, summary = fit_summary(fit_path, micro_batch)
+    fit, summary = fit_summary(fit_path, settings)
     targets = only if only is not None else [p for d in target_dirs for p in find_traces(d)
                                              if p.resolve() != fit_path.resolve()]
     if not targets:
         raise SystemExit(f"no target traces in {[str(d) for d in target_dirs]}: run "
                          "`python benchmarks/modes.py --rollout emulated [--workload paper]` first")
-    rows = [predict_file(p, fit, micro_batch) for p in targets]
+    rows = [predict_file(p, fit, settings) for p in targets]
     print(f"Costs fitted on {fit_path} only:")
     print_out_of_sample(rows)
     return {"fit": str(fit_path), "fit_costs": summary, "rows": rows,
@@ -177,7 +179,7 @@ FAMILIES = {
 }
 
 
-def out_of_sample_families(results: Path, micro_batch: int) -> dict:
+def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
     families, per_target, fits = {}, {}, {}
     for name, (folder, pattern, fit, back) in FAMILIES.items():
@@ -187,8 +189,8 @@ def out_of_sample_families(results: Path, micro_batch: int) -> dict:
             print(f"note: family {name}: {main.name} or {other.name} missing in {results / folder}; not predicted")
             continue
         print(f"\n== {name}")
-        a = out_of_sample(main, [], micro_batch, only=[p for p in files if p != main])
-        b = out_of_sample(other, [], micro_batch, only=[main])
+        a = out_of_sample(main, [], settings, only=[p for p in files if p != main])
+        b = out_of_sample(other, [], settings, only=[main])
         fits[_short(main)], fits[_short(other)] = a["fit_costs"], b["fit_costs"]
         rows = a["rows"] + b["rows"]
         families[name] = {"fits": {_short(main): "every other trace", _short(other): _short(main)},
@@ -196,7 +198,7 @@ def out_of_sample_families(results: Path, micro_batch: int) -> dict:
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
     if not per_target:
         raise SystemExit(f"no family's traces under {results}: run `{PRODUCER} --rollout emulated` first")
-    return {"micro_batch_size": micro_batch, "fit_per_family": families, "fit_costs": fits,
+    return {"settings": vars(settings), "fit_per_family": families, "fit_costs": fits,
             "max_abs_rel_err_out_of_sample": max(f["max_abs_rel_err"] for f in families.values()),
             "per_target": per_target}
 
@@ -257,12 +259,16 @@ def main(argv=None) -> int:
                     "predict (default: the fit trace's folder)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="--out-of-sample: the runs' learner micro-batch "
                     "(benchmarks/modes.py trains one trajectory per micro-batch)")
+    ap.add_argument("--fully-async-mini-batch", type=int, default=8, help="--out-of-sample: rows per Fully Async "
+                    "update (modes.py: 2-prompt mini-batches of rollout.n = 4, weights pushed once per batch); 0: one "
+                    "update per recorded backward")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
+        settings = RunSettings(args.micro_batch_size, args.fully_async_mini_batch or None)
         if args.fit is None:
-            write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, args.micro_batch_size),
+            write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, settings),
                          args.results_dir)
             return 0
         fit = Path(args.fit)
@@ -270,7 +276,7 @@ def main(argv=None) -> int:
             print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first.", file=sys.stderr)
             return 2
         dirs = [Path(d) for d in args.targets] if args.targets else [fit.parent]
-        out = out_of_sample(fit, dirs, args.micro_batch_size)
+        out = out_of_sample(fit, dirs, settings)
         out.pop("rows")
         write_result(f"{SCRIPT}_out_of_sample", out, args.results_dir)
         return 0

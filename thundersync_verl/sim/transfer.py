@@ -23,8 +23,9 @@ Why this module exists:
    cores: with the rollout engine on the same cores (the shared-core runs) it is the engine's
    decoding and applies to every mode; with the rollout on its own (emulated) device the
    engine costs no CPU, and what slowed the fit run's learner was its own driver taking
-   arrivals in on the learner's core, which only a streaming trainer does
-   (`shared_cores_for`).
+   arrivals in on the learner's core, which only a trainer that takes trajectories in one at a
+   time while it trains does (ThunderSync, Fully Async's trainer fed by its rollouter's queue),
+   not Sync nor one-step-off Async, whose driver waits for a whole batch (`shared_cores_for`).
 5. Driver work between steps (the step gap) is the trainer's own bookkeeping: it transfers
    between runs of the same trainer, and is zero where the fit run's trainer differs (the fit
    does not measure another trainer's bookkeeping).
@@ -43,7 +44,21 @@ from .hardware import LearnerCosts
 from .trace import Trace, fit_learner_costs, parse_mode, records_recompute_prefix
 
 FORWARD_FLOP_SHARE = 1.0 / 3.0  # a forward is 2 P of the 6 P FLOPs per token of a forward and backward
+STREAMING_DRIVERS = ("thundersync", "fully_async")  # trainers whose driver takes each trajectory in as it lands
 FORWARD_HOST_SHARE = 0.5  # a forward dispatches the forward's ops; a training row dispatches those and the backward's
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the targets' configuration fixes that their traces do not record (benchmarks/modes.py's settings).
+
+    micro_batch: rows per learner micro-batch; None: every learner record is one call (traces written by the
+    simulator's own cost model). fully_async_mini_batch: rows per Fully Async update (an optimizer step each,
+    weights pushed once per batch); None: one update per recorded backward record.
+    """
+
+    micro_batch: int | None = None
+    fully_async_mini_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +125,7 @@ def separate_forward(trace: Trace, bypass: bool) -> bool:
 
 def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: bool) -> Calibration:
     """The fit run's shared-core slowdowns as they apply to the target (module docstring, point 4)."""
-    if rollout_on_own_device and target_mode != "thundersync":
+    if rollout_on_own_device and target_mode not in STREAMING_DRIVERS:
         return replace(fit, contention=1.0, rollout_contention=1.0)
     return fit
 
