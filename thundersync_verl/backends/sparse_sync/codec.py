@@ -77,12 +77,17 @@ WORDS_BELOW_DENSITY = 0.12  # the word-wide diff pays off while fewer elements t
 
 
 class Scratch:
-    """Reusable CPU buffers for the diff (a fresh buffer per chunk costs page faults on every push)."""
+    """Reusable CPU buffers for the diff (a fresh buffer per chunk costs page faults on every push).
+
+    The compiled diff writes each chunk's pairs at the cursor of a per-dtype arena and returns views
+    of them, so a push's pairs are copied once, into their buckets when the payload is built; ``begin``
+    (at the start of each push) lets the next push write over them.
+    """
 
     def __init__(self) -> None:
         self._bool: dict[str, np.ndarray] = {}
         self._arange = np.empty(0, dtype=np.int64)
-        self._pairs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pairs: dict[torch.dtype, list] = {}  # dtype: [int32 positions, values, cursor]
 
     def mask(self, slot: str, n: int) -> np.ndarray:
         buf = self._bool.get(slot)
@@ -95,13 +100,24 @@ class Scratch:
             self._arange = np.arange(max(n, 1 << 16), dtype=np.int64)
         return self._arange[:n]
 
+    def begin(self) -> None:
+        """A new push: the pairs handed out so far are no longer needed (they are in their buckets)."""
+        for arena in self._pairs.values():
+            arena[2] = 0
+
     def pairs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for ``n`` int32 positions and ``n`` values of ``dtype`` (the compiled diff's output)."""
-        bufs = self._pairs.get(dtype)
-        if bufs is None or bufs[0].numel() < n:
-            size = max(n, 1 << 16)
-            bufs = self._pairs[dtype] = (torch.empty(size, dtype=INDEX_DTYPE), torch.empty(size, dtype=dtype))
-        return bufs[0][:n], bufs[1][:n]
+        """Room for ``n`` int32 positions and ``n`` values of ``dtype`` at the arena's cursor; a full
+        arena is replaced by one twice as large (views of the old one keep it alive while in use)."""
+        arena = self._pairs.get(dtype)
+        if arena is None or arena[2] + n > arena[0].numel():
+            size = max(n, 1 << 16, 0 if arena is None else 2 * arena[0].numel())
+            arena = self._pairs[dtype] = [torch.empty(size, dtype=INDEX_DTYPE), torch.empty(size, dtype=dtype), 0]
+        at = arena[2]
+        return arena[0][at : at + n], arena[1][at : at + n]
+
+    def advance(self, dtype: torch.dtype, k: int) -> None:
+        """Keep the ``k`` pairs just written (``pairs`` hands out the room after them next)."""
+        self._pairs[dtype][2] += k
 
 
 def diff_update(new: torch.Tensor, old: torch.Tensor, *, words: bool = True, kernel: str | None = None,
@@ -151,7 +167,8 @@ def _native_for(*tensors: torch.Tensor):
 def _diff_native(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     pos, values = scratch.pairs(new.numel(), new.dtype)
     k = _native_for(new, old).diff_update(new, old, pos, values)
-    return pos[:k].clone(), values[:k].clone()  # the scratch is reused by the next chunk
+    scratch.advance(new.dtype, k)
+    return pos[:k], values[:k]  # views of the scratch's arena, valid until its next ``begin``
 
 
 def _diff_elements_numpy(new: np.ndarray, old: np.ndarray, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,7 +357,7 @@ def block_digest(t: torch.Tensor, block: int = 1024, kernel: str | None = None) 
         rest_sum = int(np.add.reduce(arr[n_full * block :], dtype=np.uint64))
     else:
         sums = words[: n_full * block].view(n_full, block).sum(dim=1)  # [n_full]
-        odd = torch.arange(1, 2 * n_full, 2, dtype=torch.int64, device=words.device)
+        odd = torch.arange(1, 2 * n_full + 1, 2, dtype=torch.int64, device=words.device)  # [n_full]
         mixed, rest_sum = (int((sums * odd).sum()) if n_full else 0), int(rest.sum())
     return (raw.numel(), mixed % (1 << 64), rest_sum % (1 << 64), tail)
 

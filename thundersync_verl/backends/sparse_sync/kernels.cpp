@@ -25,23 +25,9 @@ namespace {
 
 constexpr int64_t kWordBytes = 8;
 
-// Lane numbers of the set bits of every 8-bit pattern, lowest first (the rest of each row: 0).
-struct LaneTable {
-  uint8_t lane[256][8];
-  LaneTable() {
-    for (int p = 0; p < 256; ++p) {
-      int k = 0;
-      for (int l = 0; l < 8; ++l) lane[p][l] = 0;
-      for (int l = 0; l < 8; ++l)
-        if (p >> l & 1) lane[p][k++] = static_cast<uint8_t>(l);
-    }
-  }
-};
-const LaneTable kLanesOf;
-
-// The pairs of one changed word's changed lanes. All kLanes slots are written and the count moves by
-// the number of changed lanes (no branch per lane); the caller's buffers hold one slot per element of
-// the chunk, and this word's slots start at or before its first element, so the writes stay inside.
+// The pairs of one changed word's changed lanes: every lane's pair is written and the count moves
+// only past changed ones (no branch per lane). The caller's buffers hold one slot per element of the
+// chunk, and a lane's slot is never past its element, so the writes stay inside them.
 template <typename T>
 inline int64_t emit_word(uint64_t now, uint64_t was, int64_t first, int32_t* pos, T* val, int64_t k) {
   constexpr int kLanes = kWordBytes / sizeof(T);
@@ -49,16 +35,12 @@ inline int64_t emit_word(uint64_t now, uint64_t was, int64_t first, int32_t* pos
   T lanes_was[kLanes];
   std::memcpy(lanes_now, &now, kWordBytes);
   std::memcpy(lanes_was, &was, kWordBytes);
-  unsigned pattern = 0;
-  for (int l = 0; l < kLanes; ++l) pattern |= static_cast<unsigned>(lanes_now[l] != lanes_was[l]) << l;
-  const uint8_t* lanes = kLanesOf.lane[pattern];
-  for (int j = 0; j < kLanes; ++j) {  // lane l of a word is its bytes [l * sizeof(T), (l + 1) * sizeof(T))
-    pos[k + j] = static_cast<int32_t>(first + lanes[j]);
-    uint64_t shifted = now;
-    if (sizeof(T) < kWordBytes) shifted = now >> ((sizeof(T) * 8 * lanes[j]) & 63);
-    val[k + j] = static_cast<T>(shifted);
+  for (int l = 0; l < kLanes; ++l) {
+    pos[k] = static_cast<int32_t>(first + l);
+    val[k] = lanes_now[l];
+    k += lanes_now[l] != lanes_was[l];
   }
-  return k + __builtin_popcount(pattern);
+  return k;
 }
 
 // One bit per changed word for the 64 words at a and b (bit j: word j differs).

@@ -7,16 +7,21 @@ Why:
 2. Nothing requires them: the numpy/torch kernels in ``codec`` give the same payloads bit for bit
    (tested) and stay the path on GPUs, when no compiler is present, when the build fails (logged
    once, with the reason) and when ``THUNDERSYNC_SPARSE_NATIVE=0``.
-3. The build (``torch.utils.cpp_extension``: g++ and the ninja executable) goes into a cache folder
-   keyed by the torch and Python versions (``$THUNDERSYNC_NATIVE_CACHE``, else
-   ``~/.cache/thundersync_verl/native``): later processes only load it. No ``-march=native``: a
-   cache folder shared between machines must not hold instructions one of them lacks.
+3. The build (``torch.utils.cpp_extension``: g++ and the ninja executable, ~40 s on two cores)
+   goes into a cache folder keyed by the torch and Python versions and a hash of the source
+   (``$THUNDERSYNC_NATIVE_CACHE``, else ``~/.cache/thundersync_verl/native``): later processes only
+   load it (~1 s), and a changed source builds beside the old one instead of over it. No
+   ``-march=native``: a cache shared between machines must not hold instructions one of them lacks
+   (the AVX2 compare is chosen at run time). A build lock left by a killed build is cleared after
+   ``STALE_LOCK_S`` (torch's own lock waits for it forever).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
 import platform
 import shutil
 import sys
@@ -31,6 +36,7 @@ ENV_SWITCH = "THUNDERSYNC_SPARSE_NATIVE"
 ENV_CACHE = "THUNDERSYNC_NATIVE_CACHE"
 SOURCE = Path(__file__).with_name("kernels.cpp")
 MODULE_NAME = "thundersync_sparse_sync_kernels"
+STALE_LOCK_S = 600.0
 
 _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded kernels or None; "why": the reason they are not used
@@ -40,10 +46,14 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def cache_dir() -> Path:
     root = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "thundersync_verl" / "native")
     tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
-    return root / tag
+    return root / tag / source_hash()
 
 
 def missing_tools() -> str | None:
@@ -61,8 +71,11 @@ def _build():
 
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    return load_inline(name=MODULE_NAME, cpp_sources=[SOURCE.read_text()], extra_cflags=["-O3"],
-                       build_directory=str(folder), verbose=False)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)  # a build killed midway; torch's baton would wait for it forever
+    return load_inline(name=f"{MODULE_NAME}_{source_hash()}", cpp_sources=[SOURCE.read_text()],
+                       extra_cflags=["-O3"], build_directory=str(folder), verbose=False)
 
 
 def kernels():

@@ -110,6 +110,7 @@ class ShardEncoder:
         full = force_full or self.token is None or not self.snaps
         stats = PushStats(full=full, reason="first" if self.token is None else ("forced" if full else ""))
         builder = codec.PayloadBuilder(self.bucket_bytes)
+        self._scratch.begin()  # the last push's pairs were copied into its buckets
         seen = set()
         for name, tensor in weights:
             seen.add(name)
