@@ -33,6 +33,7 @@ Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from dataclasses import replace
@@ -45,7 +46,8 @@ from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, for
 from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
-from thundersync_verl.sim.transfer import RunSettings, fit_call_costs, shared_cores_for, transfer_costs
+from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, landing_samples, shared_cores_for,
+                                           transfer_costs)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -101,6 +103,18 @@ def rollout_on_own_device(path: Path) -> bool:
     return (Path(path).parent / "meta.json").is_file()
 
 
+def policy_params(path: Path) -> int | None:
+    """The run's policy parameter count, from the meta.json ``modes.py --rollout emulated`` writes beside it."""
+    meta = Path(path).parent / "meta.json"
+    return json.loads(meta.read_text()).get("policy_params") if meta.is_file() else None
+
+
+def token_scale(fit_path: Path, target_path: Path) -> float:
+    """Target over fit policy parameters (sim/transfer.py, point 7); 1 when either is unknown."""
+    fit, target = policy_params(fit_path), policy_params(target_path)
+    return target / fit if fit and target else 1.0
+
+
 def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
     fit_trace, fit_calib, fit_path = fit
@@ -108,12 +122,13 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     sim_mode, own = replay_calibration(trace)
     calib = shared_cores_for(transferred(own, fit_calib, landing_latency(fit_trace, fit_calib)), sim_mode,
                              rollout_on_own_device(fit_path))
+    calib = replace(calib, landing_samples=landing_samples(fit_trace, barrier=sim_mode in ("sync", "async")))
     source = TraceSource(trace, stream=sim_mode == "fully_async", calib=calib)
     cfg = replay_config(trace, source, 1, sim_mode, calib)
     if sim_mode == "fully_async" and settings.fully_async_mini_batch:
         cfg = replace(cfg, mini_batch=settings.fully_async_mini_batch)
     costs = transfer_costs((fit_trace, fit_calib, is_bypass(fit_path)), trace, is_bypass(path),
-                           cfg.resolved_granularity(), settings.micro_batch)
+                           cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
@@ -169,13 +184,15 @@ def out_of_sample(fit_path: Path, target_dirs: list[Path], settings: RunSettings
             "per_target": {_short(r["file"]): _target_entry(r) for r in rows}}
 
 
-# fit_per_family (module docstring, point 5): the folder of a family's traces, the files of the family in it,
-# the run every other trace is predicted from, and the run that predicts that one in turn.
+# fit_per_family (module docstring, point 5): the folder of a family's traces and the files of the family in it, the
+# run every other trace is predicted from, and the run (a path in the results folder) that predicts that one.
 FAMILIES = {
-    "emulated_paper": ("traces_emulated_paper/r0", "grpo_*", "grpo_thundersync", "grpo_sync_bypass"),
-    "emulated_recorded": ("traces_emulated_recorded/r0", "grpo_*", "grpo_thundersync", "grpo_sync_bypass"),
-    "shared_core_grpo": ("traces", "grpo_*", "grpo_thundersync", "grpo_sync"),
-    "shared_core_opd": ("traces", "opd_*", "opd_thundersync", "opd_sync"),
+    "emulated_paper": ("traces_emulated_paper/r0", "grpo_*", "grpo_thundersync",
+                       "traces_emulated_paper/r0/grpo_sync_bypass.jsonl"),
+    "emulated_recorded": ("traces_emulated_recorded/r0", "grpo_*", "grpo_thundersync",
+                          "traces_emulated_recorded/r0/grpo_sync_bypass.jsonl"),
+    "shared_core_grpo": ("traces", "grpo_*", "grpo_thundersync", "traces/grpo_sync.jsonl"),
+    "shared_core_opd": ("traces", "opd_*", "opd_thundersync", "traces/opd_sync.jsonl"),
 }
 
 
@@ -184,8 +201,8 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     families, per_target, fits = {}, {}, {}
     for name, (folder, pattern, fit, back) in FAMILIES.items():
         files = sorted((results / folder).glob(pattern + ".jsonl"))
-        main, other = results / folder / f"{fit}.jsonl", results / folder / f"{back}.jsonl"
-        if main not in files or other not in files:
+        main, other = results / folder / f"{fit}.jsonl", results / back
+        if main not in files or not other.is_file():
             print(f"note: family {name}: {main.name} or {other.name} missing in {results / folder}; not predicted")
             continue
         print(f"\n== {name}")

@@ -53,6 +53,8 @@ class Calibration:
     contention_ops: int  # learner ops that overlapped decoding (what k was fitted from)
     rollout_contention: float = 1.0  # slowdown of decoding while the learner computes; 1 = none seen
     turn_latency_s: float | None = None  # OPD turn streaming: generation end -> trainer has the turn; None: unmeasured
+    # out of sample (transfer.landing_samples): another run's measured landings, dealt to this run's trajectories
+    landing_samples: tuple[float, ...] | None = None
 
     def summary(self) -> dict:
         out = {"reward_timing": self.reward_timing, "landing_s": round(self.landing_s, 4),

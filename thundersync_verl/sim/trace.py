@@ -252,6 +252,9 @@ class TraceSource:
             tool_s[np.cumsum(n_turns) - 1] += [slot_residual(r, self._pushes) for r in recs]  # after the last turn
             land = (np.asarray([r["t_reward"] - r["t_done"] for r in recs], dtype=np.float64)
                     if self.calib.reward_timing else np.full(len(recs), self.calib.landing_s))
+            if not self.calib.reward_timing and self.calib.landing_samples:  # dealt in order, batch after batch
+                dealt = np.asarray(self.calib.landing_samples, dtype=np.float64)
+                land = dealt[(index * len(recs) + np.arange(len(recs))) % len(dealt)]
         batch = batch_from_turns(group, len(gids), n_turns, gen_s, tool_s, new_tok, gen_tok, score, reward, seq)
         if self.algo == "opd" and self.calib is not None and self.calib.turn_latency_s is not None:
             # measured turn latency, at most until the slot frees (the agent loop returns after its turns are scored)

@@ -29,6 +29,19 @@ Why this module exists:
 5. Driver work between steps (the step gap) is the trainer's own bookkeeping: it transfers
    between runs of the same trainer, and is zero where the fit run's trainer differs (the fit
    does not measure another trainer's bookkeeping).
+6. Landing (a trajectory's end to the trainer having its reward: the verifier call, the reward
+   hop, the driver's pickup) is measured per trajectory in a run with reward timing, and it
+   grows with the load: on the emulated paper run 1.36 s on average for trajectories that
+   ended with at most one group still running, 1.91 s with more than 16 running. A barrier
+   trainer (Sync, one-step-off Async) waits for its batch's last rewards, which land when
+   few trajectories still run, so it is dealt the fit run's landings of trajectories that
+   ended with at most one group (group size) still running in their step; a streaming
+   trainer is dealt all of them (`landing_samples`), in the fit run's submission order. A
+   fit run without reward timing gives its one fitted landing latency (calibrate.py).
+7. Another model: compute per token scales with the parameter count (a forward and backward
+   is ~6 P FLOPs per token), so a target whose policy has P_t parameters gets the fit's
+   per-token cost times P_t / P_f (``token_scale``; each run's meta.json records its model's
+   parameters); call and per-row host work do not depend on the model's size.
 """
 
 from __future__ import annotations
@@ -123,6 +136,27 @@ def separate_forward(trace: Trace, bypass: bool) -> bool:
     return mode in ("sync", "async", "fully_async") and not bypass and any(r["op"] == "forward" for r in trace.learner)
 
 
+def landing_samples(trace: Trace, barrier: bool) -> tuple[float, ...] | None:
+    """The run's measured landings in submission order, step by step; barrier: only those of trajectories that
+    ended with at most one group still running in their step (module docstring, point 6). None without reward
+    timing."""
+    if not any(r["t_reward"] > r["t_done"] for r in trace.trajectories):
+        return None
+    by_step: dict = {}
+    for r in trace.trajectories:
+        by_step.setdefault(r["step"], []).append(r)
+    group = Counter(Counter(r["group_id"] for r in trace.trajectories).values()).most_common(1)[0][0]
+    out: list[float] = []
+    for step in sorted(by_step):
+        recs = sorted(by_step[step], key=lambda r: r["t_submit"])
+        start = np.asarray([r["t_submit"] for r in recs])  # [N]
+        done = np.asarray([r["t_done"] for r in recs])  # [N]
+        running = ((start[None, :] <= done[:, None]) & (done[None, :] > done[:, None])).sum(axis=1)  # [N] at each end
+        keep = running <= group if barrier else np.ones(len(recs), dtype=bool)
+        out += [r["t_reward"] - r["t_done"] for r, k in zip(recs, keep) if k]
+    return tuple(out) or None
+
+
 def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: bool) -> Calibration:
     """The fit run's shared-core slowdowns as they apply to the target (module docstring, point 4)."""
     if rollout_on_own_device and target_mode not in STREAMING_DRIVERS:
@@ -131,12 +165,13 @@ def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: 
 
 
 def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_bypass: bool, gran: str,
-                   micro_batch: int | None) -> LearnerCosts:
+                   micro_batch: int | None, token_scale: float = 1.0) -> LearnerCosts:
     """The fit run's learner costs for the target's configuration.
 
     fit: (trace, calibration, whether its Sync ran in bypass mode). gran: the target's replayed granularity.
     micro_batch None: each record is one call and a batch update pays one call per record of the target
-    (traces written by the simulator's own cost model, whose records are its chunks).
+    (traces written by the simulator's own cost model, whose records are its chunks). token_scale: the
+    target's policy parameters over the fit run's (module docstring, point 7).
     """
     trace, calib, fit_bypass = fit
     train = fit_call_costs(trace, "backward", calib.contention, micro_batch)
@@ -156,7 +191,7 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
         call_s *= _records_per_step(target)
     same_trainer = parse_mode(trace.mode)[0] == parse_mode(target.mode)[0]
     split = target.algo == "opd" and gran == "turn"
-    return replace(fixed, s_per_token=calls.token_s, chunk_overhead_s=call_s,
+    return replace(fixed, s_per_token=calls.token_s * token_scale, chunk_overhead_s=call_s,
                    s_per_row=calls.row_s / (micro_batch or 1), forward_s_per_token=0.0, forward_overhead_s=0.0,
                    step_gap_s=calib.step_gap_s if same_trainer else 0.0,
                    prefix_recompute=split and records_recompute_prefix(target))
