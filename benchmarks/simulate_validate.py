@@ -16,16 +16,20 @@ Why:
    (`python benchmarks/modes.py` writes them to benchmarks/results/traces/, the default --trace-dir).
 4. --self-test runs the same pipeline on synthetic traces (NOT measurements) to show the
    replay machinery is exact; it writes no result file.
-5. --out-of-sample: costs are fitted on ONE run (--fit, default the ThunderSync trace of the emulated-device
-   paper workload, ``modes.py --rollout emulated`` writes traces_emulated_<workload>/r<k>/) and every
-   OTHER run is predicted without refitting. The default fit is a streamed run because its learner records
-   many calls of different sizes per step, which separates the per-token from the per-call cost; a Sync
-   trace has one ``update_actor`` per step, so a fit on it cannot tell them apart (it put 4.1 s of
-   per-call overhead on every streamed chunk and predicted ThunderSync 52% to 1500% too slow). other modes, the paper-shape workload, other repeats. A
-   target contributes only its workload (its trajectories' turns, tokens, tool times) and its
-   configuration (mode, slots, micro/mini-batches, whether its learner runs a separate old-log-prob
-   forward); the learner's per-token and per-chunk costs, optimizer, weight push, landing latency, step
-   gap and shared-core slowdowns are the fit run's (``calibrate.transferred``).
+5. --out-of-sample: every trace is predicted from costs fitted on ANOTHER run, without refitting
+   (``fit_per_family``). A family is one kind of machine: the emulated-device runs (the rollout on its own
+   device, ``modes.py --rollout emulated``, one family per workload, as each workload has its own policy
+   model and verifier) and the two-shared-core runs (``modes.py``, GRPO and OPD apart: their learners
+   differ). In each family the ThunderSync run is the fit for every other trace (its learner records
+   many calls of 1 to a few rows and of different lengths, which separates a call's overhead, its
+   per-row host work and its per-token compute; a Sync trace has one update per step and cannot), and
+   the family's Sync run predicts the ThunderSync run. A target contributes only its workload (its
+   trajectories' turns, tokens, tool times) and its configuration (mode, slots, micro-batch size, Fully
+   Async's mini-batches, whether its learner runs a separate old-log-prob forward, the policy's size);
+   everything the system costs is the fit run's (sim/transfer.py: learner calls, the old-log-prob
+   forward, which shared-core slowdowns apply, step gap, landings). Printed per target: measured vs
+   predicted step time and the per-step breakdown of point 2. --fit TRACE predicts --targets from one
+   trace instead.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
      python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE] [--targets DIR ...]
 """

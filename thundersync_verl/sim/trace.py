@@ -199,7 +199,8 @@ class TraceSource:
     the k-th run of batch_size trajectories in submission order, so the replayed stream starts
     trajectories in the order the trainer did.
     calib (replay): each trajectory's slot residual is added after its last turn, its landing
-    latency is t_reward - t_done (or the fitted one when the trace has no reward timing), and
+    latency is t_reward - t_done (or the fitted one when the trace has no reward timing, or
+    another run's landings dealt in order out of sample: Calibration.landing_samples), and
     each turn's gen_s is divided by the slowdown it ran under (calibrate.py).
     """
 

@@ -1,0 +1,181 @@
+"""Out-of-sample transfer terms (sim/transfer.py): learner calls, the old-log-prob forward, shared cores, step gap,
+landings, model size (CPU, no GPU, < 5 s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from thundersync_verl.sim.calibrate import Calibration
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.trace import Trace, TraceSource
+from thundersync_verl.sim.transfer import (FORWARD_FLOP_SHARE, FORWARD_HOST_SHARE, CallCosts, fit_call_costs,
+                                           landing_samples, nonnegative_least_squares, shared_cores_for,
+                                           transfer_costs)
+
+CALL, ROW, TOKEN = 0.02, 0.015, 3e-4  # the learner every synthetic run here has
+
+
+def _traj(step: int, group: str, k: int, t_submit: float, t_done: float, t_reward: float, tokens: int = 40) -> dict:
+    return {"kind": "trajectory", "mode": "x", "algo": "grpo", "step": step, "group_id": group,
+            "traj_id": f"{group}_{k}", "t_submit": t_submit, "t_done": t_done, "t_reward": t_reward,
+            "turns": [{"gen_s": t_done - t_submit, "gen_tokens": tokens, "tool_s": 0.0, "prompt_tokens": 8}],
+            "reward_s": 0.0, "response_tokens": tokens, "prompt_tokens": 8, "policy_version": step - 1}
+
+
+def _step(mode: str, step: int, t0: float, t1: float) -> dict:
+    return {"kind": "step", "mode": mode, "algo": "grpo", "step": step, "t_start": t0, "t_end": t1,
+            "n_rollout_slots": 8}
+
+
+def _op(mode: str, step: int, op: str, t0: float, secs: float, tokens: int, rows: int | None = None) -> dict:
+    rec = {"kind": "learner", "mode": mode, "step": step, "lane": "learner0", "op": op, "t0": t0, "t1": t0 + secs,
+           "tokens": tokens}
+    return rec if rows is None else {**rec, "rows": rows}
+
+
+def _trajectories(steps: int, per_step: int = 8, group: int = 4) -> list[dict]:
+    return [_traj(s, f"g{s}_{i // group}", i, 10.0 * s, 10.0 * s + 1 + 0.1 * i, 10.0 * s + 1 + 0.1 * i)
+            for s in range(1, steps + 1) for i in range(per_step)]
+
+
+def streamed_run() -> Trace:
+    """ThunderSync-like: chunks of 1 to 4 rows and of different lengths, each costing CALL + ROW rows + TOKEN tokens."""
+    rng = np.random.default_rng(0)
+    learner, t = [], 0.0
+    for step in (1, 2, 3):
+        for _ in range(12):
+            rows, tokens = int(rng.integers(1, 5)), int(rng.integers(20, 400))
+            learner.append(_op("thundersync", step, "backward", t, CALL + ROW * rows + TOKEN * tokens, tokens, rows))
+            t += 1.0
+        learner.append(_op("thundersync", step, "optimizer", t, 0.05, 0))
+        learner.append(_op("thundersync", step, "weight_sync", t + 0.1, 0.2, 0))
+    steps = [_step("thundersync", s, 10.0 * s, 10.0 * s + 9) for s in (1, 2, 3)]
+    return Trace("streamed", _trajectories(3), learner, steps)
+
+
+def batch_run(mode: str = "sync", forward: bool = True) -> Trace:
+    """A batch trainer: one update per step over its 8 rows (micro-batch 1), optionally a separate forward."""
+    learner = []
+    for step, tokens in ((1, 300), (2, 360), (3, 330)):
+        learner.append(_op(mode, step, "backward", 10.0 * step, 0.1 + 8 * ROW + TOKEN * tokens, tokens))
+        if forward:
+            learner.append(_op(mode, step, "forward", 10.0 * step - 1, 0.5, tokens))
+    steps = [_step(mode, s, 10.0 * s, 10.0 * s + 9) for s in (1, 2, 3)]
+    return Trace("batch", _trajectories(3), learner, steps)
+
+
+def _calib(**kw) -> Calibration:
+    base = dict(reward_timing=True, landing_s=0.0, step_gap_s=0.3, slots=8, partial_rollout=False,
+                contention=1.0, contention_ops=0)
+    return Calibration(**{**base, **kw})
+
+
+def test_nonnegative_least_squares_keeps_every_coefficient_at_or_above_zero():
+    x = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert nonnegative_least_squares(x, np.array([3.0, 5.0, 7.0])) == pytest.approx([1.0, 2.0])
+    got = nonnegative_least_squares(x, np.array([3.0, 2.0, 1.0]))  # unconstrained: a negative slope
+    assert (got >= 0).all() and got[1] == 0.0
+
+
+def test_a_streamed_run_separates_call_row_and_token_costs():
+    got = fit_call_costs(streamed_run(), "backward", contention=1.0, micro_batch=1)
+    assert (got.call_s, got.row_s, got.token_s) == pytest.approx((CALL, ROW, TOKEN), rel=1e-6)
+
+
+def test_a_batch_run_puts_its_per_record_intercept_on_its_rows():
+    got = fit_call_costs(batch_run(), "backward", contention=1.0, micro_batch=1)
+    assert got.call_s == 0.0
+    assert got.row_s == pytest.approx((0.1 + 8 * ROW) / 8)
+    assert got.token_s == pytest.approx(TOKEN)
+    assert fit_call_costs(batch_run(forward=False), "forward", 1.0, 1) is None
+
+
+def test_a_batch_update_is_one_call_of_all_its_rows():
+    fit = (streamed_run(), _calib(), False)
+    costs = transfer_costs(fit, batch_run(forward=False), target_bypass=True, gran="batch", micro_batch=1)
+    seq = np.array([30.0, 50.0, 70.0, 90.0])  # [N] one update over 4 rows
+    update = costs.chunk_overhead_s + costs.sequence_cost(0.0 * seq, seq).sum()
+    assert update == pytest.approx(CALL + 4 * ROW + TOKEN * seq.sum())
+
+
+def test_the_old_log_prob_forward_is_added_only_where_the_target_runs_one():
+    fit = (streamed_run(), _calib(), False)
+    plain = transfer_costs(fit, batch_run(), target_bypass=True, gran="batch", micro_batch=1)
+    with_fwd = transfer_costs(fit, batch_run(), target_bypass=False, gran="batch", micro_batch=1)
+    fwd = CallCosts(CALL, ROW, TOKEN).forward()
+    assert (fwd.row_s, fwd.token_s) == pytest.approx((ROW * FORWARD_HOST_SHARE, TOKEN * FORWARD_FLOP_SHARE))
+    assert with_fwd.chunk_overhead_s == pytest.approx(plain.chunk_overhead_s + CALL)
+    assert with_fwd.s_per_row == pytest.approx(plain.s_per_row + fwd.row_s)
+    assert with_fwd.s_per_token == pytest.approx(plain.s_per_token + fwd.token_s)
+    streamed = transfer_costs(fit, streamed_run(), target_bypass=False, gran="trajectory", micro_batch=1)
+    assert streamed.s_per_token == pytest.approx(TOKEN)  # ThunderSync takes its old log-probs from its own forward
+
+
+def test_a_fit_that_records_the_forward_prices_it_from_its_records():
+    fit = (batch_run(), _calib(), False)
+    got = transfer_costs(fit, batch_run(), target_bypass=False, gran="batch", micro_batch=1)
+    measured = fit_call_costs(batch_run(), "forward", 1.0, 1)
+    train = fit_call_costs(batch_run(), "backward", 1.0, 1)
+    assert got.s_per_row == pytest.approx(train.row_s + measured.row_s)
+    assert got.s_per_token == pytest.approx(train.token_s + measured.token_s)
+
+
+def test_the_step_gap_transfers_only_between_runs_of_the_same_trainer():
+    fit = (streamed_run(), _calib(step_gap_s=0.3), False)
+    same = transfer_costs(fit, streamed_run(), False, "trajectory", 1)
+    other = transfer_costs(fit, batch_run(), True, "batch", 1)
+    assert (same.step_gap_s, other.step_gap_s) == (0.3, 0.0)
+
+
+def test_per_token_cost_scales_with_the_policys_parameters():
+    fit = (streamed_run(), _calib(), False)
+    assert transfer_costs(fit, streamed_run(), False, "trajectory", 1, token_scale=0.25).s_per_token == \
+        pytest.approx(0.25 * TOKEN)
+
+
+def test_record_costs_without_a_micro_batch_keep_one_call_per_record():
+    fit = (streamed_run(), _calib(), False)
+    target = batch_run(forward=False)
+    target.learner = [r for rec in target.learner for r in (rec, {**rec, "t0": rec["t0"] + 0.5})]  # 2 per step
+    got = transfer_costs(fit, target, True, "batch", micro_batch=None)
+    line = fit_call_costs(streamed_run(), "backward", 1.0, None)
+    assert got.s_per_row == 0.0 and got.chunk_overhead_s == pytest.approx(2 * line.call_s)
+
+
+def test_shared_core_slowdowns_apply_by_what_shares_the_learners_cores():
+    fit = _calib(contention=1.3, rollout_contention=1.2)
+    for mode in ("sync", "async"):
+        assert shared_cores_for(fit, mode, rollout_on_own_device=True).contention == 1.0
+    for mode in ("thundersync", "fully_async"):
+        assert shared_cores_for(fit, mode, rollout_on_own_device=True).contention == 1.3
+    assert shared_cores_for(fit, "sync", rollout_on_own_device=False).rollout_contention == 1.2
+
+
+def test_a_barrier_is_dealt_the_landings_of_a_steps_last_group():
+    trajs = [_traj(1, f"g{i // 4}", i, 0.0, 1.0 + i, 1.0 + i + 0.1 * (i + 1)) for i in range(8)]
+    trace = Trace("t", trajs, [], [_step("thundersync", 1, 0.0, 10.0)])
+    every = landing_samples(trace, barrier=False)
+    assert every == pytest.approx([0.1 * (i + 1) for i in range(8)])
+    assert landing_samples(trace, barrier=True) == pytest.approx([0.4, 0.5, 0.6, 0.7, 0.8])  # <= 4 still running
+    for r in trajs:
+        r["t_reward"] = r["t_done"]
+    assert landing_samples(trace, barrier=True) is None
+
+
+def test_dealt_landings_go_to_the_targets_trajectories_in_order():
+    trace = Trace("t", _trajectories(2), [], [_step("sync", s, 10.0 * s, 10.0 * s + 9) for s in (1, 2)])
+    calib = _calib(reward_timing=False, landing_s=9.0, landing_samples=(0.1, 0.2, 0.3))
+    src = TraceSource(trace, calib=calib)
+    assert src.batch(0).land_s == pytest.approx([0.1, 0.2, 0.3] * 2 + [0.1, 0.2])
+    assert src.batch(1).land_s == pytest.approx([0.3, 0.1, 0.2] * 2 + [0.3, 0.1])
+    plain = TraceSource(trace, calib=_calib(reward_timing=False, landing_s=9.0))
+    assert plain.batch(0).land_s == pytest.approx([9.0] * 8)
+
+
+def test_a_rows_host_work_adds_to_every_sequence():
+    seq = np.array([10.0, 20.0])
+    base = LearnerCosts(s_per_token=1e-3)
+    assert base.sequence_cost(0.0 * seq, seq) == pytest.approx([0.01, 0.02])
+    rows = LearnerCosts(s_per_token=1e-3, s_per_row=0.5)
+    assert rows.sequence_cost(0.0 * seq, seq) == pytest.approx([0.51, 0.52])
