@@ -199,6 +199,10 @@ FAMILIES = {
     "shared_core_opd": ("traces", "opd_*", "opd_thundersync", "traces/opd_sync.jsonl"),
 }
 
+FAMILY_MACHINE = {"emulated": "rollout on its own emulated device (replay backend); learner and driver on one core, "
+                              "the rest of verl on the other; one family per workload (policy model, verifier)",
+                  "shared": "rollout engine (hf_cpu) and learner on the same 2 CPU cores; GRPO and OPD apart"}
+
 
 def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
@@ -214,7 +218,8 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
         b = out_of_sample(other, [], settings, only=[main])
         fits[_short(main)], fits[_short(other)] = a["fit_costs"], b["fit_costs"]
         rows = a["rows"] + b["rows"]
-        families[name] = {"fits": {_short(main): "every other trace", _short(other): _short(main)},
+        families[name] = {"machine": FAMILY_MACHINE[name.split("_")[0]],
+                          "fits": {_short(main): "every other trace", _short(other): _short(main)},
                           "max_abs_rel_err": round(max(abs(r["rel_err"]) for r in rows), 4)}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
     if not per_target:
