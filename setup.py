@@ -29,7 +29,9 @@ setup(
     packages=find_packages(include=["thundersync_verl", "thundersync_verl.*"]) + ["thundersync_harness"],
     package_dir={"thundersync_harness": "tests/harness"},
     # models/shipped/: the tiny student and teacher (safetensors + tokenizer, a few MB), so a first run builds nothing
-    package_data={"thundersync_verl": ["**/*.yaml", "**/*.md", "models/shipped/MANIFEST.json", "models/shipped/*/*"]},
+    # backends/sparse_sync/kernels.cpp: the optional CPU kernels, compiled on first use
+    package_data={"thundersync_verl": ["**/*.yaml", "**/*.md", "models/shipped/MANIFEST.json", "models/shipped/*/*",
+                                       "backends/sparse_sync/kernels.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "verl==0.9.1",

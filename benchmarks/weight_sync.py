@@ -22,6 +22,9 @@ Why:
    index/value extraction, snapshot update, buckets, checksum) + verify + apply; ``memcpy_gbps``
    over one copy of that many bytes (each read once and written once) timed just before each of
    those pushes. ``encode_apply_over_memcpy`` is their ratio (target 0.5), also given per push.
+5. The sparse diff, scatter and digest run the compiled CPU kernels when they build here (built, or
+   loaded from the cache, before any timing; ``sparse_kernels`` says which ran and why):
+   ``THUNDERSYNC_SPARSE_NATIVE=0`` measures the numpy/torch kernels on the same steps instead.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from thundersync_harness import tiny_lm as C
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.backends.sparse_sync import codec
+from thundersync_verl.backends.sparse_sync import codec, native
 from thundersync_verl.backends.sparse_sync.state import Mirror, ShardEncoder
 from thundersync_verl.results import add_results_dir_argument, write_result
 
@@ -434,6 +437,16 @@ def end_to_end(steps: int, work_dir: str) -> dict:
                                           for a, b in zip(per_step["dense"], per_step["sparse"]))}
 
 
+def _sparse_kernels() -> str:
+    """Build or load the compiled kernels now (never inside a timed push) and say which kernels the sparse path runs."""
+    t0 = time.perf_counter()
+    why = native.why_unavailable()
+    if why is not None:
+        return f"numpy/torch ({why})"
+    simd = "AVX2 compare" if native.kernels().set_avx2(True) else "portable compare"
+    return f"compiled (kernels.cpp, {simd}; built or loaded in {time.perf_counter() - t0:.1f} s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 steps per workload (default: 8 tiny, 6 large)")
@@ -447,6 +460,7 @@ def main() -> None:
         write_result("weight_sync_e2e", end_to_end(args.e2e_steps, args.work_dir), args.results_dir)
         return
     torch.set_num_threads(1)
+    kernels = _sparse_kernels()
     tiny_steps, large_steps = (3, 3) if args.quick else (8, 6)
     tiny, tiny_vocab, tiny_source = tiny_student()
     tiny_res = run_workload("tiny student (cpu_tiny recipe)", tiny, tiny_vocab, TINY_LR, 0.0,
@@ -474,7 +488,8 @@ def main() -> None:
         "encode_apply_over_memcpy": head["encode_apply_over_memcpy"],
         "encode_apply_over_memcpy_target": 0.5,
         "gbps": GBPS_MEANS,
-        "threads": f"torch intra-op {torch.get_num_threads()} (memcpy included); numpy kernels single-threaded",
+        "threads": f"torch intra-op {torch.get_num_threads()} (memcpy included); sparse kernels single-threaded",
+        "sparse_kernels": kernels,
         "headline_workload": "qwen2_57m_bf16",
         "delta_sharded_engine_on_cpu": f"not runnable: {errors.get('delta_checkpoint_engine', 'imported')}; NCCL "
                                        "wire on CUDA; rollout worker accepts it for sglang/vllm only. Its own "

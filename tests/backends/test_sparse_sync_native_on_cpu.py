@@ -1,8 +1,9 @@
 """sparse_sync's compiled CPU kernels give the payloads of the numpy/torch kernels, bit for bit.
 
-1. The one-pass diff finds exactly the changed elements (positions, values, snapshot) of random
-   bf16/fp16/fp32 tensors at densities 0, 1e-4, 0.02, 0.5 and 1.0, odd lengths and odd offsets,
-   like the numpy and torch kernels; whole pushes through either path give equal payloads.
+1. The one-pass diff (its AVX2 and portable forms) finds exactly the changed elements (positions,
+   values, snapshot) of random bf16/fp16/fp32 tensors at densities 0, 1e-4, 0.02, 0.5 and 1.0, odd
+   lengths and odd offsets, like the numpy and torch kernels; whole pushes through either path give
+   equal payloads.
 2. The scatter writes what ``index_copy_`` writes and refuses an out-of-range position before
    writing anything; the block digest equals numpy's and torch's.
 3. ``THUNDERSYNC_SPARSE_NATIVE=0`` and a failed build fall back to the numpy kernels (logged once).
@@ -42,7 +43,18 @@ def _changed(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.
     return new
 
 
-def test_the_compiled_diff_finds_what_the_numpy_and_torch_kernels_find(kernels):
+@pytest.mark.parametrize("avx2", [True, False], ids=["avx2_where_present", "portable"])
+def test_the_compiled_diff_finds_what_the_numpy_and_torch_kernels_find(kernels, avx2):
+    ran_avx2 = kernels.set_avx2(avx2)
+    if avx2 and not ran_avx2:
+        pytest.skip("this CPU has no AVX2: the portable kernels are tested")
+    try:
+        _diff_matches_every_kernel()
+    finally:
+        kernels.set_avx2(True)
+
+
+def _diff_matches_every_kernel() -> None:
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
         for density in DENSITIES:

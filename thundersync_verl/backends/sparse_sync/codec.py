@@ -133,9 +133,12 @@ def diff_update(new: torch.Tensor, old: torch.Tensor, *, words: bool = True, ker
     Default: "native" on CPU when it is built, else "numpy" on CPU, else "torch". ``scratch``:
     reusable buffers for the CPU kernels.
     """
-    kernel = kernel or default_kernel(new, old)
+    compiled = native.usable_for(new, old) if kernel in (None, "native") else None
+    if compiled is not None:
+        return _diff_native(compiled, new, old, scratch or Scratch())
     if kernel == "native":
-        return _diff_native(new, old, scratch or Scratch())
+        _native_for(new, old)  # raises: says why the compiled kernels cannot run here
+    kernel = kernel or ("numpy" if new.device.type == "cpu" else "torch")
     words_new, words_old = (_as_words(new), _as_words(old)) if words else (None, None)
     if words_new is None or words_old is None:
         if kernel == "numpy":
@@ -164,9 +167,9 @@ def _native_for(*tensors: torch.Tensor):
     return kernels
 
 
-def _diff_native(new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+def _diff_native(compiled, new: torch.Tensor, old: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     pos, values = scratch.pairs(new.numel(), new.dtype)
-    k = _native_for(new, old).diff_update(new, old, pos, values)
+    k = compiled.diff_update(new, old, pos, values)
     scratch.advance(new.dtype, k)
     return pos[:k], values[:k]  # views of the scratch's arena, valid until its next ``begin``
 

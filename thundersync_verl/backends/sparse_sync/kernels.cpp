@@ -43,6 +43,14 @@ inline int64_t emit_word(uint64_t now, uint64_t was, int64_t first, int32_t* pos
   return k;
 }
 
+bool avx2_supported() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
 // One bit per changed word for the 64 words at a and b (bit j: word j differs).
 inline uint64_t changed_words_portable(const char* a, const char* b) {
   uint64_t m = 0;
@@ -66,28 +74,27 @@ __attribute__((target("avx2"))) uint64_t changed_words_avx2(const char* a, const
   }
   return m;
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");  // checked at run time: the build has no -march
 #endif
+// Whether the AVX2 kernels run: checked at run time (the build has no -march); tests also turn it off.
+bool use_avx2 = avx2_supported();
 
 inline uint64_t changed_words(const char* a, const char* b) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kHasAvx2) return changed_words_avx2(a, b);
+  if (use_avx2) return changed_words_avx2(a, b);
 #endif
   return changed_words_portable(a, b);
 }
 
+constexpr int64_t kGroup = 64;  // words per mask: 512 bytes, still in L1 when the changed ones are split
+
+// The whole groups of 64 words: a mask of the changed words, then one turn per changed word.
 template <typename T>
-int64_t diff_update_impl(const T* now, T* was, int64_t n, int32_t* pos, T* val) {
+int64_t diff_groups(const char* now_bytes, char* was_bytes, int64_t groups, int32_t* pos, T* val) {
   constexpr int64_t kLanes = kWordBytes / sizeof(T);
-  constexpr int64_t kGroup = 64;  // words per mask: 512 bytes, still in L1 when the changed ones are split
-  const char* now_bytes = reinterpret_cast<const char*>(now);
-  char* was_bytes = reinterpret_cast<char*>(was);
-  const int64_t words = n / kLanes;
   int64_t k = 0;
-  int64_t w0 = 0;
-  for (; w0 + kGroup <= words; w0 += kGroup) {
+  for (int64_t w0 = 0; w0 < groups * kGroup; w0 += kGroup) {
     uint64_t mask = changed_words(now_bytes + w0 * kWordBytes, was_bytes + w0 * kWordBytes);
-    while (mask) {  // one turn per changed word
+    while (mask) {
       const int64_t w = w0 + __builtin_ctzll(mask);
       mask &= mask - 1;
       uint64_t a, b;
@@ -97,7 +104,74 @@ int64_t diff_update_impl(const T* now, T* was, int64_t n, int32_t* pos, T* val) 
       k = emit_word<T>(a, b, w * kLanes, pos, val, k);
     }
   }
-  for (int64_t w = w0; w < words; ++w) {
+  return k;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 2-byte lanes (bf16, fp16) with AVX2: a changed word's lane pattern comes from one 16-bit compare,
+// and a table turns it into the shuffle that packs the changed values and the lanes' offsets
+// (x86 is little-endian: lane l is bytes 2l and 2l + 1).
+struct Lanes16 {
+  alignas(16) uint8_t shuffle[256][16];
+  alignas(16) int32_t offset[256][4];
+  uint8_t count[256];
+  Lanes16() {
+    for (int p = 0; p < 256; ++p) {  // p: the byte mask of differing bytes of the word
+      int c = 0;
+      for (int j = 0; j < 16; ++j) shuffle[p][j] = 0x80;  // 0x80: a zero byte
+      for (int j = 0; j < 4; ++j) offset[p][j] = 0;
+      for (int l = 0; l < 4; ++l) {
+        if (!((p >> (2 * l)) & 3)) continue;
+        shuffle[p][2 * c] = static_cast<uint8_t>(2 * l);
+        shuffle[p][2 * c + 1] = static_cast<uint8_t>(2 * l + 1);
+        offset[p][c++] = l;
+      }
+      count[p] = static_cast<uint8_t>(c);
+    }
+  }
+};
+const Lanes16 kLanes16;
+
+__attribute__((target("avx2"))) int64_t diff_groups16_avx2(const char* now_bytes, char* was_bytes, int64_t groups,
+                                                          int32_t* pos, uint16_t* val) {
+  int64_t k = 0;
+  for (int64_t w0 = 0; w0 < groups * kGroup; w0 += kGroup) {
+    uint64_t mask = changed_words_avx2(now_bytes + w0 * kWordBytes, was_bytes + w0 * kWordBytes);
+    while (mask) {
+      const int64_t w = w0 + __builtin_ctzll(mask);
+      mask &= mask - 1;
+      uint64_t a, b;
+      std::memcpy(&a, now_bytes + w * kWordBytes, kWordBytes);
+      std::memcpy(&b, was_bytes + w * kWordBytes, kWordBytes);
+      std::memcpy(was_bytes + w * kWordBytes, &a, kWordBytes);
+      const __m128i now = _mm_cvtsi64_si128(static_cast<long long>(a));
+      const __m128i was = _mm_cvtsi64_si128(static_cast<long long>(b));
+      const unsigned p = ~static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi16(now, was))) & 0xFF;
+      const __m128i packed = _mm_shuffle_epi8(now, _mm_load_si128(reinterpret_cast<const __m128i*>(kLanes16.shuffle[p])));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(val + k), packed);  // 4 slots written, count[p] kept
+      const __m128i lanes = _mm_load_si128(reinterpret_cast<const __m128i*>(kLanes16.offset[p]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pos + k), _mm_add_epi32(_mm_set1_epi32(static_cast<int>(w * 4)), lanes));
+      k += kLanes16.count[p];
+    }
+  }
+  return k;
+}
+#endif
+
+template <typename T>
+int64_t diff_update_impl(const T* now, T* was, int64_t n, int32_t* pos, T* val) {
+  constexpr int64_t kLanes = kWordBytes / sizeof(T);
+  const char* now_bytes = reinterpret_cast<const char*>(now);
+  char* was_bytes = reinterpret_cast<char*>(was);
+  const int64_t words = n / kLanes, groups = words / kGroup;
+  int64_t k = -1;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (sizeof(T) == 2) {
+    if (use_avx2) k = diff_groups16_avx2(now_bytes, was_bytes, groups, pos, reinterpret_cast<uint16_t*>(val));
+  }
+#endif
+  if (k < 0) k = diff_groups<T>(now_bytes, was_bytes, groups, pos, val);
+  for (int64_t w = groups * kGroup; w < words; ++w) {
     uint64_t a, b;
     std::memcpy(&a, now_bytes + w * kWordBytes, kWordBytes);
     std::memcpy(&b, was_bytes + w * kWordBytes, kWordBytes);
@@ -201,4 +275,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("diff_update", &diff_update, unlocked, "changed lanes of new vs old: positions, values, snapshot updated");
   m.def("scatter", &scatter, unlocked, "target[positions] = values, positions checked first");
   m.def("block_digest", &block_digest, unlocked, "codec.block_digest's (mixed, rest) over int64 words");
+  m.def("set_avx2", [](bool on) { use_avx2 = on && avx2_supported(); return use_avx2; },
+        "run the AVX2 kernels (where the CPU has them) or the portable ones; returns what runs now");
 }
