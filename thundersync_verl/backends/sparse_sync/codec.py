@@ -105,6 +105,12 @@ class Scratch:
         for arena in self._pairs.values():
             arena[2] = 0
 
+    def reserve(self, n: int, dtype: torch.dtype) -> None:
+        """An arena of at least ``n`` pairs of ``dtype``, its pages touched now (zero-filled)."""
+        arena = self._pairs.get(dtype)
+        if arena is None or arena[0].numel() < n:
+            self._pairs[dtype] = [torch.zeros(n, dtype=INDEX_DTYPE), torch.zeros(n, dtype=dtype), 0]
+
     def pairs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for ``n`` int32 positions and ``n`` values of ``dtype`` at the arena's cursor; a full
         arena is replaced by one twice as large (views of the old one keep it alive while in use)."""

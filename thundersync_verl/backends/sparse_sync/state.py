@@ -124,6 +124,7 @@ class ShardEncoder:
             full, stats.full, stats.reason = True, True, "break_even"
         if full:
             builder = self._full_builder(stats)
+            self._reserve_pairs()
         new_token = uuid.uuid4().hex
         t0 = time.perf_counter()
         payload = builder.build(full=full, shard=self.shard, base=None if full else self.token, token=new_token,
@@ -131,6 +132,19 @@ class ShardEncoder:
         stats.encode_s += time.perf_counter() - t0
         stats.payload_bytes = payload.nbytes
         return payload, stats
+
+    def _reserve_pairs(self) -> None:
+        """At a full push (no diff runs): room, touched once, for the pairs of the next patches (one chunk
+        plus an eighth of the elements per dtype; it grows if a patch needs more), so page faults on
+        fresh scratch memory are paid here and not inside the first patches."""
+        numel: dict[torch.dtype, int] = {}
+        for snap in self.snaps.values():
+            if snap.buf.device.type == "cpu":
+                bits_dtype = codec.bits(snap.buf[:0]).dtype
+                numel[bits_dtype] = numel.get(bits_dtype, 0) + snap.buf.numel()
+        if numel and native.kernels() is not None:  # only the compiled diff writes into the arena
+            for dtype, n in numel.items():
+                self._scratch.reserve(self.chunk + n // 8, dtype)
 
     def full_payload(self, reason: str) -> codec.Payload:
         """This shard's whole snapshot as a full push (a repair: the snapshot already holds the weights)."""
