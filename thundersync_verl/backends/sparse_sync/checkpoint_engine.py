@@ -19,6 +19,8 @@ Why:
 5. The receiver hands the server adapter the parameters that changed (all of them after a full
    push) as full tensors in the rollout dtype, so any rollout that loads named tensors (hf_cpu,
    vLLM, SGLang) takes the update unchanged.
+6. With the CPU wire the compiled diff/scatter kernels (``native``) are built (once per machine) or
+   loaded when the engine is created, so no push waits for a compiler.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, AsyncGenerator
 import torch
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.backends.sparse_sync import wire as wires
+from thundersync_verl.backends.sparse_sync import native, wire as wires
 from thundersync_verl.backends.sparse_sync.state import (DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_ELEMS, Mirror,
                                                          PushRefused, ShardEncoder)
 
@@ -72,6 +74,8 @@ class SparseSyncCore:
         self.wire = None
         self.counters = {"pushes": 0, "full_pushes": 0, "resends": 0, "checksum_mismatches": 0,
                          "chain_mismatches": 0}
+        if self.mirror.device.type == "cpu":
+            native.kernels()  # None (logged once) when they cannot be built: the numpy kernels run
 
     # -- topology (verl calls these before every push) -------------------------------------
     def prepare(self) -> dict[str, Any]:
