@@ -45,6 +45,7 @@ inline int64_t emit_word(uint64_t now, uint64_t was, int64_t first, int32_t* pos
 
 bool avx2_supported() {
 #if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();  // this runs from a static initializer: the CPU model may not be read yet
   return __builtin_cpu_supports("avx2");
 #else
   return false;
