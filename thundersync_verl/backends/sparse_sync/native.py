@@ -109,6 +109,7 @@ def why_unavailable() -> str | None:
 
 def usable_for(*tensors: torch.Tensor):
     """The kernels when every tensor is a flat contiguous CPU tensor they can take, else None."""
-    if not all(t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous() for t in tensors):
-        return None
+    for t in tensors:  # a loop, not all(...): this runs once per chunk of every push
+        if not (t.is_cpu and t.dim() == 1 and t.is_contiguous()):
+            return None
     return kernels()
