@@ -79,7 +79,7 @@ class MiniBatchPlanner:
                 "pass actor.ppo_mini_batch_size and actor.ppo_epochs from the validated config"))
         self.first, self.mb_groups, self.epochs = first, int(minibatch_groups), int(epochs)
         self.loss_agg_mode, self.max_chunk_size = first.loss_agg_mode, first.max_chunk_size
-        self.estimator = first.estimator
+        self.estimator, self.verl_settings = first.estimator, first.verl_settings
         self.independent_buckets = bool(independent_buckets)  # point 7: the learner keeps KL/entropy companions
         self.steps: list[StepOp] = []
 

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 from thundersync_verl.core import StreamingStateError
 from thundersync_verl.core.errors import rule_message
+from thundersync_verl.trainer.step_record import first_rank
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "thundersync_state.json"
@@ -46,7 +47,7 @@ class RunState:
 
     def count_step(self, worker_out) -> bool:
         """Count one finished step; True when the learner skipped its update (non-finite gradient norm)."""
-        first = worker_out[0] if isinstance(worker_out, list) else worker_out
+        first = first_rank(worker_out)
         self.steps_streamed += 1
         skipped = not math.isfinite(float(first.get("grad_norm", 0.0)))
         self.steps_skipped_nonfinite += int(skipped)

@@ -24,6 +24,11 @@ SIM_OPS = {"fold": "other"}  # the simulator's learner-op vocabulary (sim/trace.
 REPORT_COST_FILE = "report_cost.jsonl"  # one {"step", "in_step_s"} line per flushed step
 
 
+def first_rank(result):
+    """Rank 0's row of a learner call's result (a list per rank from the worker group, or one row)."""
+    return result[0] if isinstance(result, list) else result
+
+
 class StepRecorder:
     def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo", n_rollout_slots: int = 0):
         self.n_rollout_slots = int(n_rollout_slots)
@@ -56,7 +61,7 @@ class StepRecorder:
 
     def finish_step(self, worker_metrics, planner_memory: dict) -> dict:
         t_end = time.time()
-        first = worker_metrics[0] if isinstance(worker_metrics, list) else worker_metrics
+        first = first_rank(worker_metrics)
         busy = busy_fraction(self.ops, self.t_step_start, t_end)
         latency = [self.backward_start[k] - t["t_reward"] for k, t in self.trajectories.items() if k in self.backward_start]
         metrics = {

@@ -113,6 +113,7 @@ class StreamPlanner:
         self.estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, epsilon, dtype=stats_dtype,
                                              gamma=gamma)
         self._view = ArrivalView(self.estimator)  # arrivals -> the shadow's groups (point 4)
+        self.verl_settings = {"adv_estimator": adv_estimator, "norm_adv_by_std_in_grpo": bool(norm_adv_by_std_in_grpo)}
         self.loss_agg_mode = loss_agg_mode
         self.loss_scale_factor = loss_scale_factor
         self.max_chunk_size = max_chunk_size

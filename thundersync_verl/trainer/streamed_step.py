@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from thundersync_verl.trainer.step_record import StepRecorder
+from thundersync_verl.trainer.step_record import StepRecorder, first_rank
 from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
 from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, StreamPlanner
@@ -156,7 +156,7 @@ class StreamedStep:
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
         ctx, planner = self.ctx, self.planner
-        meta = {"loss_agg_mode": planner.loss_agg_mode}
+        meta = {"loss_agg_mode": planner.loss_agg_mode, **getattr(planner, "verl_settings", {})}  # the learner re-checks
         if getattr(planner, "independent_buckets", False):  # minibatch_plan point 7
             meta[INDEPENDENT_BUCKETS_KEY] = True
         if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
@@ -194,7 +194,7 @@ class StreamedStep:
         if math.isfinite(state.lp_gap):
             metrics["training/rollout_logprob_diff_max"] = state.lp_gap
         metrics.update(self.ctx.recorder.finish_step(out, self.planner.memory()))
-        first = out[0] if isinstance(out, list) else out
+        first = first_rank(out)
         metrics["thundersync/peak_bucket_bytes"] = max(state.peak_bucket_bytes, first.get(
             "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
         metrics["thundersync/budget_waits"] = state.budget_waits
@@ -212,7 +212,7 @@ class StreamedStep:
         step = self.ctx.worker_group.finalize_step(op.scale, op.lr_step)
         self.ctx.recorder.learner_op("optimizer", t0, time.time())
         self.state.minibatch_steps += 1
-        first = step[0] if isinstance(step, list) else step
+        first = first_rank(step)
         if hasattr(first, "get"):
             self.state.peak_bucket_bytes = max(self.state.peak_bucket_bytes, int(first.get("thundersync/peak_bucket_bytes", 0)))
         self.ctx.worker_group.stream_begin_batch(self._meta)  # tickets restart at 0: a new pipeline
