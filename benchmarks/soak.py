@@ -52,17 +52,28 @@ def tree(root: psutil.Process) -> list[psutil.Process]:
 
 
 def sample(root: psutil.Process, seen: dict) -> dict:
-    """RSS (MB), open fds and process count of ``root`` and its descendants; remembers every process seen."""
+    """RSS (MB), open fds and process count of ``root`` and its descendants, and each one's RSS by pid (to find
+    which process grows); remembers every process seen."""
     rss = fds = n = 0
+    per_pid = {}
     for p in tree(root):
         try:
-            rss += p.memory_info().rss
+            mem = p.memory_info().rss
+            rss += mem
             fds += p.num_fds()
             n += 1
             seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline()[:3])[:120]))
+            per_pid[str(p.pid)] = round(mem / 2**20, 1)
         except psutil.Error:
             continue
-    return {"t": time.time(), "rss_mb": rss / 2**20, "fds": fds, "processes": n}
+    return {"t": time.time(), "rss_mb": rss / 2**20, "fds": fds, "processes": n, "rss_mb_by_pid": per_pid}
+
+
+def growth_by_process(first: dict, last: dict, seen: dict, top: int = 5) -> list[str]:
+    """The processes whose RSS grew most between two samples: "<MB> MB <command>"."""
+    grew = [(last["rss_mb_by_pid"][pid] - mb, pid) for pid, mb in first["rss_mb_by_pid"].items()
+            if pid in last["rss_mb_by_pid"]]
+    return [f"{d:+.1f} MB {seen.get(int(pid), (0, pid))[1]}" for d, pid in sorted(grew, reverse=True)[:top]]
 
 
 def leftovers(seen: dict, marker: str) -> list[str]:
@@ -133,7 +144,8 @@ def run(minutes: float, work: Path, sample_s: float) -> dict:
         f.writelines(json.dumps(s) + "\n" for s in samples)
     stopped = "exists; the run stops at this step boundary" in (run_dir / "verl.log").read_text(errors="replace")
     return {"rc": rc, "steps": steps, "stopped_by_stop_file": stopped, "samples": samples, "step_at": step_at, "t0": t0, "t_end": time.time(),
-            "leftovers": leftovers(seen, env["RAY_TMPDIR"]), "processes_seen": len(seen), "run_dir": run_dir}
+            "leftovers": leftovers(seen, env["RAY_TMPDIR"]), "processes_seen": len(seen), "run_dir": run_dir,
+            "seen": seen}
 
 
 def learned(run_dir: Path) -> dict[int, int]:
@@ -164,6 +176,7 @@ def summarise(out: dict, minutes: float) -> dict:
         "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1), "rss_mb_after_warmup": round(first["rss_mb"], 1),
         "rss_mb_peak": round(max(s["rss_mb"] for s in during), 1),
         "rss_growth_mb_per_min": round((last["rss_mb"] - first["rss_mb"]) / span_min, 2),
+        "rss_growth_by_process": growth_by_process(first, last, out["seen"]),
         "fd_growth": last["fds"] - first["fds"], "fds_after_warmup": first["fds"],
         "process_growth": last["processes"] - first["processes"], "processes_after_warmup": first["processes"],
         "processes_peak": max(s["processes"] for s in during),
