@@ -39,6 +39,20 @@ def test_feed_returns_each_finished_drawing_once_with_its_step(tmp_path):
     assert feed.new() == []
 
 
+def test_drawer_hands_over_to_a_fresh_child_and_every_job_is_drawn(tmp_path, monkeypatch):
+    """A child draws at most JOBS_PER_CHILD PNGs (its memory stays that of a fresh process); nothing is lost."""
+    from thundersync_verl.trainer import timeline
+
+    monkeypatch.setattr(timeline, "JOBS_PER_CHILD", 2)
+    drawer, children = TimelineDrawer(), set()
+    for step in range(1, 6):
+        drawer.submit(TRAJECTORIES, OPS, 0.0, 3.0, tmp_path / f"thundersync_step{step:03d}.png", f"step {step}", step=step)
+        children.add(drawer._proc.pid)
+    drawer.close()
+    assert len(children) == 3
+    assert sorted(step for step, _ in TimelineFeed(tmp_path).new()) == [1, 2, 3, 4, 5]  # children finish in any order
+
+
 def test_feed_of_a_run_without_drawings_is_empty(tmp_path):
     assert TimelineFeed(tmp_path / "timelines").new() == []
 
