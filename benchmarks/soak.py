@@ -62,7 +62,9 @@ def sample(root: psutil.Process, seen: dict) -> dict:
             rss += mem
             fds += p.num_fds()
             n += 1
-            seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline()[:3])[:120]))
+            label = " ".join(p.cmdline()[:3])[:120]
+            if p.pid not in seen or seen[p.pid][1].startswith("ray::IDLE"):  # a Ray worker names its actor once it has one
+                seen[p.pid] = (p.create_time(), label)
             per_pid[str(p.pid)] = round(mem / 2**20, 1)
         except psutil.Error:
             continue
