@@ -184,6 +184,16 @@ def sync_resume(ctx: dict) -> dict:
             "steps_resumed": sorted(resumed["per_step"])}
 
 
+def live_run(ctx: dict, name: str, algo: str, extra: list[str], env: dict) -> dict:
+    """A 2-step ThunderSync ``main_ppo`` of ``algo`` (no replay of the recording); a run that stops is read from its log."""
+    try:
+        run = modes.run_mode("thundersync", 2, ctx["inputs"], ctx["work"], algo=algo, latency_scale=0.0, tag="_" + name,
+                             extra=extra, env_extra=env)
+        return dict(run, ok=True, error="")
+    except RuntimeError:
+        return from_log(ctx["work"] / f"{'' if algo == 'grpo' else algo + '_'}thundersync_{name}", 2)
+
+
 def recoverable(ctx: dict) -> dict:
     """Point 4: sandboxes killed, verifier crashes and one NaN gradient (step 2) on the live hf_cpu rollout."""
     import torch
@@ -204,12 +214,7 @@ def recoverable(ctx: dict) -> dict:
         extra = er.workload_overrides("paper") + [
             "actor_rollout_ref.rollout.name=replay", f"{er.REPLAY}.path={synth}", f"{er.REPLAY}.synthesize=paper",
             f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=disable"]
-        try:
-            run = modes.run_mode("thundersync", 2, ctx["inputs"], ctx["work"], latency_scale=0.0, tag="_" + name,
-                                 extra=extra, env_extra=env)
-            run.update(ok=True, error="")
-        except RuntimeError:
-            run = from_log(ctx["work"] / f"thundersync_{name}", 2)
+        run = live_run(ctx, name, "grpo", extra, env)
     ok = run["ok"]
     fired = read_log(log)
     kinds = {k: sum(f["fault"] == k for f in fired) for k in ("sandbox_kill", "verifier_raise", "nan_grad", "push_fail")}
@@ -241,12 +246,7 @@ def teacher_fault(ctx: dict) -> dict:
         log.unlink(missing_ok=True)
         env = {ENV: f"teacher_hang@every={TEACHER_HANG_EVERY}", LOG_ENV: str(log)}
         extra = ["thundersync.opd.teacher_timeout_s=5", "thundersync.opd.teacher_max_attempts=3"]
-        try:
-            run = modes.run_mode("thundersync", 2, ctx["inputs"], ctx["work"], algo="opd", latency_scale=0.0,
-                                 tag="_" + name, extra=extra, env_extra=env)
-            run.update(ok=True, error="")
-        except RuntimeError:
-            run = from_log(ctx["work"] / f"opd_thundersync_{name}", 2)
+        run = live_run(ctx, name, "opd", extra, env)
     hangs = sum(f["fault"] == "teacher_hang" for f in read_log(log))
     retries = sum(int(m.get("thundersync/opd/teacher_retries", 0)) for m in run["per_step"].values())
     return {"run": dict(run, name=name), "hangs": hangs, "retries": retries,

@@ -86,6 +86,13 @@ inline uint64_t changed_words(const char* a, const char* b) {
   return changed_words_portable(a, b);
 }
 
+// Word w of both sides into a (now) and b (was), and the snapshot's word set to the new one.
+inline void take_word(const char* now_bytes, char* was_bytes, int64_t w, uint64_t& a, uint64_t& b) {
+  std::memcpy(&a, now_bytes + w * kWordBytes, kWordBytes);
+  std::memcpy(&b, was_bytes + w * kWordBytes, kWordBytes);
+  std::memcpy(was_bytes + w * kWordBytes, &a, kWordBytes);
+}
+
 constexpr int64_t kGroup = 64;  // words per mask: 512 bytes, still in L1 when the changed ones are split
 
 // The whole groups of 64 words: a mask of the changed words, then one turn per changed word.
@@ -99,9 +106,7 @@ int64_t diff_groups(const char* now_bytes, char* was_bytes, int64_t groups, int3
       const int64_t w = w0 + __builtin_ctzll(mask);
       mask &= mask - 1;
       uint64_t a, b;
-      std::memcpy(&a, now_bytes + w * kWordBytes, kWordBytes);
-      std::memcpy(&b, was_bytes + w * kWordBytes, kWordBytes);
-      std::memcpy(was_bytes + w * kWordBytes, &a, kWordBytes);
+      take_word(now_bytes, was_bytes, w, a, b);
       k = emit_word<T>(a, b, w * kLanes, pos, val, k);
     }
   }
@@ -142,9 +147,7 @@ __attribute__((target("avx2"))) int64_t diff_groups16_avx2(const char* now_bytes
       const int64_t w = w0 + __builtin_ctzll(mask);
       mask &= mask - 1;
       uint64_t a, b;
-      std::memcpy(&a, now_bytes + w * kWordBytes, kWordBytes);
-      std::memcpy(&b, was_bytes + w * kWordBytes, kWordBytes);
-      std::memcpy(was_bytes + w * kWordBytes, &a, kWordBytes);
+      take_word(now_bytes, was_bytes, w, a, b);
       const __m128i now = _mm_cvtsi64_si128(static_cast<long long>(a));
       const __m128i was = _mm_cvtsi64_si128(static_cast<long long>(b));
       const unsigned p = ~static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi16(now, was))) & 0xFF;
