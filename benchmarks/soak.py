@@ -15,7 +15,9 @@ Why:
    actors, the sandbox processes they start) are sampled: RSS, open fds, process count. Growth is the
    last sample before the last step ended minus the first sample after the warm-up step (the first
    step builds the model, the pools and the caches once; the shutdown after the last step is not
-   growth). Every sample is kept in ``samples.jsonl`` beside the run's log. After the run exits, every process seen during it that is still alive
+   growth). A leak grows at the same rate to the end; a cache that fills up during the run (Ray's bounded
+   task-event table, allocator arenas) stops: ``rss_growth_mb_second_half`` is the growth over the second
+   half of the steps alone, the figure that tells them apart. Every sample is kept in ``samples.jsonl`` beside the run's log. After the run exits, every process seen during it that is still alive
    is a leftover, and so is any process naming the run's private Ray folder (a daemon that left the
    tree between two samples).
 4. ``trajectories_lost``: the batch's trajectories of every completed step minus those the step
@@ -167,6 +169,7 @@ def summarise(out: dict, minutes: float) -> dict:
     last_step = out["step_at"][steps_done[-1]] if steps_done else out["t_end"]
     during = [s for s in out["samples"] if warm <= s["t"] <= last_step] or out["samples"]  # not the shutdown
     first, last = during[0], during[-1]
+    mid = min(during, key=lambda s: abs(s["t"] - (first["t"] + last["t"]) / 2))
     span_min = max((last["t"] - first["t"]) / 60, 1e-9)
     counts = learned(out["run_dir"])
     step_times = [b - a for a, b in zip([out["step_at"][s] for s in steps_done], [out["step_at"][s] for s in steps_done][1:])]
@@ -179,6 +182,8 @@ def summarise(out: dict, minutes: float) -> dict:
         "rss_mb_peak": round(max(s["rss_mb"] for s in during), 1),
         "rss_growth_mb_per_min": round((last["rss_mb"] - first["rss_mb"]) / span_min, 2),
         "rss_growth_by_process": growth_by_process(first, last, out["seen"]),
+        "rss_growth_mb_second_half": round(last["rss_mb"] - mid["rss_mb"], 1),
+        "rss_growth_by_process_second_half": growth_by_process(mid, last, out["seen"]),
         "fd_growth": last["fds"] - first["fds"], "fds_after_warmup": first["fds"],
         "process_growth": last["processes"] - first["processes"], "processes_after_warmup": first["processes"],
         "processes_peak": max(s["processes"] for s in during),

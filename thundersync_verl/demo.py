@@ -69,6 +69,9 @@ def verl_command(inputs: dict[str, Path], *, algo: str, mode: str, steps: int, e
     ]
 
 
+RAY_TASK_EVENTS_KEPT = 10000  # run_env: Ray's task-event table in the GCS, bounded for long runs
+
+
 def run_env(work_dir: Path, metrics_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     ray_tmp = Path(os.environ.get("THUNDERSYNC_RAY_TMP", "/tmp/thundersync_ray"))
@@ -83,6 +86,9 @@ def run_env(work_dir: Path, metrics_path: Path) -> dict[str, str]:
         "VERL_FILE_LOGGER_PATH": str(metrics_path),
         "HYDRA_FULL_ERROR": "1",
     })
+    # Ray's GCS keeps the events of the last N tasks (Ray's default 100000) and every actor call of a step is a
+    # task: over a long run that table grows the GCS steadily until it reaches N (benchmarks/soak.py).
+    env.setdefault("RAY_task_events_max_num_task_in_gcs", str(RAY_TASK_EVENTS_KEPT))
     return env
 
 

@@ -89,4 +89,7 @@ fi
 [[ $ALGO != opd ]] || : "${TEACHER_PATH:?set TEACHER_PATH to the teacher checkpoint (opd)}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: keeps tensor/sequence-parallel communication ordered with compute
 export HYDRA_FULL_ERROR=1
+# Ray's GCS keeps the last N tasks' events (default 100000): bounded lower for runs of days. It takes effect where
+# the GCS starts: here for a local cluster; on a cluster started with `ray start`, export it before that.
+export RAY_task_events_max_num_task_in_gcs=${RAY_task_events_max_num_task_in_gcs:-10000}
 exec "${CMD[@]}"
