@@ -8,7 +8,10 @@ Why:
    verifier, Ray, the TransferQueue, the weight pushes and the learner.
 2. Every mode replays the same recording, so they see the same trajectories. Workloads:
    ``recorded``: a real ``hf_cpu`` run of the embedded task at the calibrated settings (Sync,
-   latency scale 0.2, no transient tool failures, so later turns replay); ``paper``: a recording
+   latency scale 0.2, no transient tool failures, so later turns replay), played by the task's trained
+   1.9 M-parameter model (with the 0.4 M student the learner was a third of a Sync step: wait share 0.63
+   at the time scale calibrated to 0.495, as the rollout side's own CPU work, the agent loop and the
+   verifier, does not shrink with the scale); ``paper``: a recording
    synthesised from the simulator's paper preset scaled down (``backends/replay/synthesize.py``).
    The recording holds two steps more than the runs: the async modes generate ahead.
 3. One knob, the workload's time scale, multiplies every recorded service time and the tools' and
@@ -75,6 +78,17 @@ def workload_overrides(workload: str) -> list[str]:
 def env_scale(workload: str, time_scale: float) -> float:
     """Tool and verifier latency scale: the recorded run's 0.2, or the shape's published seconds, times the time scale."""
     return (modes.LATENCY_SCALE if workload == "recorded" else 1.0) * time_scale
+
+
+def policy_model(workload: str, work: Path) -> Path:
+    """The workload's policy (module docstring, point 2): the learner must have enough work to matter (about half
+    of a Sync step at the calibrated scale). ``recorded``: the task's trained larger tiny model (the OPD teacher,
+    1.9 M parameters), which plays the embedded task for real while it is recorded; ``paper``: PAPER_LEARNER."""
+    if workload == "paper":
+        return paper_learner(work)
+    from thundersync_verl.models import ensure_tiny_models
+
+    return ensure_tiny_models(variants=("teacher",))["teacher"]
 
 
 def paper_learner(work: Path) -> Path:

@@ -241,10 +241,10 @@ def main(argv=None) -> dict:
     steps = 4 if args.quick else args.steps
     modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
     work = Path(args.work_dir).resolve()
-    if args.rollout == "emulated" and args.workload == "paper" and not args.model:
+    if args.rollout == "emulated" and not args.model:
         import emulated_rollout  # the sibling module (benchmarks/ is this script's folder)
 
-        args.model = str(emulated_rollout.paper_learner(work))  # the paper workload's larger policy
+        args.model = str(emulated_rollout.policy_model(args.workload, work))  # the workload's larger policy
     inputs = prepare_inputs(work, model=args.model, variants=("student", "teacher") if args.algo == "opd" else ("student",))
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
