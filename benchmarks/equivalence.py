@@ -47,7 +47,9 @@ Why:
 8. ``--kl [--kl-type X] --entropy [--loss-agg-mode M]``: GRPO with verl's KL loss (a reference model in its
    own worker group, as verl's trainer builds it) and entropy bonus, streamed (each chunk's reference
    log-probs computed on arrival) against verl's ``update_actor`` with the same settings
-   (``thundersync_harness.kl_entropy_steps``).
+   (``thundersync_harness.kl_entropy_steps``). With ``--engine megatron [--tp 2] [--pp 2]`` the same steps run on
+   verl's Megatron engine, the reference group with the actor's layout (``thundersync_harness.megatron_kl_entropy``);
+   JSON equivalence_megatron_tpT_ppP_dpD_kl_*.
 9. ``--mini-batches K [--ppo-epochs E]``: K optimizer steps per batch (and E epochs), streamed
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
@@ -198,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
         return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.kl or args.entropy:
-        if megatron or args.algo != "grpo":
-            parser.error("--kl / --entropy run --algo grpo on --engine fsdp")
+        if args.algo != "grpo":
+            parser.error("--kl / --entropy run --algo grpo")
         return run_kl_entropy(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
     if args.algo == "opd":
         batches = []
@@ -268,12 +270,21 @@ def run_kl_entropy(args, work: Path, model_path: Path, pad_id: int, vocab: int, 
     from thundersync_harness import kl_entropy_steps as kle
 
     kl_type = args.kl_type if args.kl else None
-    config = kle.kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=args.entropy,
-                                   loss_agg_mode=args.loss_agg_mode, optimizer=args.optimizer)
+    if args.engine == "megatron":  # the same steps; the Megatron config and a reference with the actor's layout
+        from thundersync_harness import megatron_kl_entropy as mke
+
+        config = mke.megatron_kl_entropy_config(model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp,
+                                                kl_type=kl_type, entropy=args.entropy, loss_agg_mode=args.loss_agg_mode,
+                                                distributed_optimizer=args.distributed_optimizer)
+        n_workers = args.tp * args.pp * args.dp
+    else:
+        config = kle.kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=args.entropy,
+                                       loss_agg_mode=args.loss_agg_mode, optimizer=args.optimizer)
+        n_workers = args.dp
     ref_path = kle.build_reference(model_path, work / "ref") if args.kl else None
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
     try:
-        wg, ref_wg = kle.start_kl_workers(config, args.dp, ref_path)
+        wg, ref_wg = kle.start_kl_workers(config, n_workers, ref_path)
         steps = kle.kl_entropy_steps(wg, ref_wg, batches, pad_id, lambda n: (list(range(n)), transposed_order(n, micro)),
                                      loss_agg_mode=args.loss_agg_mode, entropy=args.entropy)
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
@@ -370,8 +381,11 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
         result.update(extra["estimator"])
         name = f"equivalence_estimator_{args.estimator}"
     if args.engine == "megatron":
-        result.update(_report_diagnostics(runs), distributed_optimizer=args.distributed_optimizer)
-        name = f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + ("_distopt" if args.distributed_optimizer else "")
+        if "stream_prescaled" in runs:  # the plain GRPO comparison runs the diagnostics of point 7
+            result.update(_report_diagnostics(runs))
+        result["distributed_optimizer"] = args.distributed_optimizer
+        name = name.replace("equivalence", f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + (
+            "_distopt" if args.distributed_optimizer else ""), 1)
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
