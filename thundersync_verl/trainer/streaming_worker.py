@@ -69,6 +69,7 @@ from thundersync_verl.trainer.stream_loss import (
     set_chunk_part,
 )
 from thundersync_verl.trainer.minibatch_loss import ppo_chunk_loss
+from thundersync_verl.trainer.sao_stream import is_sao_chunk, sao_settings, sao_token_loss
 from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key, settings_from_verl_config
 
@@ -205,7 +206,10 @@ class StreamingActorWorker(_Base):
         that would open one more bucket than fits is refused before it runs). An open batch is dropped.
         """
         meta = dict(meta or {})
-        settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
+        if meta.get("adv_estimator") == "sao":  # SAO's band mask is not a ratio-1 loss: its own check (sao_stream.py)
+            settings = sao_settings(self.config, meta)
+        else:
+            settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
         with self._exclusive("stream_begin_batch"):
             learner = self._learner()
             layout = learner.bucket_layout()
@@ -270,7 +274,7 @@ class StreamingActorWorker(_Base):
                 "their loss is the distillation policy gradient; a KL/entropy term configured on the actor would be "
                 "silently dropped",
                 "set actor_rollout_ref.actor.use_kl_loss=false and entropy_coeff=0 for OPD turn streaming"))
-        return self._stream_backward(chunk, loss_fn=make_token_stream_loss())
+        return self._stream_backward(chunk, loss_fn=sao_token_loss if is_sao_chunk(chunk) else make_token_stream_loss())
 
     def _stream_backward(self, chunk, loss_fn=None):
         state = self._state("stream_backward")
