@@ -30,6 +30,11 @@ Why:
    forward, which shared-core slowdowns apply, step gap, landings). Printed per target: measured vs
    predicted step time and the per-step breakdown of point 2. --fit TRACE predicts --targets from one
    trace instead.
+6. A prediction can rest on a term its fit run never measured (sim/transfer.py, point 8: a batch
+   trainer's one update per step prices no streamed call, its learner never ran beside its rollouts,
+   it records no per-trajectory landing nor OPD turn latency). Each target lists those terms under
+   ``unmeasured``; each family and the result give ``max_abs_rel_err`` over every prediction and
+   ``max_abs_rel_err_measured_terms`` over the predictions whose every term the fit run measured.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
      python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE] [--targets DIR ...]
 """
@@ -51,7 +56,7 @@ from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
 from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, landing_samples, shared_cores_for,
-                                           transfer_costs)
+                                           transfer_costs, unmeasured_terms)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -135,8 +140,10 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
+    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(),
+                                  rollout_on_own_device(fit_path))
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
-            "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0,
+            "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
             "measured_split": measured_split(trace), "predicted_split": simulated_split(res)}
 
 
@@ -151,11 +158,20 @@ def print_out_of_sample(rows: list[dict]) -> None:
     print("Out of sample, per steady step, measured / predicted seconds: rollouts only, learner only, both, neither:")
     print(format_table(table, ["trace", "fitted on", "replayed as", "measured_s", "predicted_s", "rel_err",
                                "R only", "L only", "both", "neither"]))
+    for r in rows:
+        if r["unmeasured"]:
+            print(f"  {_short(r['file'])}: not measured by its fit: {', '.join(r['unmeasured'])}")
+
+
+def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:
+    """Largest |rel_err| over rows (measured_only: over those whose every term the fit run measured; None if none)."""
+    errs = [abs(r["rel_err"]) for r in rows if not (measured_only and r["unmeasured"])]
+    return round(max(errs), 4) if errs else None
 
 
 def _target_entry(r: dict) -> dict:
     return {"fit": _short(r["fit"]), "measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
-            "rel_err": round(r["rel_err"], 4),
+            "rel_err": round(r["rel_err"], 4), "unmeasured": r["unmeasured"],
             "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
             "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
 
@@ -184,7 +200,8 @@ def out_of_sample(fit_path: Path, target_dirs: list[Path], settings: RunSettings
     print(f"Costs fitted on {fit_path} only:")
     print_out_of_sample(rows)
     return {"fit": str(fit_path), "fit_costs": summary, "rows": rows,
-            "max_abs_rel_err_out_of_sample": round(max(abs(r["rel_err"]) for r in rows), 4),
+            "max_abs_rel_err_out_of_sample": _max_err(rows),
+            "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
             "per_target": {_short(r["file"]): _target_entry(r) for r in rows}}
 
 
@@ -220,12 +237,17 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
         rows = a["rows"] + b["rows"]
         families[name] = {"machine": FAMILY_MACHINE[name.split("_")[0]],
                           "fits": {_short(main): "every other trace", _short(other): _short(main)},
-                          "max_abs_rel_err": round(max(abs(r["rel_err"]) for r in rows), 4)}
+                          "max_abs_rel_err": _max_err(rows),
+                          "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
+                          "predicted_through_unmeasured_terms": {_short(r["file"]): sorted(r["unmeasured"])
+                                                                 for r in rows if r["unmeasured"]}}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
     if not per_target:
         raise SystemExit(f"no family's traces under {results}: run `{PRODUCER} --rollout emulated` first")
+    measured = [f["max_abs_rel_err_measured_terms"] for f in families.values()]
     return {"settings": vars(settings), "fit_per_family": families, "fit_costs": fits,
             "max_abs_rel_err_out_of_sample": max(f["max_abs_rel_err"] for f in families.values()),
+            "max_abs_rel_err_measured_terms": max((m for m in measured if m is not None), default=None),
             "per_target": per_target}
 
 

@@ -11,7 +11,7 @@ from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import Trace, TraceSource
 from thundersync_verl.sim.transfer import (FORWARD_FLOP_SHARE, FORWARD_HOST_SHARE, CallCosts, fit_call_costs,
                                            landing_samples, nonnegative_least_squares, shared_cores_for,
-                                           transfer_costs)
+                                           transfer_costs, unmeasured_terms)
 
 CALL, ROW, TOKEN = 0.02, 0.015, 3e-4  # the learner every synthetic run here has
 
@@ -179,3 +179,32 @@ def test_a_rows_host_work_adds_to_every_sequence():
     assert base.sequence_cost(0.0 * seq, seq) == pytest.approx([0.01, 0.02])
     rows = LearnerCosts(s_per_token=1e-3, s_per_row=0.5)
     assert rows.sequence_cost(0.0 * seq, seq) == pytest.approx([0.51, 0.52])
+
+
+def test_a_batch_fit_names_what_a_streamed_target_runs_that_it_never_measured():
+    batch = (batch_run(), _calib(reward_timing=False, landing_s=0.6))
+    got = unmeasured_terms(batch, streamed_run(), "thundersync", "trajectory", rollout_on_own_device=True)
+    assert set(got) == {"learner_calls", "learner_slowdown", "landing_under_load"}
+    assert "0.600 s" in got["landing_under_load"]
+    as_batch = unmeasured_terms(batch, batch_run(), "sync", "batch", rollout_on_own_device=True)
+    assert as_batch == {}  # a barrier target runs one call per step, alone, landing at its barrier
+
+
+def test_a_streamed_fit_measures_every_term_of_a_batch_target():
+    streamed = (streamed_run(), _calib(contention=2.0, contention_ops=12))
+    for mode in ("sync", "async", "fully_async"):
+        assert unmeasured_terms(streamed, batch_run(mode), mode, "batch", rollout_on_own_device=False) == {}
+    quiet = (streamed_run(), _calib(contention=1.0, contention_ops=0))  # no op overlapped its rollouts
+    assert set(unmeasured_terms(quiet, batch_run("async"), "async", "batch", rollout_on_own_device=False)) == \
+        {"learner_slowdown"}
+    assert unmeasured_terms(quiet, batch_run("async"), "async", "batch", rollout_on_own_device=True) == {}
+
+
+def test_a_turn_streamed_opd_target_needs_a_fit_that_measured_turn_latency():
+    opd = streamed_run()
+    opd.trajectories = [{**r, "algo": "opd"} for r in opd.trajectories]
+    opd.steps = [{**s, "algo": "opd"} for s in opd.steps]
+    fit = (streamed_run(), _calib(contention=2.0, contention_ops=12))
+    assert "turn_latency" in unmeasured_terms(fit, opd, "thundersync", "turn", rollout_on_own_device=False)
+    timed = (streamed_run(), _calib(contention=2.0, contention_ops=12, turn_latency_s=0.5))
+    assert unmeasured_terms(timed, opd, "thundersync", "turn", rollout_on_own_device=False) == {}

@@ -42,6 +42,25 @@ Why this module exists:
    is ~6 P FLOPs per token), so a target whose policy has P_t parameters gets the fit's
    per-token cost times P_t / P_f (``token_scale``; each run's meta.json records its model's
    parameters); call and per-row host work do not depend on the model's size.
+8. Some of what a target exercises its fit run never ran, so no measurement prices it and the
+   prediction leans on a neutral default (``unmeasured_terms`` names each, with the fit's numbers, and
+   simulate_validate reports them per target instead of folding them into one error):
+   - learner calls: a batch trainer writes one update per step, so its records cannot tell a call's
+     overhead from its rows' host work (``fit_call_costs`` puts the intercept on the rows, call 0);
+     a streamed target runs tens of calls per step (the recorded ThunderSync runs: 21 to 56 per step at
+     0.017 to 0.020 s each, 0.4 to 0.9 s of a 4 to 15 s step) and pays none of them;
+   - learner slowdown while the rollout runs: a Sync run's learner never overlaps its rollouts
+     (no op to fit it from, slowdown 1), while a streamed target's does (shared cores: 2.68x measured
+     on the ThunderSync runs; emulated device, the driver's arrivals: 1.10 to 1.11x);
+   - landing under load: a run without reward timing gives one latency, fitted at its barrier (the
+     batch's last rewards, when few trajectories still run); a streaming target lands each trajectory
+     while up to a batch still runs, and the recorded landings grow with the load (emulated recorded
+     workload: 0.96 s mean with < 4 running, 1.57 s with 16 to 40, against 0.60 s fitted at Sync's
+     barrier);
+   - OPD turn latency: only a turn-streaming run measures the teacher's per-turn scoring latency
+     (2.63 s fitted on the shared-core ThunderSync OPD run); verl's OPD Sync scores outside the records
+     (its slot residual is 0.04 s), so a turn-streaming target predicted from it trains each turn as
+     soon as it is generated.
 """
 
 from __future__ import annotations
@@ -195,6 +214,39 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
                    s_per_row=calls.row_s / (micro_batch or 1), forward_s_per_token=0.0, forward_overhead_s=0.0,
                    step_gap_s=calib.step_gap_s if same_trainer else 0.0,
                    prefix_recompute=split and records_recompute_prefix(target))
+
+
+def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str,
+                     rollout_on_own_device: bool) -> dict[str, str]:
+    """term -> why: what the target's configuration exercises that the fit run did not measure (point 8).
+
+    Reads the fit run's records and calibration and the target's mode, granularity and configuration only.
+    """
+    trace, calib = fit
+    fit_mode = parse_mode(trace.mode)[0]
+    streamed = target_mode == "thundersync" and gran not in ("batch", "mini_batch")
+    out = {}
+    if streamed and _one_call_per_step(trace):
+        out["learner_calls"] = (f"the fit run ({fit_mode}) writes one learner update per step, so a call's overhead "
+                                "cannot be told from its rows' host work; the streamed target's calls are priced 0 each")
+    overlaps = target_mode in STREAMING_DRIVERS or (target_mode == "async" and not rollout_on_own_device)
+    if overlaps and calib.contention_ops == 0:
+        out["learner_slowdown"] = (f"no learner op of the fit run ({fit_mode}) ran while its rollouts did, so the "
+                                   f"target's learner, which does, runs at its alone speed (slowdown 1)")
+    if target_mode in STREAMING_DRIVERS and not calib.reward_timing:
+        out["landing_under_load"] = (f"the fit run ({fit_mode}) records no reward timing: one landing latency "
+                                     f"({calib.landing_s:.3f} s) fitted at its barrier is dealt to every trajectory "
+                                     "of a target that lands them while the rest of its batch still runs")
+    if target.algo == "opd" and gran == "turn" and calib.turn_latency_s is None:
+        out["turn_latency"] = (f"the fit run ({fit_mode}) does not stream turns, so the teacher's per-turn scoring "
+                               "latency is unmeasured; each turn trains as soon as it is generated")
+    return out
+
+
+def _one_call_per_step(trace: Trace) -> bool:
+    """The run's backward records are one per step with no `rows` (a batch trainer's update)."""
+    recs = [r for r in trace.learner if r["op"] == "backward"]
+    return bool(recs) and _records_per_step(trace) == 1 and not any(isinstance(r.get("rows"), int) for r in recs)
 
 
 def _records_per_step(trace: Trace) -> int:
