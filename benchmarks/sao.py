@@ -13,13 +13,20 @@ Why:
    ``reward_last5`` (verl's ``critic/score/mean``), ``value_explained_variance_last``
    (``critic/vf_explained_var``: the values the step's advantages used against its Monte-Carlo
    returns), ``value_loss_last`` (``critic/vf_loss``), steps, mode; and a PNG of the three curves.
-3. ``gap_over_floor`` (streamed SAO vs sync) is reported as not measured: the ThunderSync trainer does
-   not stream SAO yet (it refuses ``adv_estimator=sao``).
+3. ``gap_over_floor``: the streamed SAO actor update (``trainer/sao_stream.py``: single-rollout trajectories
+   arriving in a random order, each backpropagated at arrival with its final GAE coefficients, the batch
+   whitening folded at the barrier) against verl's own ``update_actor`` with loss ``sao`` on the same batch,
+   on verl's FSDP2 engine on the CPU (``tests/harness/sao_steps.py``); the floor is verl's update with the
+   rows regrouped across micro-batches, and the figure is the worst step's gap / floor (acceptance: <= 2).
+   It is an engine-level measurement: the ThunderSync trainer does not run SAO yet (no critic forward at
+   arrival; it refuses ``adv_estimator=sao``), and the critic's update is verl's, not streamed.
+   ``--gap-only`` measures it without the main_ppo run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,9 +79,38 @@ def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_
         "critic_warmup": warmup, "critic_ppo_epochs": critic_epochs,
         "first_actor_step": actor_steps[0] if actor_steps else None,
         "seconds": round(seconds, 1),
-        "gap_over_floor": None,
-        "gap_over_floor_status": "not measured: the ThunderSync trainer does not stream SAO yet",
     }
+
+
+def measure_gap(work: Path, steps: int) -> dict:
+    """Streamed SAO actor step vs verl's ``update_actor`` (loss sao) on the FSDP2 CPU engine (point 3)."""
+    import shutil
+
+    from thundersync_harness import engine_setup as setup
+    from thundersync_harness.sao_steps import run_sao_equivalence
+
+    saved = dict(os.environ)
+    ray_tmp = setup.prepare_environment()
+    try:
+        model, pad_id, vocab = setup.build_tiny_model(work / "engine_model")
+        res = run_sao_equivalence(model, pad_id, vocab, groups=2, micro=4, steps=steps)
+    finally:
+        import ray
+
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+    per_step = res["steps"]
+    for i, s in enumerate(per_step, 1):
+        print(f"[sao] engine step {i}: gap {s['gap']:.3e} floor {s['floor']:.3e} gap/floor {s['gap_over_floor']:.2f} "
+              f"||dθ|| {s['update_norm']:.3e} grad norm stream/sync {s['grad_norm_stream']:.6f}/{s['grad_norm_sync']:.6f}",
+              flush=True)
+    worst = max(per_step, key=lambda s: s["gap_over_floor"])
+    return {"gap_over_floor": round(worst["gap_over_floor"], 3), "gap": worst["gap"], "floor": worst["floor"],
+            "gap_over_floor_steps": [round(s["gap_over_floor"], 3) for s in per_step], "gap_rows": res["rows"],
+            "gap_over_floor_status": "measured: streamed SAO actor update vs verl's update_actor (loss sao), "
+                                     "FSDP2 CPU engine, floor = verl's update with rows regrouped"}
 
 
 def plot(per_step: dict, png: Path, title: str) -> Path:
@@ -108,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--critic-epochs", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="8 steps (2 of them critic-only): a few minutes")
     parser.add_argument("--work-dir", default=str(REPO / "runs" / "sao"))
+    parser.add_argument("--gap-steps", type=int, default=None, help="engine steps of the gap measurement (default 2, 1 with --quick)")
+    parser.add_argument("--gap-only", action="store_true", help="only the streamed-vs-verl engine measurement (point 3)")
     parser.add_argument("extra", nargs="*", help="further hydra overrides")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
@@ -117,6 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("*.jsonl"):
         stale.unlink()
+    gap_steps = args.gap_steps or (1 if args.quick else 2)
+    if args.gap_only:
+        result = {"algo": "sao", "mode": "engine", **measure_gap(work, gap_steps)}
+        write_result("sao_gap" + ("_quick" if args.quick else ""), result, results_dir)
+        return result
     inputs = prepare_inputs(work.parent, variants=("student",))
     cmd = sao_command(inputs, mode=args.mode, steps=steps, warmup=warmup, critic_epochs=args.critic_epochs,
                       extra=args.extra)
@@ -127,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"verl finished without logging a training step; see {work / 'verl.log'}")
     result = summarise(per_step, mode=args.mode, seconds=time.time() - t0, warmup=warmup,
                        critic_epochs=args.critic_epochs)
+    result.update(measure_gap(work, gap_steps))
     name = f"sao_{args.mode}" + ("_quick" if args.quick else "")
     png = plot(per_step, results_dir / f"{name}.png", f"SAO / {args.mode} on the embedded CPU task "
                f"(n=1, critic_warmup={warmup}, {args.critic_epochs} critic epochs)")

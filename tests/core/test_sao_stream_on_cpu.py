@@ -134,3 +134,11 @@ def test_critic_coefficient_is_the_value_loss_gradient():
     mask = torch.tensor([1, 1, 0, 1])
     (0.5 * (((values - returns) ** 2) * mask).sum()).backward()
     assert critic_token_coefficients(values.detach(), returns, mask) == values.grad.tolist()
+
+
+def test_group_planner_refuses_sao_and_says_where_it_streams():
+    from thundersync_verl.core.errors import StreamingConfigError
+    from thundersync_verl.core.estimators import estimator_from_verl
+
+    with pytest.raises(StreamingConfigError, match="trainer/sao_stream.py"):
+        estimator_from_verl("sao")

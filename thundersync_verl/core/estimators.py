@@ -186,6 +186,13 @@ REFUSED = {
                                   "cannot carry it",
 }
 
+# Estimators this package registers in verl that the group-wise stream planner does not take.
+PLUGIN_REFUSED = {
+    "sao": "SAO's advantage is per token (GAE over the critic's values, whitened over the batch); it streams "
+           "through its own planner (trainer/sao_stream.py, checked against verl's update_actor), but the "
+           "ThunderSync trainer does not yet run the critic's forward at each arrival (use mode=sync or fully_async)",
+}
+
 
 def estimator_from_verl(
     adv_estimator: str,
@@ -202,7 +209,8 @@ def estimator_from_verl(
     """
     name = str(getattr(adv_estimator, "value", adv_estimator))
     if name not in STREAMED:
-        reason = REFUSED.get(name, f"{name!r} is not one of verl 0.9.1's estimators known to stream exactly")
+        reason = REFUSED.get(name) or PLUGIN_REFUSED.get(name) or (
+            f"{name!r} is not one of verl 0.9.1's estimators known to stream exactly")
         raise StreamingConfigError(
             rule_message(
                 f"algorithm.adv_estimator={name!r} cannot be streamed",

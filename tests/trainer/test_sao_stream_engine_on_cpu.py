@@ -1,0 +1,77 @@
+"""Streamed SAO actor update on verl's real FSDP2 engine (a 1-process Ray worker group on the CPU).
+
+Needs no GPU. The worker's config sets ``policy_loss.loss_mode=sao`` and the band, so verl's own
+``update_actor`` (fed verl's registered ``sao`` advantages, rollout log-probs as old_log_probs) is the
+oracle. Single-rollout multi-turn trajectories arriving in a random order, streamed in chunks (direct +
+whitening bucket, folded at the barrier), must give verl's step; skipping the fold must not.
+Starts Ray once (~20-40 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from thundersync_harness import engine_setup as setup
+from thundersync_harness.engine_steps import relative_gap, train
+from thundersync_harness.sao_steps import make_sao_batch, regrouped, sao_config, stream_sao_step, sync_sao_step
+
+pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine, started once per module, then real steps
+GROUPS, MICRO = 2, 4
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    ray_tmp = setup.prepare_environment()
+    try:
+        model, pad_id, vocab = setup.build_tiny_model(tmp_path_factory.mktemp("sao_engine") / "model")
+        wg = setup.start_workers(sao_config(model, groups=GROUPS, micro=MICRO), dp=1)
+        yield {"wg": wg, "pad": pad_id, "batch": make_sao_batch(11, GROUPS, vocab)}
+    finally:
+        import ray
+
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+
+
+def test_streamed_sao_actor_step_equals_verls_update_actor(engine):
+    wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
+    n = len(batch["trajs"])
+    assert batch["arrival"] != list(range(n))
+    [d_stream], [info] = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS)])
+    [d_verl], [info_verl] = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
+    [d_floor], _ = train(wg, [lambda: sync_sao_step(wg, batch, regrouped(n, MICRO), pad)])
+    assert float(d_verl.norm()) > 1e-4  # verl's sao loss moved the weights
+    assert info["ops/chunks"] >= 4  # several direct and bucket chunks before the barrier
+    floor = relative_gap(d_floor, d_verl)
+    gap = relative_gap(d_stream, d_verl)
+    assert gap < 1e-5, (gap, floor)  # fp32: equal up to summation order
+    assert info["grad_norm"] == pytest.approx(info_verl["grad_norm"], rel=1e-5)
+
+
+def test_without_the_whitening_fold_the_step_differs(engine):
+    """The control: dropping the bucket's -mean fold (a plain GAE step scaled by inv_std) is not verl's step."""
+    from thundersync_verl.trainer import sao_stream
+
+    wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
+    n = len(batch["trajs"])
+    original = sao_stream.SAOStreamPlanner.finalize
+
+    def no_fold(self):
+        folds, final = original(self)
+        return {k: 0.0 for k in folds}, final
+
+    sao_stream.SAOStreamPlanner.finalize = no_fold
+    try:
+        [d_wrong], _ = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS)])
+    finally:
+        sao_stream.SAOStreamPlanner.finalize = original
+    [d_verl], _ = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
+    assert relative_gap(d_wrong, d_verl) > 1e-3
