@@ -124,6 +124,13 @@ def token_scale(fit_path: Path, target_path: Path) -> float:
     return target / fit if fit and target else 1.0
 
 
+def step_time_rel_se(trace, warmup_steps: int = 1) -> float:
+    """Relative standard error of a run's mean step time (spacing of its steady step ends): how far a second
+    recording of the same run could land, to read a prediction's error against (never an input to one)."""
+    gaps = np.diff(np.sort([s["t_end"] for s in trace.steps])[warmup_steps - 1:])
+    return float(gaps.std(ddof=1) / np.sqrt(len(gaps)) / gaps.mean()) if len(gaps) > 1 else float("nan")
+
+
 def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
     fit_trace, fit_calib, fit_path = fit
@@ -131,7 +138,9 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     sim_mode, own = replay_calibration(trace)
     calib = shared_cores_for(transferred(own, fit_calib, landing_latency(fit_trace, fit_calib)), sim_mode,
                              rollout_on_own_device(fit_path))
-    calib = replace(calib, landing_samples=landing_samples(fit_trace, barrier=sim_mode in ("sync", "async")))
+    calib = replace(calib, landing_samples=landing_samples(fit_trace, barrier=sim_mode in ("sync", "async"),
+                                                           learner_idle=sim_mode == "sync"
+                                                           and not rollout_on_own_device(fit_path)))
     source = TraceSource(trace, stream=sim_mode == "fully_async", calib=calib)
     cfg = replay_config(trace, source, 1, sim_mode, calib)
     if sim_mode == "fully_async" and settings.fully_async_mini_batch:
@@ -144,6 +153,7 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
                                   rollout_on_own_device(fit_path))
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
             "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
+            "measured_rel_se": step_time_rel_se(trace),
             "measured_split": measured_split(trace), "predicted_split": simulated_split(res)}
 
 
@@ -171,7 +181,8 @@ def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:
 
 def _target_entry(r: dict) -> dict:
     return {"fit": _short(r["fit"]), "measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
-            "rel_err": round(r["rel_err"], 4), "unmeasured": r["unmeasured"],
+            "rel_err": round(r["rel_err"], 4), "measured_rel_se": round(r["measured_rel_se"], 4),
+            "unmeasured": r["unmeasured"],
             "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
             "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
 

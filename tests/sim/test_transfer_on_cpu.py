@@ -208,3 +208,41 @@ def test_a_turn_streamed_opd_target_needs_a_fit_that_measured_turn_latency():
     assert "turn_latency" in unmeasured_terms(fit, opd, "thundersync", "turn", rollout_on_own_device=False)
     timed = (streamed_run(), _calib(contention=2.0, contention_ops=12, turn_latency_s=0.5))
     assert unmeasured_terms(timed, opd, "thundersync", "turn", rollout_on_own_device=False) == {}
+
+
+def _half_contended_run(bias: float) -> Trace:
+    """24 ops alone on the cost model, then 24 while one long trajectory decodes, twice as slow and `bias` more
+    on their long ones (a slowdown that is not one number)."""
+    rng = np.random.default_rng(1)
+    learner, t = [], 0.0
+    for i in range(48):
+        rows, tokens = int(rng.integers(1, 5)), int(rng.integers(20, 400))
+        secs = CALL + ROW * rows + TOKEN * tokens
+        if i >= 24:
+            secs *= 2.0 * (1.0 + bias * (tokens > 200))
+        learner.append(_op("thundersync", 1, "backward", t, secs, tokens, rows))
+        t += 2.0
+    decoding = _traj(1, "g0", 0, 47.5, 200.0, 200.0)  # decodes through every op from the 25th on
+    return Trace("contended", [decoding], learner, [_step("thundersync", 1, 0.0, 200.0)])
+
+
+def test_records_stretched_by_the_slowdown_weigh_less_in_the_cost_fit():
+    exact = fit_call_costs(_half_contended_run(0.0), "backward", contention=2.0, micro_batch=1)
+    assert (exact.call_s, exact.row_s, exact.token_s) == pytest.approx((CALL, ROW, TOKEN), rel=1e-6)
+    got = fit_call_costs(_half_contended_run(0.3), "backward", contention=2.0, micro_batch=1)
+    trace = _half_contended_run(0.3)
+    secs = np.array([r["t1"] - r["t0"] for r in trace.learner]) / np.array([1.0] * 24 + [2.0] * 24)
+    x = np.array([[1.0, r["rows"], r["tokens"]] for r in trace.learner])
+    unweighted = nonnegative_least_squares(x, secs)
+    assert abs(got.token_s - TOKEN) < abs(unweighted[2] - TOKEN)
+
+
+def test_sync_on_shared_cores_is_dealt_the_landings_made_while_the_learner_was_idle():
+    trajs = [_traj(1, f"g{i // 4}", i, 0.0, 1.0 + i, 1.0 + i + 0.1 * (i + 1)) for i in range(8)]
+    ops = [_op("thundersync", 1, "backward", 3.9, 2.6, 10, 1)]  # computes through the landings of trajectories 3 to 5
+    trace = Trace("t", trajs, ops, [_step("thundersync", 1, 0.0, 10.0)])
+    idle = landing_samples(trace, barrier=True, learner_idle=True)
+    assert idle == pytest.approx([0.1, 0.2, 0.3, 0.7, 0.8])
+    assert landing_samples(trace, barrier=True) == pytest.approx([0.4, 0.5, 0.6, 0.7, 0.8])  # <= 4 still running
+    busy = Trace("t", trajs, [_op("thundersync", 1, "backward", 0.0, 10.0, 10, 1)], trace.steps)
+    assert landing_samples(busy, barrier=True, learner_idle=True) == pytest.approx([0.4, 0.5, 0.6, 0.7, 0.8])

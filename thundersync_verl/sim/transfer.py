@@ -13,6 +13,13 @@ Why this module exists:
    numbers price it. Fitting "overhead + cost x tokens" instead, as the in-sample replay
    does, folds the per-row work into one of the two and mispredicts the other shape: on a
    0.4 M-parameter model the per-row work is most of a micro-batch's time.
+   Each record is first brought to its alone speed (divided by 1 + (slowdown - 1) x its overlap with
+   decoding) and then weighs 1 / that stretch in the least squares: a stretched record's alone time is
+   only as good as the slowdown it was divided by, and rows and tokens are nearly collinear (rows of
+   similar length), so the few stretched-by-2.7x records of a shared-core run would otherwise set the
+   split. On the shared-core GRPO ThunderSync run the per-token cost drops from 0.000207 to 0.000151 s
+   (its ops that ran alone, fitted alone: 0.00013; the same 0.44 M policy's alone ops on the emulated
+   device: 0.00014); on the emulated runs (slowdown 1.1) the fit moves by < 5%.
 3. A separate old-log-prob forward (verl's Sync as configured, one-step-off Async, Fully
    Async; not Sync in bypass mode, not ThunderSync, which takes the old log-probs from its own
    forward) is one more call over the same rows without gradients: the call overhead, half
@@ -38,6 +45,15 @@ Why this module exists:
    ended with at most one group (group size) still running in their step; a streaming
    trainer is dealt all of them (`landing_samples`), in the fit run's submission order. A
    fit run without reward timing gives its one fitted landing latency (calibrate.py).
+   On shared cores what stretches a landing is the learner, not the load: the reward hop and the
+   driver's pickup run on the cores the learner computes on. On the shared-core GRPO ThunderSync
+   run a trajectory whose landing overlapped learner compute for < 30% of it landed in 0.40 s on
+   average, one that overlapped it for >= 70% in 0.82 s, whatever still ran (0.75 s with <= one
+   group still running, all of those beside the learner's tail). Sync waits for its last rewards
+   with its learner idle, so on shared cores it is dealt the fit run's landings made with the
+   learner idle (`learner_idle`), when the fit has at least a group of them (Sync's own
+   handoff, fitted in sample from its barrier, is 0.36 s); one-step-off Async trains the previous
+   batch while its rewards land and keeps the rule above.
 7. Another model: compute per token scales with the parameter count (a forward and backward
    is ~6 P FLOPs per token), so a target whose policy has P_t parameters gets the fit's
    per-token cost times P_t / P_f (``token_scale``; each run's meta.json records its model's
@@ -71,7 +87,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .calibrate import Calibration, op_overlap
+from .calibrate import Calibration, learner_busy, op_overlap, overlap_fraction
 from .hardware import LearnerCosts
 from .trace import Trace, fit_learner_costs, parse_mode, records_recompute_prefix
 
@@ -136,8 +152,8 @@ def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | 
     if not recs:
         return None
     secs = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
-    if contention > 1.0:
-        secs = secs / (1.0 + (contention - 1.0) * op_overlap(trace, recs))
+    stretch = 1.0 + (contention - 1.0) * op_overlap(trace, recs) if contention > 1.0 else np.ones(len(recs))  # [R]
+    secs = secs / stretch
     tokens = np.asarray([r["tokens"] for r in recs], dtype=np.float64)
     rows = record_rows(trace, recs, micro_batch)
     if micro_batch is None or len(np.unique(rows)) < 2:  # rows cannot be told from calls: one line per record
@@ -145,7 +161,8 @@ def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | 
         if micro_batch is None:
             return CallCosts(base.chunk_overhead_s, 0.0, base.s_per_token)
         return CallCosts(0.0, base.chunk_overhead_s / float(rows.mean()), base.s_per_token)
-    call, row, token = nonnegative_least_squares(np.stack([np.ones_like(tokens), rows, tokens], axis=1), secs)
+    x = np.stack([np.ones_like(tokens), rows, tokens], axis=1)  # [R, 3]
+    call, row, token = nonnegative_least_squares(x / stretch[:, None], secs / stretch)
     return CallCosts(float(call), float(row), float(token))
 
 
@@ -155,12 +172,20 @@ def separate_forward(trace: Trace, bypass: bool) -> bool:
     return mode in ("sync", "async", "fully_async") and not bypass and any(r["op"] == "forward" for r in trace.learner)
 
 
-def landing_samples(trace: Trace, barrier: bool) -> tuple[float, ...] | None:
+IDLE_LEARNER_SHARE = 0.3  # a landing overlapping learner compute for less than this share of it counts as idle
+
+
+def landing_samples(trace: Trace, barrier: bool, learner_idle: bool = False) -> tuple[float, ...] | None:
     """The run's measured landings in submission order, step by step; barrier: only those of trajectories that
-    ended with at most one group still running in their step (module docstring, point 6). None without reward
-    timing."""
+    ended with at most one group still running in their step; learner_idle (a Sync target on shared cores): only
+    those made while the fit run's learner was idle, when there are at least a group of them (module docstring,
+    point 6). None without reward timing."""
     if not any(r["t_reward"] > r["t_done"] for r in trace.trajectories):
         return None
+    if barrier and learner_idle:
+        idle = _landings_with_learner_idle(trace)
+        if idle is not None:
+            return idle
     by_step: dict = {}
     for r in trace.trajectories:
         by_step.setdefault(r["step"], []).append(r)
@@ -174,6 +199,17 @@ def landing_samples(trace: Trace, barrier: bool) -> tuple[float, ...] | None:
         keep = running <= group if barrier else np.ones(len(recs), dtype=bool)
         out += [r["t_reward"] - r["t_done"] for r, k in zip(recs, keep) if k]
     return tuple(out) or None
+
+
+def _landings_with_learner_idle(trace: Trace) -> tuple[float, ...] | None:
+    """Landings (submission order) during which the run's learner computed for < IDLE_LEARNER_SHARE of the time;
+    None when fewer than a group of them."""
+    recs = sorted(trace.trajectories, key=lambda r: (r["step"], r["t_submit"]))
+    spans = np.asarray([(r["t_done"], r["t_reward"]) for r in recs], dtype=np.float64).reshape(-1, 2)  # [N, 2]
+    busy = overlap_fraction(spans, learner_busy(trace))  # [N]
+    keep = [float(b - a) for (a, b), share in zip(spans, busy) if b > a and share < IDLE_LEARNER_SHARE]
+    group = Counter(Counter(r["group_id"] for r in trace.trajectories).values()).most_common(1)[0][0]
+    return tuple(keep) if len(keep) >= group else None
 
 
 def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: bool) -> Calibration:
