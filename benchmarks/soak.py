@@ -17,11 +17,15 @@ Why:
    step builds the model, the pools and the caches once; the shutdown after the last step is not
    growth). A leak grows at the same rate to the end; a cache that fills up during the run (Ray's bounded
    task-event table, allocator arenas) stops: ``rss_growth_mb_second_half`` is the growth over the second
-   half of the steps alone, the figure that tells them apart. Every sample is kept in ``samples.jsonl`` beside the run's log. After the run exits, every process seen during it that is still alive
-   is a leftover, and so is any process naming the run's private Ray folder (a daemon that left the
-   tree between two samples).
+   half of the steps alone, the figure that tells them apart. Every sample is kept in
+   ``samples.jsonl`` beside the run's log. After the run exits, every process seen during it that is
+   still alive is a leftover, and so is any process naming the run's private Ray folder (a daemon
+   that left the tree between two samples).
 4. ``trajectories_lost``: the batch's trajectories of every completed step minus those the step
    recorder says the learner streamed.
+5. ``--memory-probe``: the driver traces its Python allocations (``trainer/memory_probe.py``) and the
+   sites that grew most since step 2 are reported (``driver_grown_sites``). Tracing slows the driver:
+   a diagnostic run, not the soak's figures.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def leftovers(seen: dict, marker: str) -> list[str]:
     return alive
 
 
-def run(minutes: float, work: Path, sample_s: float) -> dict:
+def run(minutes: float, work: Path, sample_s: float, memory_probe: bool = False) -> dict:
     """One bounded run (module docstring, points 2-3); returns the samples, steps and what was left."""
     from thundersync_harness.engine_setup import build_tiny_model
 
@@ -109,13 +113,15 @@ def run(minutes: float, work: Path, sample_s: float) -> dict:
     steps = max(3, math.ceil(minutes * MAX_STEPS_PER_MIN))
     run_dir = work / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*run_dir.glob("*.jsonl"), run_dir / "STOP"]:
+    for stale in [*run_dir.glob("*.jsonl"), run_dir / "STOP", run_dir / "memory_probe.jsonl"]:
         stale.unlink(missing_ok=True)
     cmd = verl_command(inputs, algo="grpo", mode="thundersync", steps=steps,
                        extra=[f"thundersync.run_dir={run_dir}", "thundersync.env.trace_path=" + str(run_dir / "traj.jsonl"),
                               f"thundersync.stop_file={run_dir / 'STOP'}"])
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_soak_ray_")
+    if memory_probe:  # point 5: the driver's allocation sites that grow (trainer/memory_probe.py)
+        env["THUNDERSYNC_MEMORY_PROBE"] = str(run_dir / "memory_probe.jsonl")
     samples, step_at, seen = [], {}, {}
     t0 = time.time()
     with open(run_dir / "verl.log", "w") as log:
@@ -191,7 +197,19 @@ def summarise(out: dict, minutes: float) -> dict:
         "processes_seen": out["processes_seen"], "samples": len(out["samples"]),
         "trajectories_learned": sum(counts.values()),
         "trajectories_lost": sum(PER_STEP - counts.get(s, 0) for s in steps_done),
+        **probe_summary(out["run_dir"] / "memory_probe.jsonl"),
     }
+
+
+def probe_summary(path: Path) -> dict:
+    """The driver's traced Python memory (``--memory-probe``): its growth and the sites that grew most."""
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    if len(records) < 2:
+        return {}
+    first, last = records[0], records[-1]
+    return {"driver_traced_mb_growth": round(last["traced_mb"] - first["traced_mb"], 2),
+            "driver_traced_steps": [first["step"], last["step"]],
+            "driver_grown_sites": [f"{g['kb']:+.0f} KB {g['where'][0]}" for g in last["grown"][:5]]}
 
 
 def main(argv=None) -> dict:
@@ -199,13 +217,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="about 2 minutes")
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--memory-probe", action="store_true",
+                    help="trace the driver's Python allocations (slower; trainer/memory_probe.py) and report the sites that grow")
     ap.add_argument("--work-dir", default="runs/soak")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
     minutes = 2.0 if args.quick else args.minutes
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    result = summarise(run(minutes, work, args.sample_s), minutes)
+    result = summarise(run(minutes, work, args.sample_s, args.memory_probe), minutes)
     write_result("soak_quick" if args.quick else "soak", result, args.results_dir)
     return result
 

@@ -43,6 +43,7 @@ from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer import resume
+from thundersync_verl.trainer.memory_probe import MemoryProbe
 from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
 from thundersync_verl.trainer.step_record import StepRecorder
@@ -199,6 +200,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self._batch_uids: list[str] = []
         self.run_state = resume.RunState()  # counters kept across restarts (trainer/resume.py)
         self.timeline_feed = TimelineFeed(self.recorder.run_dir / "timelines") if self.recorder.run_dir else None
+        self.memory_probe = MemoryProbe.from_env()  # off unless THUNDERSYNC_MEMORY_PROBE names a file
 
     # -- setup -----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
@@ -252,6 +254,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
             self._push_weights()  # also when stopping: the rollout ends on the weights the checkpoint holds
         self.recorder.learner_op("weight_sync", t0, time.time())
         self.recorder.flush()
+        if self.memory_probe is not None:
+            self.memory_probe.on_step(self.global_steps)
         if stopping:
             self.total_training_steps = self.global_steps  # verl's loop ends after this step
 
