@@ -20,6 +20,13 @@ Why:
    rule, why and the fix: virtual pipeline stages (not verified exact here), parameter offload
    (verl releases the grad buffer between calls), overlapped grad reduce (Megatron expects a
    fixed number of calls per step), Megatron-FSDP, per-token loss scaling (context parallel).
+5. verl's KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``) need nothing
+   Megatron-specific: the chunk's loss reads the engine's own log-probs and ``calculate_entropy``
+   output (verl's vocab-parallel entropy, on the last pipeline stage), the reference log-probs ride
+   in the chunk, and a bucket chunk's KL/entropy part is a second streamed call outside
+   ``isolated()`` (``stream_loss.py`` point 6): one more backward into the same buffer, under the
+   same deferred normaliser and single finalize. Checked against verl's Megatron ``update_actor``
+   (``tests/megatron/test_megatron_kl_entropy_on_cpu.py``, ``benchmarks/equivalence.py --kl``).
 """
 
 from __future__ import annotations
