@@ -22,8 +22,9 @@ def test_probe_names_the_growing_site(tmp_path):
         probe.close()
         KEPT.clear()
     written = [json.loads(x) for x in (tmp_path / "probe.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in written] == [5, 8]  # baseline at step 2, then every 3 steps
-    assert records[:4] == [None, None, None, None]
+    assert [r["step"] for r in written] == [2, 5, 8]  # the baseline at step 2, then every 3 steps
+    assert records[0] is None and records[2:4] == [None, None] and records[1]["grown"] == []
+    assert written[-1]["traced_mb"] > written[0]["traced_mb"]
     top = written[-1]["grown"][0]
     assert top["where"][0].endswith(f"test_memory_probe_on_cpu.py:{leak_a_little.__code__.co_firstlineno + 1}")
     assert top["blocks"] >= 6 * 200  # six steps of 200 kept objects since the baseline

@@ -43,13 +43,13 @@ class MemoryProbe:
         """Call once per finished step; returns the record it wrote, if any."""
         if step == self.start_step:
             tracemalloc.start(FRAMES)
-        if step >= self.start_step and self._base is None:
-            self._base = self._snapshot()
-            return None
-        if self._base is None or (step - self.start_step) % self.every:
+        if step < self.start_step or (self._base is not None and (step - self.start_step) % self.every):
             return None
         snap = self._snapshot()
-        grew = [s for s in snap.compare_to(self._base, "traceback") if s.size_diff > 0][: self.top]
+        if self._base is None:  # the baseline: written too, so that the traced total's growth can be read off
+            self._base, grew = snap, []
+        else:
+            grew = [s for s in snap.compare_to(self._base, "traceback") if s.size_diff > 0][: self.top]
         record = {"step": step, "t": time.time(), "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 2),
                   "grown": [{"kb": round(s.size_diff / 1024, 1), "blocks": s.count_diff,
                              "where": [f"{f.filename}:{f.lineno}" for f in reversed(s.traceback)][:4]} for s in grew]}
