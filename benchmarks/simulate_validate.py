@@ -232,6 +232,16 @@ FAMILY_MACHINE = {"emulated": "rollout on its own emulated device (replay backen
                   "shared": "rollout engine (hf_cpu) and learner on the same 2 CPU cores; GRPO and OPD apart"}
 
 
+def _largest_gap(r: dict) -> str:
+    """Where a prediction beyond 10% went wrong: the part of the step (point 2's split) it missed most, read after
+    the prediction (never an input to it), and the terms its fit run did not measure."""
+    m, p = r["measured_split"], r["predicted_split"]
+    part = max(SPLIT, key=lambda k: abs(p[k] - m[k]))
+    terms = f"; not measured by the fit: {', '.join(sorted(r['unmeasured']))}" if r["unmeasured"] else ""
+    return (f"{100 * r['rel_err']:+.1f}%: most in {part.replace('_', ' ')} ({m[part]:.2f} s measured, {p[part]:.2f} s "
+            f"predicted per step){terms}")
+
+
 def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
     families, per_target, fits = {}, {}, {}
@@ -251,7 +261,9 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
                           "max_abs_rel_err": _max_err(rows),
                           "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
                           "predicted_through_unmeasured_terms": {_short(r["file"]): sorted(r["unmeasured"])
-                                                                 for r in rows if r["unmeasured"]}}
+                                                                 for r in rows if r["unmeasured"]},
+                          "beyond_10_percent": {_short(r["file"]): _largest_gap(r) for r in rows
+                                                if abs(r["rel_err"]) > 0.10}}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
     if not per_target:
         raise SystemExit(f"no family's traces under {results}: run `{PRODUCER} --rollout emulated` first")

@@ -77,6 +77,21 @@ Why this module exists:
      (2.63 s fitted on the shared-core ThunderSync OPD run); verl's OPD Sync scores outside the records
      (its slot residual is 0.04 s), so a turn-streaming target predicted from it trains each turn as
      soon as it is generated.
+9. Where the measured terms still miss (read after the predictions, from the targets' own records;
+   never an input to them): (a) the separate old-log-prob forward is modelled (point 3), not
+   measured, when the fit has no forward records, and verl's recorded forwards run above the model:
+   1.33 s per step against 0.88 s predicted (shared-core GRPO Sync), 0.59 vs 0.47 (OPD Sync), 3.33 vs
+   2.72 (emulated paper Sync); on a small CPU model a forward-only micro-batch keeps most of a
+   training micro-batch's host work and the backward is not twice the forward. (b) On shared cores
+   a training row of the same model costs more in verl's batch update than in ThunderSync's calls
+   at their alone speed: Sync's update_actor 0.0376 s per row against the fit's 0.030 s at its rows'
+   length (GRPO), 0.0176 against 0.014 s (OPD); on the emulated device, where every mode's learner is
+   pinned to its own core alike, the two agree (0.030 against 0.031 s, recorded workload). The shared-core modes do not run their processes
+   alike (recipes/cpu_tiny/mode: Sync's rollout lives in the learner's worker, hybrid_engine; the
+   others run a standalone rollout) and nothing pins them, so part of a learner's speed there belongs
+   to its mode and the ThunderSync run cannot measure it for the others: on shared cores one-step-off
+   Async and Fully Async are predicted 18 to 27% short and GRPO's Sync 12% short, nearly all of it in
+   their learner's time (OPD's Sync, whose learner is half as long, 4%).
 """
 
 from __future__ import annotations
