@@ -82,7 +82,7 @@ def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_
     }
 
 
-def measure_gap(work: Path, steps: int) -> dict:
+def measure_gap(work: Path, steps: int, dp: int = 1) -> dict:
     """Streamed SAO actor step vs verl's ``update_actor`` (loss sao) on the FSDP2 CPU engine (point 3)."""
     import shutil
 
@@ -93,7 +93,7 @@ def measure_gap(work: Path, steps: int) -> dict:
     ray_tmp = setup.prepare_environment()
     try:
         model, pad_id, vocab = setup.build_tiny_model(work / "engine_model")
-        res = run_sao_equivalence(model, pad_id, vocab, groups=2, micro=4, steps=steps)
+        res = run_sao_equivalence(model, pad_id, vocab, groups=2, micro=4, steps=steps, dp=dp)
     finally:
         import ray
 
@@ -108,7 +108,7 @@ def measure_gap(work: Path, steps: int) -> dict:
               flush=True)
     worst = max(per_step, key=lambda s: s["gap_over_floor"])
     return {"gap_over_floor": round(worst["gap_over_floor"], 3), "gap": worst["gap"], "floor": worst["floor"],
-            "gap_over_floor_steps": [round(s["gap_over_floor"], 3) for s in per_step], "gap_rows": res["rows"],
+            "gap_over_floor_steps": [round(s["gap_over_floor"], 3) for s in per_step], "gap_rows": res["rows"], "gap_dp": dp,
             "gap_over_floor_status": "measured: streamed SAO actor update vs verl's update_actor (loss sao), "
                                      "FSDP2 CPU engine, floor = verl's update with rows regrouped"}
 
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="8 steps (2 of them critic-only): a few minutes")
     parser.add_argument("--work-dir", default=str(REPO / "runs" / "sao"))
     parser.add_argument("--gap-steps", type=int, default=None, help="engine steps of the gap measurement (default 2, 1 with --quick)")
+    parser.add_argument("--gap-dp", type=int, default=1, help="data-parallel ranks of the gap measurement")
     parser.add_argument("--gap-only", action="store_true", help="only the streamed-vs-verl engine measurement (point 3)")
     parser.add_argument("extra", nargs="*", help="further hydra overrides")
     add_results_dir_argument(parser)
@@ -157,8 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         stale.unlink()
     gap_steps = args.gap_steps or (1 if args.quick else 2)
     if args.gap_only:
-        result = {"algo": "sao", "mode": "engine", **measure_gap(work, gap_steps)}
-        write_result("sao_gap" + ("_quick" if args.quick else ""), result, results_dir)
+        result = {"algo": "sao", "mode": "engine", **measure_gap(work, gap_steps, args.gap_dp)}
+        write_result("sao_gap" + (f"_dp{args.gap_dp}" if args.gap_dp > 1 else "") + ("_quick" if args.quick else ""), result, results_dir)
         return result
     inputs = prepare_inputs(work.parent, variants=("student",))
     cmd = sao_command(inputs, mode=args.mode, steps=steps, warmup=warmup, critic_epochs=args.critic_epochs,
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"verl finished without logging a training step; see {work / 'verl.log'}")
     result = summarise(per_step, mode=args.mode, seconds=time.time() - t0, warmup=warmup,
                        critic_epochs=args.critic_epochs)
-    result.update(measure_gap(work, gap_steps))
+    result.update(measure_gap(work, gap_steps, args.gap_dp))
     name = f"sao_{args.mode}" + ("_quick" if args.quick else "")
     png = plot(per_step, results_dir / f"{name}.png", f"SAO / {args.mode} on the embedded CPU task "
                f"(n=1, critic_warmup={warmup}, {args.critic_epochs} critic epochs)")

@@ -109,7 +109,7 @@ def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int
     data, noise = _data_proto(trajs, batch, pad_token_id)
     rollout = _rollout_log_probs(wg, data, noise)  # [B, R], stands in for the inference engine's
     planner = SAOStreamPlanner(max_chunk_size=max_chunk)
-    client = SAOStreamClient(wg, pad_token_id=pad_token_id, eps_low=EPS_LOW, eps_high=EPS_HIGH, dp_size=1)
+    client = SAOStreamClient(wg, pad_token_id=pad_token_id, eps_low=EPS_LOW, eps_high=EPS_HIGH)
     planner.begin_batch([t.tid for t in trajs])
     client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": train_batch_size})
     chunks = 0
@@ -134,10 +134,10 @@ def regrouped(n_rows: int, micro: int) -> list[int]:
 
 
 def run_sao_equivalence(model_path, pad_id: int, vocab: int, *, groups: int = 2, micro: int = 4, steps: int = 2,
-                        seed: int = 0, wg=None) -> dict:
+                        seed: int = 0, dp: int = 1, wg=None) -> dict:
     """sync_a, sync_b (regrouped) and stream for ``steps`` steps; per step gap, floor and gap/floor."""
     if wg is None:
-        wg = start_workers(sao_config(model_path, groups=groups, micro=micro), dp=1)
+        wg = start_workers(sao_config(model_path, groups=groups, micro=micro), dp=dp)
     batches = [make_sao_batch(500 + 100 * seed + s, groups, vocab) for s in range(steps)]
     n_rows = len(batches[0]["trajs"])
     runs = {
