@@ -50,6 +50,10 @@ Why:
    (``thundersync_harness.kl_entropy_steps``). With ``--engine megatron [--tp 2] [--pp 2]`` the same steps run on
    verl's Megatron engine, the reference group with the actor's layout (``thundersync_harness.megatron_kl_entropy``);
    JSON equivalence_megatron_tpT_ppP_dpD_kl_*.
+11. ``--engine megatron --float64-sum``: an experiment on the margin of point 7. The stream runs once more with
+   its streamed pieces (direct calls, folds, the deferred scale) summed in float64 and rounded to fp32 once at
+   the barrier (``thundersync_harness.megatron_accumulation``); each chunk's backward is unchanged. JSON
+   equivalence_megatron_*_float64sum (``gap_float64_sum_over_floor``).
 9. ``--mini-batches K [--ppo-epochs E]``: K optimizer steps per batch (and E epochs), streamed
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
@@ -112,11 +116,21 @@ def transposed_order(n_rows: int, micro: int) -> list[int]:
 CONTROL_POW2, CONTROL_OTHER = 16.0, 24.0  # advantage multipliers of the rescaling control (point 7)
 
 
-def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False) -> dict:
+def float64_sum_stream_step(wg, trajs, arrival: list[int], pad_id: int) -> dict:
+    """``stream_step`` with the probe learner that sums the streamed pieces in float64 (point 11)."""
+    wg.probe_float64_sum(True)
+    try:
+        return stream_step(wg, trajs, arrival, pad_id)
+    finally:
+        wg.probe_float64_sum(False)
+
+
+def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, float64_sum: bool = False) -> dict:
     """``diagnostics``: also the stream with verl's rounding of 1/N (``prescaled_stream_step``) and verl's
-    update with the advantages x16 and x24 (the control of point 7)."""
+    update with the advantages x16 and x24 (the control of point 7). ``float64_sum``: also the stream
+    summed in float64 (point 11)."""
     kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other", "sync_fine"]
-                                              if diagnostics else [])
+                                              if diagnostics else []) + (["stream_fp64sum"] if float64_sum else [])
     steps = {kind: [] for kind in kinds}
     for trajs, arrival in batches:
         in_order = list(range(len(trajs)))
@@ -128,6 +142,8 @@ def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False) 
             steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_POW2))
             steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_OTHER))
             steps["sync_fine"].append(partial(sync_step, wg, trajs, in_order, pad_id, micro=1))
+        if float64_sum:
+            steps["stream_fp64sum"].append(partial(float64_sum_stream_step, wg, trajs, arrival, pad_id))
     return steps
 
 
@@ -171,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mini-batches", type=int, default=1, help="K optimizer steps per batch (point 9)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (point 9)")
     parser.add_argument("--estimator", default="grpo", help="algorithm.adv_estimator (point 10)")
+    parser.add_argument("--float64-sum", action="store_true",
+                        help="megatron experiment: also the stream summed in float64 across calls (point 11)")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
@@ -199,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         if megatron or args.algo != "grpo":
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
         return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
+    if args.float64_sum and (not megatron or args.distributed_optimizer or args.algo != "grpo" or args.kl
+                             or args.entropy):
+        parser.error("--float64-sum runs the plain GRPO comparison on --engine megatron without the distributed optimizer")
     if args.kl or args.entropy:
         if args.algo != "grpo":
             parser.error("--kl / --entropy run --algo grpo")
@@ -217,11 +238,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         world = args.dp * (args.tp * args.pp if megatron else 1)  # Ray workers: one per rank
-        wg = start_workers(config, world, distillation=args.algo == "opd")
+        if args.float64_sum:
+            from thundersync_harness.megatron_accumulation import start_probe_workers
+
+            wg = start_probe_workers(config, world)
+        else:
+            wg = start_workers(config, world, distillation=args.algo == "opd")
         if args.algo == "opd":
             steps = opd_steps(wg, batches, pad_id, micro)
         else:
-            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron)
+            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron, float64_sum=args.float64_sum)
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
     finally:
         ray.shutdown()
@@ -343,6 +369,16 @@ def _report_diagnostics(runs: dict) -> dict:
             "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a)}
 
 
+def _report_float64_sum(runs: dict) -> dict:
+    """Point 11: the stream summed in float64 across calls, against verl's update, over the same floor."""
+    da, db = runs["sync_a"][0], runs["sync_b"][0]
+    floors = [relative_gap(b, a) for b, a in zip(db, da)]
+    gaps = [relative_gap(x, a) for x, a in zip(runs["stream_fp64sum"][0], da)]
+    print("  stream summed in float64 across calls (experiment), gap (gap/floor) per step: "
+          + ", ".join(f"{g:.3e} ({g / f:.2f})" for g, f in zip(gaps, floors)))
+    return {"gap_float64_sum": max(gaps), "gap_float64_sum_over_floor": max(g / f for g, f in zip(gaps, floors))}
+
+
 def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     extra = extra or {}
     (da, info_a), (db, _), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
@@ -386,6 +422,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
         result["distributed_optimizer"] = args.distributed_optimizer
         name = name.replace("equivalence", f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + (
             "_distopt" if args.distributed_optimizer else ""), 1)
+        if "stream_fp64sum" in runs:  # point 11: an experiment, written apart from the plain result
+            result.update(_report_float64_sum(runs))
+            name += "_float64sum"
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
