@@ -19,7 +19,7 @@ Why this module exists:
    similar length), so the few stretched-by-2.7x records of a shared-core run would otherwise set the
    split. On the shared-core GRPO ThunderSync run the per-token cost drops from 0.000207 to 0.000151 s
    (its ops that ran alone, fitted alone: 0.00013; the same 0.44 M policy's alone ops on the emulated
-   device: 0.00014); on the emulated runs (slowdown 1.1) the fit moves by < 5%.
+   device: 0.00014); on the emulated runs (slowdown 1.1) each cost moves by 5% or less.
 3. A separate old-log-prob forward (verl's Sync as configured, one-step-off Async, Fully
    Async; not Sync in bypass mode, not ThunderSync, which takes the old log-probs from its own
    forward) is one more call over the same rows without gradients: the call overhead, half
@@ -64,7 +64,7 @@ Why this module exists:
    - learner calls: a batch trainer writes one update per step, so its records cannot tell a call's
      overhead from its rows' host work (``fit_call_costs`` puts the intercept on the rows, call 0);
      a streamed target runs tens of calls per step (the recorded ThunderSync runs: 21 to 56 per step at
-     0.017 to 0.020 s each, 0.4 to 0.9 s of a 4 to 15 s step) and pays none of them;
+     0.013 to 0.020 s each, 0.3 to 1.0 s of a 4 to 15 s step) and pays none of them;
    - learner slowdown while the rollout runs: a Sync run's learner never overlaps its rollouts
      (no op to fit it from, slowdown 1), while a streamed target's does (shared cores: 2.68x measured
      on the ThunderSync runs; emulated device, the driver's arrivals: 1.10 to 1.11x);
