@@ -190,10 +190,12 @@ def test_a_batch_fit_names_what_a_streamed_target_runs_that_it_never_measured():
     assert as_batch == {}  # a barrier target runs one call per step, alone, landing at its barrier
 
 
-def test_a_streamed_fit_measures_every_term_of_a_batch_target():
+def test_a_streamed_fit_measures_every_term_of_a_batch_target_but_fully_asyncs_updates():
     streamed = (streamed_run(), _calib(contention=2.0, contention_ops=12))
-    for mode in ("sync", "async", "fully_async"):
+    for mode in ("sync", "async"):
         assert unmeasured_terms(streamed, batch_run(mode), mode, "batch", rollout_on_own_device=False) == {}
+    assert set(unmeasured_terms(streamed, batch_run("fully_async"), "fully_async", "mini_batch",
+                                rollout_on_own_device=False)) == {"update_bookkeeping"}
     quiet = (streamed_run(), _calib(contention=1.0, contention_ops=0))  # no op overlapped its rollouts
     assert set(unmeasured_terms(quiet, batch_run("async"), "async", "batch", rollout_on_own_device=False)) == \
         {"learner_slowdown"}

@@ -73,6 +73,11 @@ Why this module exists:
      while up to a batch still runs, and the recorded landings grow with the load (emulated recorded
      workload: 0.96 s mean with < 4 running, 1.57 s with 16 to 40, against 0.60 s fitted at Sync's
      barrier);
+   - Fully Async's per-update driver work: verl's Fully Async trainer samples its buffer, extracts
+     rewards, balances the batch and computes advantages for every mini-batch update (8 per weight
+     push here); a Sync or Async trainer does it once per step, inside the handoff its landing holds,
+     and ThunderSync never does it. Only its advantage part is recorded (`other`): 0.67 s per step on
+     the shared-core GRPO Fully Async run against 0.066 s on the Sync run;
    - OPD turn latency: only a turn-streaming run measures the teacher's per-turn scoring latency
      (2.63 s fitted on the shared-core ThunderSync OPD run); verl's OPD Sync scores outside the records
      (its slot residual is 0.04 s), so a turn-streaming target predicted from it trains each turn as
@@ -288,6 +293,10 @@ def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode:
         out["landing_under_load"] = (f"the fit run ({fit_mode}) records no reward timing: one landing latency "
                                      f"({calib.landing_s:.3f} s) fitted at its barrier is dealt to every trajectory "
                                      "of a target that lands them while the rest of its batch still runs")
+    if target_mode == "fully_async" and fit_mode != "fully_async":
+        out["update_bookkeeping"] = (f"the fit run ({fit_mode}) never runs verl's Fully Async trainer, which samples "
+                                     "its buffer, extracts rewards, balances the batch and computes advantages on "
+                                     "its driver for every mini-batch update; that driver work is priced 0")
     if target.algo == "opd" and gran == "turn" and calib.turn_latency_s is None:
         out["turn_latency"] = (f"the fit run ({fit_mode}) does not stream turns, so the teacher's per-turn scoring "
                                "latency is unmeasured; each turn trains as soon as it is generated")
