@@ -199,3 +199,32 @@ def test_worker_config_check():
             sao_settings(bad, {"train_batch_size": 4})
     with pytest.raises(StreamingConfigError, match="ppo_mini_batch_size=8"):
         sao_settings(OmegaConf.create(good), {"train_batch_size": 8})
+
+
+def test_critic_coefficients_with_a_deferred_normaliser_give_verls_value_loss_gradient():
+    """The critic's first pass over a batch streams too: per trajectory sum_t (V_t - G_t) grad V_t, times 1/N at
+    the barrier, is the gradient of verl's clipped value loss at the step-start weights (V = V_old)."""
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    from thundersync_verl.core.sao_stream import critic_token_coefficients
+
+    trajs = _trajs(5)
+    width = max(len(t.response) for t in trajs)
+    v = torch.zeros(len(trajs), width, dtype=torch.float64)
+    g = torch.zeros_like(v)
+    mask = torch.zeros(len(trajs), width, dtype=torch.int64)
+    streamed = torch.zeros_like(v)
+    planner = SAOStreamPlanner()
+    planner.begin_batch([t.traj_id for t in trajs])
+    for b, t in enumerate(reversed(trajs)):  # any arrival order
+        planner.arrive(t)
+        n = len(t.response)
+        returns = planner.returns[t.traj_id]
+        v[b, :n], g[b, :n], mask[b, :n] = torch.tensor(t.values), torch.tensor(returns), torch.tensor(t.agent_mask)
+        streamed[b, :n] = torch.tensor(critic_token_coefficients(t.values, returns, t.agent_mask))
+    streamed = streamed / int(mask.sum())  # the deferred token-mean normaliser
+    leaf = v.clone().requires_grad_(True)
+    loss, _ = compute_value_loss(vpreds=leaf, returns=g, values=v, response_mask=mask, cliprange_value=0.5)
+    loss.backward()
+    assert torch.allclose(streamed, leaf.grad, rtol=1e-7, atol=1e-12)  # verl's agg_loss rounds its divisor
+    assert float(leaf.grad.abs().max()) > 1e-3
