@@ -185,6 +185,10 @@ class StreamedStep:
             ctx.recorder.learner_op("optimizer", t0, time.time())
         finally:
             self.algo.close()
+            # The pipeline's callback and the gate's row reader are this step's bound methods: cycles that hold
+            # every row of the batch (token lists, log-probs) until Python's rare full collection. Broken here,
+            # the rows go with the step (a long run's driver grew ~160 KB a step without it; benchmarks/soak.py).
+            self.pipe = self.source = None
         return out, self.state
 
     def metrics(self, out) -> dict:
