@@ -103,15 +103,26 @@ def sync_sao_step(wg, batch: dict, row_order: list[int], pad_token_id: int, micr
 
 
 def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int, every: int = 2,
-                    max_chunk: int = 3) -> dict:
-    """Trajectories arrive in ``batch["arrival"]`` order; every ``every`` arrivals their chunks run."""
+                    max_chunk: int = 3, pipeline: int | None = None) -> dict:
+    """Trajectories arrive in ``batch["arrival"]`` order; every ``every`` arrivals their chunks run.
+
+    ``pipeline``: send the ops through the trainer's ``OpPipeline`` with that depth (queued calls, the
+    whitening fold as a queued ``FoldOp``) instead of one blocking call each.
+    """
+    from thundersync_verl.core.sao_stream import SAO_BUCKET
+    from thundersync_verl.trainer.stream_exec import OpPipeline
+    from thundersync_verl.trainer.stream_plan import FoldOp
+
     trajs = batch["trajs"]
     data, noise = _data_proto(trajs, batch, pad_token_id)
     rollout = _rollout_log_probs(wg, data, noise)  # [B, R], stands in for the inference engine's
-    planner = SAOStreamPlanner(max_chunk_size=max_chunk)
-    client = SAOStreamClient(wg, pad_token_id=pad_token_id, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    planner = SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, max_chunk_size=max_chunk)
+    client = SAOStreamClient(wg, pad_token_id=pad_token_id)
     planner.begin_batch([t.tid for t in trajs])
     client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": train_batch_size})
+    pipe = None if pipeline is None else OpPipeline(wg, pad_token_id=pad_token_id, temperature=1.0, depth=pipeline,
+                                                    on_done=lambda *done: None)
+    send = client.run if pipe is None else (lambda ops: [pipe.submit(op, {}) for op in ops])
     chunks = 0
     for k, i in enumerate(batch["arrival"]):
         t = trajs[i]
@@ -121,9 +132,14 @@ def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int
         if (k + 1) % every == 0 or k + 1 == len(trajs):
             ops = planner.next_ops()
             chunks += len(ops)
-            client.run(ops)
+            send(ops)
     folds, final = planner.finalize()
-    metrics = client.finalize(folds, final)
+    if pipe is None:
+        metrics = client.finalize(folds, final)
+    else:
+        pipe.submit(FoldOp(SAO_BUCKET, folds), {})
+        pipe.drain()
+        metrics = wg.finalize_step(final.scale)[0]
     return {**metrics, "ops/chunks": chunks, "barrier_scale": final.scale}
 
 

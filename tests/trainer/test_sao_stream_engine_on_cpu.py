@@ -56,6 +56,14 @@ def test_streamed_sao_actor_step_equals_verls_update_actor(engine):
     assert info["grad_norm"] == pytest.approx(info_verl["grad_norm"], rel=1e-5)
 
 
+def test_queued_through_the_trainers_op_pipeline_the_step_is_the_same(engine):
+    wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
+    n = len(batch["trajs"])
+    [d_queued], _ = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS, pipeline=2)])
+    [d_verl], _ = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
+    assert relative_gap(d_queued, d_verl) < 1e-5
+
+
 def test_without_the_whitening_fold_the_step_differs(engine):
     """The control: dropping the bucket's -mean fold (a plain GAE step scaled by inv_std) is not verl's step."""
     from thundersync_verl.trainer import sao_stream

@@ -43,7 +43,11 @@ class _Recorder:
 
 
 def _client() -> SAOStreamClient:
-    return SAOStreamClient(_Recorder(), pad_token_id=PAD, eps_low=EPS_LOW, eps_high=EPS_HIGH, dp_size=1)
+    return SAOStreamClient(_Recorder(), pad_token_id=PAD, dp_size=1)
+
+
+def _planner(**kw) -> SAOStreamPlanner:
+    return SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, **kw)
 
 
 def _trajs(seed: int, n: int = 5) -> list[SAOTrajectory]:
@@ -84,7 +88,7 @@ def test_chunk_loss_is_minus_c_r_m_and_masked_tokens_get_no_gradient():
     coefs = [0.5 * (j + 1) * m for j, m in enumerate(t.agent_mask)]
     from thundersync_verl.trainer.sao_stream import SAOBackwardOp
 
-    chunk = _client().chunk(SAOBackwardOp(((t, tuple(coefs)),), "direct"))
+    chunk = _client().chunk(SAOBackwardOp(((t, tuple(coefs)),), "direct", (EPS_LOW, EPS_HIGH)))
     assert is_sao_chunk(chunk)
     rollout = torch.tensor(t.rollout_log_probs, dtype=torch.float64)
     shift = torch.tensor([0.0, -0.5, 0.1, 2.5, 0.0, -1.0, 0.2, 0.0, 0.0][: len(coefs)], dtype=torch.float64)
@@ -97,6 +101,7 @@ def test_chunk_loss_is_minus_c_r_m_and_masked_tokens_get_no_gradient():
     assert float(loss.detach()) == pytest.approx(float(-(c * ratio * keep).sum()), rel=1e-6)
     assert torch.allclose(lp.grad, (-c * ratio * keep).to(lp.grad.dtype), rtol=1e-6, atol=1e-7)
     assert metrics[MASKED_METRIC] == int(((~keep) & (c != 0)).sum()) >= 1
+    assert metrics["stream/rollout_logprob_diff_max"] == pytest.approx(float(shift[c != 0].abs().max()), rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -129,7 +134,7 @@ def test_streamed_gradient_equals_verls_sao_loss_on_the_batch(seed):
     expected = torch.autograd.grad(loss, [table[t.traj_id] for t in trajs])
 
     # streamed: random arrival, chunks of 2, bucket kept apart, folded, scaled
-    planner, client = SAOStreamPlanner(max_chunk_size=2), _client()
+    planner, client = _planner(max_chunk_size=2), _client()
     planner.begin_batch([t.traj_id for t in trajs])
     grads = {"direct": [torch.zeros_like(table[t.traj_id]) for t in trajs], SAO_BUCKET: [torch.zeros_like(table[t.traj_id]) for t in trajs]}
     order = list(range(len(trajs)))
@@ -154,7 +159,7 @@ def test_streamed_gradient_equals_verls_sao_loss_on_the_batch(seed):
 
 def test_planner_refusals():
     trajs = _trajs(3, 2)
-    planner = SAOStreamPlanner()
+    planner = _planner()
     with pytest.raises(StreamingStateError, match="no SAO batch open"):
         planner.arrive(trajs[0])
     planner.begin_batch([trajs[0].traj_id])
@@ -175,7 +180,7 @@ def test_planner_refusals():
 
 
 def test_unwhitened_batches_need_no_bucket():
-    planner = SAOStreamPlanner(whiten=False)
+    planner = _planner(whiten=False)
     trajs = _trajs(4, 3)
     planner.begin_batch([t.traj_id for t in trajs])
     for t in trajs:
@@ -214,7 +219,7 @@ def test_critic_coefficients_with_a_deferred_normaliser_give_verls_value_loss_gr
     g = torch.zeros_like(v)
     mask = torch.zeros(len(trajs), width, dtype=torch.int64)
     streamed = torch.zeros_like(v)
-    planner = SAOStreamPlanner()
+    planner = _planner()
     planner.begin_batch([t.traj_id for t in trajs])
     for b, t in enumerate(reversed(trajs)):  # any arrival order
         planner.arrive(t)

@@ -37,7 +37,7 @@ from thundersync_verl.core.corrections import double_sided_token_mask
 from thundersync_verl.core.normalizers import check_loss_agg_mode, token_weight
 from thundersync_verl.core.sao import sao_policy_loss
 from thundersync_verl.core.sao_stream import SAO_BUCKET, WhitenLedger, actor_token_coefficients, trajectory_gae
-from thundersync_verl.trainer.stream_loss import COEF_KEY, ROLLOUT_LP_KEY, TOKEN_COEF_KEY, build_token_chunk
+from thundersync_verl.trainer.stream_loss import COEF_KEY, LP_DIFF_METRIC, ROLLOUT_LP_KEY, TOKEN_COEF_KEY, build_token_chunk
 from thundersync_verl.trainer.stream_plan import FinalizeOp
 
 NAME = "sao"
@@ -71,7 +71,8 @@ def sao_token_loss(model_output, data, dp_group=None):
     loss_mat, _ = sao_policy_loss(log_prob, rollout, coef, scored, eps_low, eps_high)  # [B, T], 0 where c = 0
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     masked = int((scored & ~double_sided_token_mask(log_prob, rollout, eps_low, eps_high)).sum())
-    return loss_mat.sum() * dp_size, {"stream/scored_tokens": int(scored.sum()), MASKED_METRIC: masked}
+    gap = float(((log_prob.detach() - rollout).abs() * scored).max()) if bool(scored.any()) else 0.0
+    return loss_mat.sum() * dp_size, {"stream/scored_tokens": int(scored.sum()), MASKED_METRIC: masked, LP_DIFF_METRIC: gap}
 
 
 def _read(node: Any, key: str, default: Any = None) -> Any:
@@ -136,6 +137,7 @@ class SAOBackwardOp:
 
     rows: tuple[tuple[SAOTrajectory, tuple[float, ...]], ...]
     dest: str
+    band: tuple[float, float] = (0.2, 0.2)  # (eps_low, eps_high): actor.clip_ratio_low / clip_ratio_high
 
     @property
     def items(self) -> tuple[Hashable, ...]:
@@ -145,9 +147,13 @@ class SAOBackwardOp:
 class SAOStreamPlanner:
     """Arrivals -> per-token coefficients and chunks; the deferred whitening and normaliser at the barrier."""
 
-    def __init__(self, *, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
+    def __init__(self, *, eps_low: float, eps_high: float, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
                  loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None, max_chunk_size: int = 4):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
+        if not (float(eps_low) > 0 and float(eps_high) > 0):
+            _fail(f"band offsets must be positive (got {eps_low}, {eps_high})", "the band must contain ratio 1",
+                  "set actor.clip_ratio_low / clip_ratio_high", StreamingConfigError)
+        self.band = (float(eps_low), float(eps_high))
         if int(max_chunk_size) < 1:
             _fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
                   "use e.g. 4", StreamingConfigError)
@@ -188,9 +194,9 @@ class SAOStreamPlanner:
         direct, bucket = self._ready["direct"], self._ready[SAO_BUCKET]
         ops = []
         for i in range(0, len(direct), size):
-            ops.append(SAOBackwardOp(tuple(direct[i : i + size]), "direct"))
+            ops.append(SAOBackwardOp(tuple(direct[i : i + size]), "direct", self.band))
             if bucket:
-                ops.append(SAOBackwardOp(tuple(bucket[i : i + size]), SAO_BUCKET))
+                ops.append(SAOBackwardOp(tuple(bucket[i : i + size]), SAO_BUCKET, self.band))
         self._ready = {"direct": [], SAO_BUCKET: []}
         return ops
 
@@ -213,28 +219,29 @@ class SAOStreamPlanner:
         return folds, FinalizeOp(scale, self.num_tokens, self.num_sequences)
 
 
-class SAOStreamClient:
-    """Sends the planner's SAO chunks, folds and barrier to a worker group of ``StreamingActorWorker``."""
+def sao_chunk(op: SAOBackwardOp, *, dp_size: int, pad_token_id: int, temperature: float = 1.0):
+    """The per-token chunk of one op for ``stream_token_backward`` (the band as two non-tensor floats)."""
+    trajs = [t for t, _ in op.rows]
+    chunk = build_token_chunk([t.prompt for t in trajs], [t.response for t in trajs], [c for _, c in op.rows],
+                              dp_size=dp_size, pad_token_id=pad_token_id, dest=op.dest, temperature=temperature,
+                              rollout_log_probs=[t.rollout_log_probs for t in trajs])
+    va.assign_non_tensor(chunk, **{EPS_LOW_KEY: op.band[0], EPS_HIGH_KEY: op.band[1]})
+    return chunk
 
-    def __init__(self, worker_group, *, pad_token_id: int, eps_low: float, eps_high: float,
-                 temperature: float = 1.0, dp_size: int | None = None):
-        if not (float(eps_low) > 0 and float(eps_high) > 0):
-            _fail(f"band offsets must be positive (got {eps_low}, {eps_high})", "the band must contain ratio 1",
-                  "use actor.clip_ratio_low / clip_ratio_high", StreamingConfigError)
-        self.wg, self.pad_token_id = worker_group, int(pad_token_id)
-        self.eps_low, self.eps_high, self.temperature = float(eps_low), float(eps_high), float(temperature)
+
+class SAOStreamClient:
+    """Sends the planner's SAO chunks, folds and barrier to a worker group of ``StreamingActorWorker``, one
+    blocking call each (the trainer-side ``stream_exec.OpPipeline`` queues the same ops)."""
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
+        self.wg, self.pad_token_id, self.temperature = worker_group, int(pad_token_id), float(temperature)
         self.dp_size = int(dp_size or va.actor_dp_size(worker_group))
 
     def begin_batch(self, meta: dict) -> None:
         self.wg.stream_begin_batch({**meta, "adv_estimator": NAME})
 
     def chunk(self, op: SAOBackwardOp):
-        trajs = [t for t, _ in op.rows]
-        chunk = build_token_chunk([t.prompt for t in trajs], [t.response for t in trajs], [c for _, c in op.rows],
-                                  dp_size=self.dp_size, pad_token_id=self.pad_token_id, dest=op.dest,
-                                  temperature=self.temperature, rollout_log_probs=[t.rollout_log_probs for t in trajs])
-        va.assign_non_tensor(chunk, **{EPS_LOW_KEY: self.eps_low, EPS_HIGH_KEY: self.eps_high})
-        return chunk
+        return sao_chunk(op, dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
 
     def run(self, ops: Sequence[SAOBackwardOp]) -> list:
         return [self.wg.stream_token_backward(self.chunk(op)) for op in ops]

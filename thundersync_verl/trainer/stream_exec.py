@@ -7,7 +7,8 @@
    the parts verl's actor-mesh dispatch cuts a batch into (``verl_adapter.actor_dp_size``), not the worker
    count: Megatron's tensor/pipeline/context-parallel peers of one data-parallel rank receive the same rows.
 3. An OPD ``TurnBackwardOp`` carries its own rows (each turn's prefix and teacher log-probs): it becomes one
-   per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``.
+   per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``; so does a SAO
+   ``SAOBackwardOp`` (``sao_stream.sao_chunk``: per-token GAE or whitening-bucket coefficients, the band).
 4. ``OpPipeline`` keeps the next op queued on the learner while one computes (the worker's ``*_queued``
    calls, numbered per batch): with one blocking call at a time the learner sat idle while the driver
    admitted arrivals, built the next chunk and verl dispatched it. Results come back in order; the first
@@ -27,6 +28,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
+from thundersync_verl.trainer.sao_stream import SAOBackwardOp, sao_chunk
 from thundersync_verl.trainer.stream_loss import SEQ_KEY, build_stream_chunk
 from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 
@@ -72,6 +74,9 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
     if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
         chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature,
                                 dp_size=dp_size).chunk(op)
+        method = "stream_token_backward"
+    elif isinstance(op, SAOBackwardOp):  # SAO: the op holds its rows, per-token coefficients and band
+        chunk = sao_chunk(op, dp_size=dp_size, pad_token_id=pad_token_id, temperature=temperature)
         method = "stream_token_backward"
     elif isinstance(op, PPOBackwardOp):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
         chunk_rows = [rows[traj_id] for _, traj_id in op.items]
