@@ -7,7 +7,8 @@ Why this module exists:
        trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace
        trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync
        +trainer.v1.sampler.sampler_kwargs.pace.{target_pool,gain,waiting_weight,drift_per_version,
-                                                prefix_carry,min_score,per_turn_versions,log_path}=...
+                                                prefix_carry,min_score,nats_per_version,per_turn_versions,
+                                                log_path,decide_every,scorer,scorer_server_prefix}=...
 2. At each sample, after verl's own evictions (its drop threshold still applies when set), every
    sampleable group gets the effective-staleness score of ``core/pace.py`` (formulas there); the
    budget comes from the pool's excess over ``target_pool``, and the worst groups within it are
@@ -24,7 +25,13 @@ Why this module exists:
    counts. ``log_path`` adds one JSON line per decision (the benchmark reads it).
 5. ``gain=0`` scores and logs without rejecting: the same buffer measures unfiltered and
    threshold-only runs.
-6. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
+6. Measured drift (``scorer=rollout_server``; default ``none``, the version-count proxy): each trajectory
+   is re-scored once, when its group is first scored, by the rollout server holding the newest weights
+   (``pace_scorer.py``: cost, and why the servers), and its segments carry the mean absolute log-prob
+   gap (formula (3m) of ``core/pace.py``) instead of delta * lag. Counted as ``pace/scored``,
+   ``pace/scorer_s`` (seconds on the sample path), ``pace/drift_nats/mean``, ``pace/nats_per_version``
+   and ``pace/scored_version`` (the version that re-scored).
+7. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
    the rejected groups are regenerated together, in one refill; ``sample`` decides at every
    mini-batch sample (measured with ``benchmarks/pace.py --quick`` on 2 shared CPU cores: deciding
    at every sample, the trickle of small refills made PACE's steps 12.8-15.9 s, learner compute ~2x;
@@ -40,33 +47,45 @@ from dataclasses import replace
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import pace as pc
-from thundersync_verl.core.errors import StreamingConfigError, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.pace_scorer import DEFAULT_SERVER_PREFIX, RolloutServerScorer
 from thundersync_verl.trainer.samplers import FastPollReplayBufferAsync
 
 OPTIONS_KEY = "pace"
 HIST_LABELS = ("0", "1", "2", "3", "4plus")
 DECIDE_EVERY = ("step", "sample")
+SCORERS = ("none", "rollout_server")
+SCORE_FIELDS = ["prompts", "responses", "response_mask", "rollout_log_probs"]
+SAMPLER_KEYS = {"per_turn_versions", "log_path", "decide_every", "scorer", "scorer_server_prefix"}
 
 
-def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str]:
-    """``(settings, per_turn_versions, log_path, decide_every)`` from ``sampler_kwargs.pace``."""
+def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str, str, str]:
+    """``(settings, per_turn_versions, log_path, decide_every, scorer, scorer_server_prefix)`` from
+    ``sampler_kwargs.pace``."""
     options = dict((sampler_kwargs or {}).get(OPTIONS_KEY) or {})
     per_turn = bool(options.pop("per_turn_versions", True))
     log_path = options.pop("log_path", None)
     every = str(options.pop("decide_every", "step"))
+    scorer = str(options.pop("scorer", "none"))
+    prefix = str(options.pop("scorer_server_prefix", DEFAULT_SERVER_PREFIX))
     known = set(pc.PaceSettings.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
         raise StreamingConfigError(rule_message(
             f"unknown PACE option(s) {unknown} in trainer.v1.sampler.sampler_kwargs.pace",
             "a misspelt knob would silently run PACE with its default",
-            f"use only {sorted(known | {'per_turn_versions', 'log_path', 'decide_every'})}"))
+            f"use only {sorted(known | SAMPLER_KEYS)}"))
     if every not in DECIDE_EVERY:
         raise StreamingConfigError(rule_message(
             f"pace.decide_every must be one of {DECIDE_EVERY}, got {every!r}",
             "the budget is spent once per training step or at every mini-batch sample",
             "set pace.decide_every=step (default) or sample"))
-    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None), every
+    if scorer not in SCORERS:
+        raise StreamingConfigError(rule_message(
+            f"pace.scorer must be one of {SCORERS}, got {scorer!r}",
+            "the drift is the version-count proxy or measured by re-scoring on the rollout servers",
+            "set pace.scorer=none (default) or rollout_server"))
+    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None), every, scorer, prefix
 
 
 def _turn_segments(turns) -> list[pc.Segment] | None:
@@ -84,7 +103,10 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
 
     def __init__(self, *args, sampler_kwargs=None, **kwargs):
         super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
-        self.pace, self.per_turn, self.log_path, self.decide_every = pace_options(sampler_kwargs)
+        (self.pace, self.per_turn, self.log_path, self.decide_every, self.scorer_kind,
+         self.scorer_prefix) = pace_options(sampler_kwargs)
+        self.scorer: RolloutServerScorer | None = None  # built at the first measurement (the servers exist then)
+        self.calibration = pc.DriftCalibration()
         if self.pace.gain > 0 and self.refill_fn is None:
             raise StreamingConfigError(rule_message(
                 "PACE with gain > 0 needs verl's refill_fn",
@@ -168,14 +190,44 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
                 self._segments[key] = (pc.segments_from_span(int(tag.get("response_len", 1)), lo, hi), False)
             else:
                 self._segments[key] = (per_turn, True)
+        if self.scorer_kind != "none":
+            self._measure(partition_id, missing)
+
+    def _measure(self, partition_id: str, keys: list[str]) -> None:
+        """(3m): re-score ``keys`` on the rollout servers; their segments carry the measured drift in nats."""
+        if self.scorer is None:
+            self.scorer = RolloutServerScorer.discover(self.scorer_prefix)
+        rows = va.replay_buffer_rows(keys, partition_id, SCORE_FIELDS)
+        t0 = time.perf_counter()
+        current, version = self.scorer.score([(r["prompts"].tolist(), r["responses"].tolist()) for r in rows])
+        spent = time.perf_counter() - t0
+        drifts = []
+        for key, row, lp in zip(keys, rows, current):
+            if lp.shape != row["rollout_log_probs"].shape:
+                raise StreamingInputError(rule_message(
+                    f"trajectory {key}: {tuple(lp.shape)} re-scored log-probs for {tuple(row['rollout_log_probs'].shape)} "
+                    "rollout log-probs", "the measured drift compares the two token by token",
+                    "check that the rollout stores rollout_log_probs for every response token"))
+            segments, per_turn = self._segments[key]
+            measured = pc.measured_drift_nats(segments, row["rollout_log_probs"], lp, row["response_mask"])
+            self.calibration.observe(measured, self._landed.get(key.split("_")[0], self._step - 1))
+            self._segments[key] = (measured, per_turn)
+            drifts += [s.drift for s in measured for _ in range(s.tokens)]
+        self._metrics["pace/scored"] = self._metrics.get("pace/scored", 0) + len(keys)
+        self._metrics["pace/scorer_s"] = self._metrics.get("pace/scorer_s", 0.0) + spent
+        self._metrics["pace/drift_nats/mean"] = sum(drifts) / max(len(drifts), 1)
+        if version is not None:
+            self._metrics["pace/scored_version"] = version
 
     def _group_score(self, uid: str, keys: list[str], learner_version: int) -> float:
         landed = self._landed.get(uid, learner_version)
         waiting = pc.waiting_staleness(learner_version, landed)
         if not keys:
             return pc.effective_staleness(0.0, waiting, self.pace)
-        values = [pc.effective_staleness(pc.generation_staleness(self._segments[k][0], landed, self.pace),
-                                         waiting, self.pace) for k in keys]
+        per_version = self.calibration.per_version(self.pace)
+        values = [pc.effective_staleness(pc.generation_staleness(
+            pc.in_version_units(self._segments[k][0], per_version, self.pace), landed, self.pace),
+            waiting, self.pace) for k in keys]
         return sum(values) / len(values)
 
     def _record(self, decision: pc.PaceDecision, scores: dict, selected: list[str], snapshot: dict) -> None:
@@ -193,13 +245,16 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
             "pace/rejected_share": self.rejected_total / max(self.rejected_total + self.sampled_total, 1),
             "pace/score_selected/mean": sum(scores[u] for u in selected) / max(len(selected), 1),
             "pace/per_turn_share": sum(per_turn) / max(len(per_turn), 1),
+            "pace/nats_per_version": self.calibration.per_version(self.pace),
             **{f"pace/staleness_hist/{label}": n for label, n in zip(HIST_LABELS, hist)},
         })
         if self.log_path:
             line = {"t": time.time(), "step": self._step, "pool": decision.pool, "needed": decision.needed,
                     "budget": decision.budget, "rejected": {u: scores[u] for u in decision.rejected},
                     "selected": {u: scores[u] for u in selected}, "selected_staleness": staleness,
-                    "per_turn_share": self._metrics["pace/per_turn_share"]}
+                    "per_turn_share": self._metrics["pace/per_turn_share"],
+                    "scored": self._metrics.get("pace/scored", 0), "scorer_s": self._metrics.get("pace/scorer_s", 0.0),
+                    "nats_per_version": self._metrics["pace/nats_per_version"]}
             os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(line) + "\n")

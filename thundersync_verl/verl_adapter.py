@@ -412,6 +412,21 @@ def replay_buffer_field(keys: list[str], partition_id: str, field: str) -> list:
     return [getattr(v, "data", v) for v in values]
 
 
+def replay_buffer_rows(keys: list[str], partition_id: str, fields: list[str]) -> list[dict]:
+    """Stored tensor fields of trajectories (``prompts``, ``responses``...), one ``{field: 1-D tensor}`` per
+    key; verl keeps them as jagged nested tensors, which are unbound here."""
+    import torch
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=list(fields))
+    columns = {}
+    for field in fields:
+        values = data[field]
+        rows = values.unbind(0) if isinstance(values, torch.Tensor) else list(values)
+        columns[field] = [torch.as_tensor(getattr(v, "data", v)).reshape(-1) for v in rows]
+    return [{f: columns[f][i] for f in fields} for i in range(len(keys))]
+
+
 # -- SAO (``thundersync_verl/sao.py``) ------------------------------------------------------------
 def register_advantage_estimator(name: str, fn) -> None:
     """Register ``fn`` as ``algorithm.adv_estimator=name`` (verl's ``register_adv_est``; once)."""

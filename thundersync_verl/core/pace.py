@@ -21,12 +21,22 @@ staleness accrued in the pool add up to the plain version lag v - u when beta = 
                   segments of n/2 tokens at min and at max, see ``segments_from_span``).
   (2) lag         l_j = max(0, v_land - u_j)                          (accrued before completion)
   (3) drift       d_j = delta * l_j                                   (proxy: ``drift_per_version``)
-                  d_j = mean_{t in j} |log pi_r(y_t | y_<t) - log pi_{u_j}(y_t | y_<t)|
-                                                 (measured: the prefix re-scored by a newer policy pi_r;
-                                                  ``measured_segment_drift``; the rollout log-prob is
-                                                  the second term. Re-scored by a policy newer than
-                                                  v_land, the drift covers part of the wait too: lower
-                                                  beta accordingly)
+ (3m) measured    m_j = mean_{t in j} |log pi_r(y_t | y_<t) - log pi_{u_j}(y_t | y_<t)|   (nats)
+                  d_j = delta * m_j / k                               (``measured_drift_nats``,
+                                                  ``in_version_units``): the whole sequence re-scored by
+                                                  the policy pi_r the rollout servers hold when the group
+                                                  is first seen finished (r = v_land while weights are
+                                                  pushed every step), the rollout's own log-prob the
+                                                  second term; tokens the policy did not generate (tool
+                                                  observations) are left out. k: the nats one version of
+                                                  lag is worth, ``nats_per_version`` or, when 0, the
+                                                  running ratio sum n_j m_j / sum n_j l_j over every
+                                                  measured segment with l_j > 0 so far
+                                                  (``DriftCalibration``; 1 until one is seen). So an
+                                                  average trajectory scores its version lag and one whose
+                                                  prefix barely moved scores less. Re-scored by a policy
+                                                  newer than v_land, m_j covers part of the wait too:
+                                                  lower beta accordingly
   (4) prefix      e_1 = d_1,  e_j = max(d_j, gamma * e_{j-1})         (``prefix_carry`` gamma in [0, 1]:
                   tokens generated on a drifted prefix carry part of its drift)
   (5) generation  G = sum_j n_j e_j / sum_j n_j                       (0 for a trajectory with no tokens)
@@ -42,14 +52,15 @@ staleness accrued in the pool add up to the plain version lag v - u when beta = 
 What is ours: the published description of PACE names per-token versions, prefix-aware
 generation staleness weighted by drift, waiting staleness, an adaptive budget from excess pool
 occupancy and ranking within it, without closed forms. The exact forms above (the two-segment
-fallback, the max-carry of (4), the token mean of (5), the additive S of (7), the group mean,
-the floor/cap of (9) and the tie order of (10)) are this project's choices.
+fallback, the mean absolute log-prob gap of (3m) and its conversion to versions by k, the
+max-carry of (4), the token mean of (5), the additive S of (7), the group mean, the floor/cap of
+(9) and the tie order of (10)) are this project's choices.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -69,6 +80,7 @@ class PaceSettings:
     drift_per_version: float = 1.0  # delta: proxy drift of one version of lag
     prefix_carry: float = 0.5  # gamma: share of a prefix's drift carried into later segments
     min_score: float = 0.0  # groups scoring at or below this are never rejected (on-policy ones)
+    nats_per_version: float = 0.0  # k of (3m): measured drift worth one version of lag; 0 = running estimate
 
     def validate(self) -> "PaceSettings":
         checks = (
@@ -79,6 +91,8 @@ class PaceSettings:
             (_finite_at_least(self.prefix_carry, 0.0) and self.prefix_carry <= 1.0, "prefix_carry must be in [0, 1]",
              "0 = each segment alone, 1 = worst prefix drift everywhere"),
             (_finite_at_least(self.min_score, 0.0), "min_score must be >= 0", "0 protects on-policy groups only"),
+            (_finite_at_least(self.nats_per_version, 0.0), "nats_per_version must be >= 0",
+             "0 estimates it from the measured segments"),
         )
         for ok, rule, hint in checks:
             if not ok:
@@ -192,6 +206,62 @@ def measured_segment_drift(rollout_log_probs: torch.Tensor, current_log_probs: t
     sums = torch.zeros(n_segments, dtype=torch.float64).index_add_(0, seg, delta)  # [J]
     counts = torch.zeros(n_segments, dtype=torch.float64).index_add_(0, seg, torch.ones_like(delta))  # [J]
     return (sums / counts.clamp(min=1.0)).tolist()
+
+
+def segment_of_tokens(segments: Sequence[Segment], response_mask: torch.Tensor) -> torch.Tensor:
+    """[R] long: each response token's segment in generation order, -1 where ``response_mask`` is 0.
+
+    The segments' token counts may differ from the generated tokens (the span fallback counts tool
+    observations too; the response may be truncated): their boundaries are then scaled to the
+    generated count, so each segment keeps its share of the trajectory.
+    """
+    mask = response_mask.reshape(-1).bool()  # [R]
+    out = torch.full(mask.shape, -1, dtype=torch.long)  # [R]
+    n_gen, total = int(mask.sum()), sum(s.tokens for s in segments)
+    if n_gen == 0 or total <= 0:
+        return out
+    cum = torch.tensor([s.tokens for s in segments], dtype=torch.float64).cumsum(0)  # [J]
+    ends = torch.round(cum * n_gen / total).long()  # [J] exclusive end of each segment, in generated tokens
+    index = torch.arange(n_gen)  # [R_gen]
+    out[mask] = torch.searchsorted(ends, index, right=True).clamp(max=len(segments) - 1)
+    return out
+
+
+def measured_drift_nats(segments: Sequence[Segment], rollout_log_probs: torch.Tensor,
+                        current_log_probs: torch.Tensor, response_mask: torch.Tensor) -> list[Segment]:
+    """(3m): ``segments`` with ``drift`` = m_j in nats, from a trajectory's response log-probs under the
+    rollout ([R]) and under the re-scoring policy ([R])."""
+    seg_ids = segment_of_tokens(segments, response_mask)  # [R]
+    drifts = measured_segment_drift(rollout_log_probs.reshape(-1), current_log_probs.reshape(-1), seg_ids, len(segments))
+    return [replace(s, drift=d) for s, d in zip(segments, drifts)]
+
+
+@dataclass
+class DriftCalibration:
+    """k of (3m): the running token-weighted nats per version of lag over the measured segments seen."""
+
+    nats: float = 0.0  # sum n_j m_j over measured segments with lag > 0
+    token_versions: float = 0.0  # sum n_j l_j over the same segments
+
+    def observe(self, segments: Sequence[Segment], landed_version: int) -> None:
+        for s in segments:
+            lag = max(0, landed_version - s.version)
+            if s.drift is not None and lag > 0:
+                self.nats += s.tokens * float(s.drift)
+                self.token_versions += s.tokens * lag
+
+    def per_version(self, settings: PaceSettings) -> float:
+        if settings.nats_per_version > 0:
+            return float(settings.nats_per_version)
+        if self.token_versions > 0 and self.nats > 0:
+            return self.nats / self.token_versions
+        return 1.0
+
+
+def in_version_units(segments: Sequence[Segment], nats_per_version: float, settings: PaceSettings) -> list[Segment]:
+    """(3m): measured drifts (nats) as d_j = delta * m_j / k; proxy segments (drift None) unchanged."""
+    scale = settings.drift_per_version / nats_per_version
+    return [s if s.drift is None else replace(s, drift=float(s.drift) * scale) for s in segments]
 
 
 @dataclass(frozen=True)
