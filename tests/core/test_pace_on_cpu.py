@@ -13,15 +13,19 @@ import torch
 
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError
 from thundersync_verl.core.pace import (
+    DriftCalibration,
     PaceSettings,
     Segment,
     decide,
     effective_staleness,
     generation_staleness,
     histogram,
+    in_version_units,
+    measured_drift_nats,
     measured_segment_drift,
     rejection_budget,
     segments_from_span,
+    segment_of_tokens,
     segments_from_turns,
     select_rejections,
     waiting_staleness,
@@ -131,3 +135,36 @@ def test_histogram_buckets():
 def test_settings_refuse_values_outside_their_meaning(bad):
     with pytest.raises(StreamingConfigError, match="why:"):
         PaceSettings(**bad).validate()
+
+
+def test_generated_tokens_map_to_their_segments_in_order():
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1])  # a 3-token turn, a tool token, a 5-token turn ... 7 generated
+    # segments of 3 and 4 generated tokens: the tool token is -1, the rest fill segment 0 then 1
+    assert segment_of_tokens([Segment(3, 1), Segment(4, 2)], mask).tolist() == [0, 0, -1, 0, 1, 1, 1, 1]
+    # span fallback counted 10 tokens for 4 generated: boundaries scaled, round(5 * 4 / 10) = 2
+    assert segment_of_tokens([Segment(5, 1), Segment(5, 3)], torch.tensor([1, 1, 1, 1])).tolist() == [0, 0, 1, 1]
+    assert segment_of_tokens([Segment(4, 1)], torch.zeros(3, dtype=torch.long)).tolist() == [-1, -1, -1]
+
+
+def test_measured_drift_in_nats_then_in_versions():
+    rollout = torch.tensor([-1.0, -1.0, -9.0, -1.0, -1.0])
+    current = torch.tensor([-1.2, -0.8, -0.1, -1.0, -1.6])  # token 2 is a tool token: its gap of 8.9 is left out
+    mask = torch.tensor([1, 1, 0, 1, 1])
+    segs = measured_drift_nats([Segment(2, 3), Segment(2, 5)], rollout, current, mask)
+    # segment 0: (0.2 + 0.2) / 2 = 0.2; segment 1: (0 + 0.6) / 2 = 0.3
+    assert [s.drift for s in segs] == pytest.approx([0.2, 0.3])
+    cal = DriftCalibration()
+    assert cal.per_version(PaceSettings()) == 1.0  # nothing lagged measured yet
+    cal.observe(segs, landed_version=5)  # lags 2, 0: only segment 0 counts, 2 tokens x 0.2 / (2 tokens x 2 versions)
+    assert cal.per_version(PaceSettings()) == pytest.approx(0.1)
+    assert cal.per_version(PaceSettings(nats_per_version=0.4)) == 0.4  # a fixed k wins
+    # d = delta * m / k with k = 0.1, delta = 1: 2 and 3 versions' worth
+    converted = in_version_units(segs + [Segment(4, 1)], 0.1, PaceSettings())
+    assert [s.drift for s in converted] == pytest.approx([2.0, 3.0, None])
+    # G at landing 5: e = 2, max(3, 1) = 3 -> (2*2 + 2*3) / 4
+    assert generation_staleness(converted[:2], 5, PaceSettings()) == pytest.approx(2.5)
+
+
+def test_nats_per_version_refuses_negative():
+    with pytest.raises(StreamingConfigError, match="nats_per_version"):
+        PaceSettings(nats_per_version=-1.0).validate()
