@@ -9,6 +9,9 @@ Why this benchmark exists:
      fully_async       mode=fully_async, the PACE buffer with gain 0 (observes only), no threshold
      fully_async_drop  as above with verl's max_off_policy_threshold=DROP_THRESHOLD, strategy drop
      pace              mode=fully_async, the PACE buffer with PACE_OPTIONS, no threshold
+     pace_measured     as pace, with the measured drift: each trajectory re-scored once by the rollout
+                       server holding the newest weights (pace.scorer=rollout_server; ``pace_scorer.py``)
+                       instead of the version-count proxy; its cost is in the JSON (``scorer_s``)
    Every async policy runs the same buffer class, so the staleness histograms come from one
    instrument (its decision log); all share ``ASYNC_SHARED`` (a two-batch prefetch window, so
    a pool of finished groups forms on this CPU).
@@ -20,11 +23,12 @@ Why this benchmark exists:
 3. The simulator's prediction for the same runs: the unfiltered fully-async run's trace replayed
    (``sim.trace.replay``) under each async policy (``sim/pace.py``), with the trainer's 2-prompt
    mini-batches (the trace's one learner record per step spread over them), the Sync run's under
-   Sync. The simulator's staleness is v - (start version); verl's, v - (last version used).
+   Sync. The simulator's staleness is v - (start version); verl's, v - (last version used). The
+   simulator has no token log-probs, so ``pace_measured`` has no prediction.
 4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
    distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
 
-    python benchmarks/pace.py [--quick] [--steps 16] [--policies sync,fully_async,fully_async_drop,pace]
+    python benchmarks/pace.py [--quick] [--steps 16] [--policies sync,fully_async,fully_async_drop,pace,pace_measured]
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ import modes  # noqa: E402
 from thundersync_verl.demo import prepare_inputs  # noqa: E402
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
 
-POLICIES = ("sync", "fully_async", "fully_async_drop", "pace")
+POLICIES = ("sync", "fully_async", "fully_async_drop", "pace", "pace_measured")
 DROP_THRESHOLD = 2  # verl's span bound (global_steps - dispatch step + 1), strategy drop
 PACE_OPTIONS = {"target_pool": 8, "gain": 0.5, "min_score": 1.0, "waiting_weight": 1.0, "drift_per_version": 1.0,
                 "prefix_carry": 0.5, "decide_every": "step"}
+MEASURED_OPTIONS = {"scorer": "rollout_server"}  # pace_measured: PACE_OPTIONS plus these
 ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
 SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
            "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]
@@ -58,7 +63,9 @@ def policy_overrides(policy: str, log_path: Path) -> tuple[str, list[str]]:
     """(modes.py mode, extra hydra overrides) of one policy."""
     if policy == "sync":
         return "sync", []
-    pace = dict(PACE_OPTIONS) if policy == "pace" else {"gain": 0.0}
+    pace = dict(PACE_OPTIONS) if policy in ("pace", "pace_measured") else {"gain": 0.0}
+    if policy == "pace_measured":
+        pace.update(MEASURED_OPTIONS)
     pace["log_path"] = str(log_path)
     threshold = DROP_THRESHOLD if policy == "fully_async_drop" else "null"
     kwargs = [f"+trainer.v1.sampler.sampler_kwargs.pace.{k}={v}" for k, v in pace.items()]
@@ -127,6 +134,9 @@ def summarise(policy: str, run: dict, budget_s: float) -> dict:
         "rejected_groups": int(rejected + evicted),
         "rejected_share": (rejected + evicted) / max(rejected + evicted + sampled, 1) if policy != "sync" else 0.0,
         "per_turn_share": (sum(d.get("per_turn_share", 0.0) for d in decisions) / len(decisions)) if decisions else None,
+        "scored_trajectories": sum(d.get("scored", 0) for d in decisions),
+        "scorer_s": sum(d.get("scorer_s", 0.0) for d in decisions),
+        "nats_per_version": decisions[-1].get("nats_per_version") if decisions else None,
         "reward_curve": [[round(clock[s], 2), round(per_step[s].get("critic/score/mean", 0.0), 4)] for s in sorted(per_step)],
     }
 
@@ -233,9 +243,10 @@ def main(argv=None) -> dict:
     result = {"steps": steps, "wall_clock_budget_s": round(budget_s, 2),
               "budget_rule": "equal training clock: sum of verl timing_s/step from step 2, cut at the shortest run",
               "latency_scale": args.latency_scale, "drop_threshold": DROP_THRESHOLD, "pace_options": PACE_OPTIONS,
+              "measured_options": MEASURED_OPTIONS,
               "async_shared": ASYNC_SHARED, "png": str(png)}
     for key in ("staleness_mean", "rejected_share", "final_reward", "step_time_s", "steps_inside_budget",
-                "staleness_hist", "per_turn_share"):
+                "staleness_hist", "per_turn_share", "scored_trajectories", "scorer_s", "nats_per_version"):
         result[key] = {p: (round(r[key], 4) if isinstance(r[key], float) else r[key]) for p, r in rows.items()}
     result["reward_curves"] = {p: r["reward_curve"] for p, r in rows.items()}
     result["simulated"] = sim

@@ -176,7 +176,7 @@ def test_verl_loads_the_sampler_from_its_config_keys():
     assert load_extern_type("pkg://thundersync_verl.pace", "PaceReplayBufferAsync") is PaceReplayBufferAsync
 
 
-@pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace"])
+@pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace", "pace_measured"])
 def test_the_benchmark_overrides_build_the_pace_buffer_through_verls_keys(policy, tmp_path):
     """benchmarks/pace.py's overrides on the cpu_tiny recipe select this buffer with the settings asked for."""
     import importlib.util
@@ -201,7 +201,8 @@ def test_the_benchmark_overrides_build_the_pace_buffer_through_verls_keys(policy
               max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
               refill_fn=[].append)
     assert buf.max_off_policy_threshold == (bench.DROP_THRESHOLD if policy == "fully_async_drop" else None)
-    assert buf.pace.gain == (bench.PACE_OPTIONS["gain"] if policy == "pace" else 0.0)
+    assert buf.pace.gain == (bench.PACE_OPTIONS["gain"] if policy.startswith("pace") else 0.0)
+    assert buf.scorer_kind == ("rollout_server" if policy == "pace_measured" else "none")
     assert buf.log_path == str(tmp_path / "decisions.jsonl") and buf.decide_every == "step"
     assert cfg.trainer.v1.separate_async.num_warmup_batches == 2
 
