@@ -11,7 +11,9 @@ Why this module exists:
        G = delta * (v_land - born)       (one segment per trajectory; group mean; accrued by landing)
        W = v - v_land                    (v_land: the version when its group's last member landed)
        S = G + beta * W,   E = max(0, Q - b - Q*),   B = min(floor(kappa * E), Q - b)
-   and the B highest-S groups with S > min_score are rejected (ties: the older group first).
+   and the B highest-S groups with S > min_score are rejected (ties: the older group first). The
+   simulator has no token log-probs, so the measured drift of (3m) (``pace.scorer=rollout_server``)
+   has no counterpart here: its runs are predicted as the proxy's.
    The budget is spent at a step's first chunk (``once_per_step``, the sampler's default) or at
    every chunk. ``drop_threshold`` is verl's rule instead: every group with v - born + 1 > threshold goes
    (verl counts spans from the prompt's dispatch step; here from the trajectory's start).
