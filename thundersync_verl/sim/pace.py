@@ -13,7 +13,7 @@ Why this module exists:
        S = G + beta * W,   E = max(0, Q - b - Q*),   B = min(floor(kappa * E), Q - b)
    and the B highest-S groups with S > min_score are rejected (ties: the older group first). The
    simulator has no token log-probs, so the measured drift of (3m) (``pace.scorer=rollout_server``)
-   has no counterpart here: its runs are predicted as the proxy's.
+   has no counterpart here (``benchmarks/pace.py`` gives its ``pace_measured`` run no prediction).
    The budget is spent at a step's first chunk (``once_per_step``, the sampler's default) or at
    every chunk. ``drop_threshold`` is verl's rule instead: every group with v - born + 1 > threshold goes
    (verl counts spans from the prompt's dispatch step; here from the trajectory's start).
