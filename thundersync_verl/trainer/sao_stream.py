@@ -20,6 +20,11 @@ Why:
    per-token math; no streaming critic worker exists yet) and the ThunderSync trainer's arrival loop
    (it still refuses ``adv_estimator=sao``). ``tests/harness/sao_steps.py`` drives this module against
    verl's ``update_actor`` on the FSDP2 engine.
+5. Cost: with whitening every trajectory is backpropagated twice (its GAE row and its bucket row), where
+   verl's update runs one pass over the batch; a trajectory's two backwards run while later ones are still
+   generated. Without whitening (``whiten=False``) one backward. Rollout importance weights
+   (``algorithm.rollout_correction.rollout_is``, which verl's ``sao`` loss would multiply in) are not carried
+   by SAO chunks: a caller must refuse them.
 Flow: begin_batch(ids) -> arrive(SAOTrajectory) ... -> next_ops() -> client.run(ops) -> finalize() -> barrier.
 """
 
