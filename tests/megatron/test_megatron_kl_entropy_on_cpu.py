@@ -23,7 +23,7 @@ from thundersync_harness.engine_steps import _verl_update, relative_gap, rollout
 from thundersync_harness.megatron_engine import build_megatron_model
 from thundersync_verl import verl_adapter as va
 
-pytestmark = pytest.mark.slow  # two Ray worker groups of verl's Megatron engine over gloo (~2-4 min on 2 cores)
+pytestmark = pytest.mark.slow  # two Ray worker groups of verl's Megatron engine over gloo (~40 s on 2 cores)
 
 GROUPS, TP, SEED = 2, 2, 5
 
@@ -71,9 +71,10 @@ def test_megatron_streamed_step_with_kl_and_entropy_equals_verls_update_actor(en
     for a, b in zip(d_stream, d_sync):
         assert float(b.norm()) > 1e-4  # verl's step moved the weights
         assert relative_gap(a, b) < 2e-5  # fp32 summation order only
-    # both extra terms move verl's update far beyond that tolerance: the check above can see a wrong term
-    assert relative_gap(d_no_entropy[0], d_sync[0]) > 1e-3
-    assert relative_gap(d_no_kl[0], d_sync[0]) > 1e-3
+    # both extra terms move verl's update well beyond that tolerance (entropy: 5.8e-4 measured), so the check
+    # above sees a term that is missing or scaled wrong
+    assert relative_gap(d_no_entropy[0], d_sync[0]) > 1e-4
+    assert relative_gap(d_no_kl[0], d_sync[0]) > 1e-4
     assert info[0]["ops/bucket"] > 0 and info[0]["ops/fold"] > 0 and info[0]["ops/direct"] > 0  # every route ran
     assert info[0]["ref_calls"] == info[0]["ops/bucket"] + info[0]["ops/direct"]  # every chunk scored on arrival
     assert info[1]["grad_norm"] == pytest.approx(info_sync[1]["grad_norm"], rel=1e-4)
