@@ -340,3 +340,20 @@ def test_measured_drift_ranks_by_how_far_the_policy_moved_not_by_version_count(t
 def test_an_unknown_scorer_is_refused(tq):
     with pytest.raises(StreamingConfigError, match="pace.scorer"):
         _buffer([], scorer="learner")
+
+
+def test_stored_fields_are_read_back_per_trajectory_from_jagged_and_regular_columns(monkeypatch):
+    """verl's agent loop stores variable-length fields; TransferQueue returns them jagged (or stacked when equal)."""
+    import torch
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    from thundersync_verl import verl_adapter as va
+
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    columns = {"prompts": torch.nested.as_nested_tensor(prompts, layout=torch.jagged),
+               "response_mask": torch.tensor([[1, 0], [1, 1]])}
+    monkeypatch.setattr(replay_buffer, "tq", type("TQ", (), {"kv_batch_get": staticmethod(
+        lambda keys, partition_id, select_fields: {f: columns[f] for f in select_fields})}))
+    rows = va.replay_buffer_rows(["a_0_0", "b_0_0"], "train", ["prompts", "response_mask"])
+    assert [r["prompts"].tolist() for r in rows] == [[1, 2, 3], [4, 5]]
+    assert [r["response_mask"].tolist() for r in rows] == [[1, 0], [1, 1]]
