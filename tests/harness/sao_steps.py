@@ -104,7 +104,7 @@ def sync_sao_step(wg, batch: dict, row_order: list[int], pad_token_id: int, micr
 
 
 def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int, every: int = 2,
-                    max_chunk: int = 3, pipeline: int | None = None, center: bool = True) -> dict:
+                    max_chunk: int = 3, pipeline: int | None = None) -> dict:
     """Trajectories arrive in ``batch["arrival"]`` order; every ``every`` arrivals their chunks run.
 
     ``pipeline``: send the ops through the trainer's ``OpPipeline`` with that depth (queued calls, the
@@ -117,8 +117,7 @@ def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int
     trajs = batch["trajs"]
     data, noise = _data_proto(trajs, batch, pad_token_id)
     rollout = _rollout_log_probs(wg, data, noise)  # [B, R], stands in for the inference engine's
-    planner = SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, gamma=GAMMA, lam=LAM, max_chunk_size=max_chunk,
-                               center=center)
+    planner = SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, gamma=GAMMA, lam=LAM, max_chunk_size=max_chunk)
     client = SAOStreamClient(wg, pad_token_id=pad_token_id)
     planner.begin_batch([t.tid for t in trajs])
     client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": train_batch_size})
@@ -152,7 +151,7 @@ def regrouped(n_rows: int, micro: int) -> list[int]:
 
 
 def run_sao_equivalence(model_path, pad_id: int, vocab: int, *, groups: int = 2, micro: int = 4, steps: int = 2,
-                        seed: int = 0, dp: int = 1, center: bool = True, wg=None) -> dict:
+                        seed: int = 0, dp: int = 1, wg=None) -> dict:
     """sync_a, sync_b (regrouped) and stream for ``steps`` steps; per step gap, floor and gap/floor."""
     if wg is None:
         wg = start_workers(sao_config(model_path, groups=groups, micro=micro), dp=dp)
@@ -161,7 +160,7 @@ def run_sao_equivalence(model_path, pad_id: int, vocab: int, *, groups: int = 2,
     runs = {
         "sync_a": [partial(sync_sao_step, wg, b, list(range(n_rows)), pad_id) for b in batches],
         "sync_b": [partial(sync_sao_step, wg, b, regrouped(n_rows, micro), pad_id) for b in batches],
-        "stream": [partial(stream_sao_step, wg, b, pad_id, train_batch_size=groups, center=center) for b in batches],
+        "stream": [partial(stream_sao_step, wg, b, pad_id, train_batch_size=groups) for b in batches],
     }
     out = {kind: train(wg, fns) for kind, fns in runs.items()}
     (da, info_a), (db, _), (ds, info_s) = out["sync_a"], out["sync_b"], out["stream"]

@@ -23,9 +23,11 @@ Why:
    0.5 * sum_t (V_t - G_t)^2 over agent tokens (verl's value clip is inactive at ratio 1: V = V_old), with
    the Monte-Carlo targets G final at arrival; the token-mean normaliser is deferred
    (``critic_token_coefficients``: the per-token coefficient (V_t - G_t) of grad V_t).
-6. Any batch constant c may be subtracted from every direct coefficient: s * ((G1 - c G2) - (mu - c) G2) is
-   the same gradient. The planner takes c = the first arrival's mean GAE (known before its backward): close
-   to mu, it keeps the fold's -(mu - c) G2 small, so less of the update is a difference of two large sums.
+6. Numerics (fp32 engine, ``benchmarks/sao.py --gap-only``): the streamed step differs from verl's by about
+   8e-7 (relative) where verl's own update with its rows regrouped differs by 4e-7 to 7e-7: verl rounds
+   A_t = (g_t - mu) s per token, the stream rounds g_t and applies mu and s once. Subtracting an early
+   estimate of mu from every direct coefficient (the same gradient, a smaller fold term) was measured and
+   changed nothing beyond noise, so the plain decomposition is kept.
 Shapes: per-trajectory vectors are [T] over the response tokens; ``agent_mask`` 1 on agent tokens.
 """
 
@@ -80,11 +82,10 @@ class WhitenFold:
     mean: float
     inv_std: float
     num_tokens: int
-    center: float = 0.0  # the constant the direct rows' coefficients were shifted by (point 6)
 
     @property
     def bucket_coef(self) -> float:
-        return -(self.mean - self.center)
+        return -self.mean
 
     def scale(self, base_scale: float) -> float:
         return base_scale * self.inv_std
@@ -110,11 +111,8 @@ class WhitenLedger:
     def num_tokens(self) -> int:
         return sum(int(g.numel()) for g in self._gae.values())
 
-    def fold(self, center: float = 0.0) -> WhitenFold:
-        """mean and rsqrt(unbiased var + 1e-8) over every agent token, as ``core.sao.masked_whiten``.
-
-        ``center``: the constant subtracted from every direct coefficient (``actor_token_coefficients``).
-        """
+    def fold(self) -> WhitenFold:
+        """mean and rsqrt(unbiased var + 1e-8) over every agent token, as ``core.sao.masked_whiten``."""
         if not self._gae:
             _fail("no trajectory in the batch", "the whitening statistics need its agent tokens",
                   "add every trajectory before the barrier", StreamingStateError)
@@ -126,16 +124,15 @@ class WhitenLedger:
                   "train on batches with at least two response tokens", StreamingStateError)
         mean = x.sum() / n
         var = ((x - mean) ** 2).sum() / n * (n / (n - 1))
-        return WhitenFold(float(mean), float(torch.rsqrt(var + WHITEN_EPS)), n, float(center))
+        return WhitenFold(float(mean), float(torch.rsqrt(var + WHITEN_EPS)), n)
 
 
-def actor_token_coefficients(gae: torch.Tensor, agent_mask: Sequence[int], *, whiten: bool = True,
-                             center: float = 0.0) -> dict[str, list[float]]:
-    """Per-token coefficients of a trajectory's backwards: {"direct": g_t - center, bucket: 1} (whiten) or
-    {"direct": g_t}.
+def actor_token_coefficients(gae: torch.Tensor, agent_mask: Sequence[int], *,
+                             whiten: bool = True) -> dict[str, list[float]]:
+    """Per-token coefficients of a trajectory's backwards: {"direct": g_t, bucket: 1} (whiten) or {"direct": g_t}.
 
     Zero off the agent tokens. The direct row's coefficient is final at arrival; the bucket row is folded
-    with -(mean - center) at the barrier (points 2 and 6).
+    with -mean at the barrier (point 2).
     """
     mask = [1.0 if m else 0.0 for m in torch.as_tensor(agent_mask).reshape(-1).tolist()]
     g = gae.reshape(-1).tolist()
@@ -144,8 +141,7 @@ def actor_token_coefficients(gae: torch.Tensor, agent_mask: Sequence[int], *, wh
               "pass the trajectory's own GAE and mask")
     if not all(math.isfinite(x) for x in g):
         _fail("GAE values must be finite", "one NaN poisons the batch gradient", "check rewards and critic values")
-    shift = float(center) if whiten else 0.0
-    out = {"direct": [(x - shift) * m for x, m in zip(g, mask)]}
+    out = {"direct": [x * m for x, m in zip(g, mask)]}
     if whiten:
         out[SAO_BUCKET] = mask
     return out

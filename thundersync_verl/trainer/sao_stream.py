@@ -153,8 +153,7 @@ class SAOStreamPlanner:
     """Arrivals -> per-token coefficients and chunks; the deferred whitening and normaliser at the barrier."""
 
     def __init__(self, *, eps_low: float, eps_high: float, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
-                 loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None, max_chunk_size: int = 4,
-                 center: bool = True):
+                 loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None, max_chunk_size: int = 4):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
         if not (float(eps_low) > 0 and float(eps_high) > 0):
             _fail(f"band offsets must be positive (got {eps_low}, {eps_high})", "the band must contain ratio 1",
@@ -163,7 +162,7 @@ class SAOStreamPlanner:
         if int(max_chunk_size) < 1:
             _fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
                   "use e.g. 4", StreamingConfigError)
-        self.gamma, self.lam, self.whiten, self.center = float(gamma), float(lam), bool(whiten), bool(center)
+        self.gamma, self.lam, self.whiten = float(gamma), float(lam), bool(whiten)
         self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
         self.max_chunk_size = int(max_chunk_size)
         self._ids: set | None = None
@@ -176,7 +175,6 @@ class SAOStreamPlanner:
         self._ids, self._ledger = set(ids), WhitenLedger()
         self._ready: dict[str, list] = {"direct": [], SAO_BUCKET: []}
         self.num_tokens, self.num_sequences, self.returns = 0, 0, {}
-        self._center: float | None = None  # core/sao_stream point 6: fixed by the first arrival
 
     def arrive(self, traj: SAOTrajectory) -> None:
         """The trajectory's reward and critic values exist: its coefficients are final (core/sao_stream point 1)."""
@@ -188,11 +186,8 @@ class SAOStreamPlanner:
         gae, returns = trajectory_gae(traj.rewards, traj.values, traj.agent_mask, gamma=self.gamma, lam=self.lam)
         self._ledger.add(traj.traj_id, gae, traj.agent_mask)
         n_agent = sum(1 for m in traj.agent_mask if m)
-        if self._center is None:
-            self._center = float(gae.sum()) / n_agent if (self.center and n_agent) else 0.0
         w = token_weight(self.loss_agg_mode, n_agent)
-        coefs_by_dest = actor_token_coefficients(gae, traj.agent_mask, whiten=self.whiten, center=self._center)
-        for dest, coefs in coefs_by_dest.items():
+        for dest, coefs in actor_token_coefficients(gae, traj.agent_mask, whiten=self.whiten).items():
             self._ready[dest].append((traj, tuple(c * w for c in coefs)))
         self.num_tokens += n_agent
         self.num_sequences += 1 if n_agent else 0
@@ -223,7 +218,7 @@ class SAOStreamPlanner:
                   "drop the batch", StreamingStateError)
         folds = {}
         if self.whiten:
-            fold = self._ledger.fold(center=self._center or 0.0)
+            fold = self._ledger.fold()
             folds, scale = {SAO_BUCKET: fold.bucket_coef}, fold.scale(scale)
         self._ids = None
         return folds, FinalizeOp(scale, self.num_tokens, self.num_sequences)
