@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from thundersync_verl.core.errors import StreamingConfigError
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError
 from thundersync_verl.pace import PaceReplayBufferAsync
 
 
@@ -278,6 +278,30 @@ def test_the_scorer_returns_the_servers_log_probs_of_each_response_token(server)
     assert version == 1
     gaps = [(m - torch.tensor(o.log_probs, dtype=torch.float64)).abs().mean().item() for m, o in zip(moved, outs)]
     assert min(gaps) > 1e-2
+
+
+def test_a_parked_server_is_left_out_and_the_newest_answering_one_scores(server):
+    """A hybrid replica lent back to the learner parks requests (verl aborts it with reject_request)."""
+    from types import SimpleNamespace
+
+    from thundersync_verl.backends.cpu.rollout import HFCpuServer
+    from thundersync_verl.pace_scorer import InProcessServerEndpoint, RolloutServerScorer
+
+    config = SimpleNamespace(dtype="float32", max_model_len=256, prompt_length=48, response_length=64, engine_kwargs={})
+    hybrid = HFCpuServer(config, SimpleNamespace(local_path=server.engine.model.name_or_path), None, 1)  # version 0
+    _load(server, 7)
+    rows = [(_prompt(server), [5, 6, 7])]
+    endpoints = [InProcessServerEndpoint(hybrid, "hybrid"), InProcessServerEndpoint(server, "standalone")]
+    scorer = RolloutServerScorer(endpoints, probe_timeout_s=0.5)
+    assert scorer.score(rows)[1] == 7 and scorer.parked == set()  # both answer: the newer one scores
+    hybrid.engine.abort_all()  # parked until resumed
+    scorer = RolloutServerScorer(endpoints, probe_timeout_s=0.5)
+    assert scorer.score(rows)[1] == 7 and scorer.parked == {"hybrid"}
+    assert scorer.score(rows)[1] == 7  # and it is not probed again
+    server.engine.abort_all()
+    with pytest.raises(StreamingInputError, match="no rollout server answered"):
+        RolloutServerScorer(endpoints, probe_timeout_s=0.5).score(rows)
+    server.engine.resume()
 
 
 def _add_generated_group(tq: _TQ, uid: str, dispatch: int, outs, prompt: list[int], version: int, tool_tokens: int = 0):

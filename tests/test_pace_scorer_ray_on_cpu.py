@@ -3,7 +3,7 @@
 Two real hf_cpu servers run as named Ray actors, as verl's LLMServerManager starts them in separate_async (a
 hybrid replica that keeps its first weights while the learner trains, a standalone one that receives every
 push); the scorer must pick the standalone one and return its log-probs, checked against a causal forward
-of the same weights in this process.
+of the same weights in this process, and leave the hybrid one out once it parks requests.
 
 GPUs needed: 0 (CPU only).
 """
@@ -69,3 +69,10 @@ def test_discovered_scorer_uses_the_server_with_the_newest_weights(ray_cluster):
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()  # [R, V]
     direct = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]  # [R]
     assert (lp - direct).abs().max() < 1e-4
+    # verl lends the hybrid replica back to the learner: aborted with reject_request, it parks new requests
+    ray.get(servers[0].abort_all_requests.remote(reject_request=True))
+    scorer = RolloutServerScorer.discover()
+    scorer.probe_timeout_s = 1.0
+    (again,), version = scorer.score([(prompt, response)])
+    assert version == 3 and scorer.parked == {"hf_cpu_server_0"}
+    assert (again - direct).abs().max() < 1e-4

@@ -216,6 +216,7 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
         self._metrics["pace/scored"] = self._metrics.get("pace/scored", 0) + len(keys)
         self._metrics["pace/scorer_s"] = self._metrics.get("pace/scorer_s", 0.0) + spent
         self._metrics["pace/drift_nats/mean"] = sum(drifts) / max(len(drifts), 1)
+        self._metrics["pace/scorer_parked"] = len(self.scorer.parked)
         if version is not None:
             self._metrics["pace/scored_version"] = version
 

@@ -11,7 +11,10 @@ Why this module exists:
 2. ``RolloutServerScorer`` finds those servers by actor-name prefix (``hf_cpu_server_`` for this
    package's CPU rollout; verl's vLLM servers answer the same request), asks each for its weight
    version with a two-token probe, sends the batch to the newest one and returns each response's
-   log-probs with the version that scored them.
+   log-probs with the version that scored them. A server that does not answer the probe within
+   ``PROBE_TIMEOUT_S`` is parked (a hybrid replica lent back to the learner parks its requests until
+   it is switched to rollout again, and keeps its old weights meanwhile) and left out from then on;
+   the standalone servers receive every push, so nothing newer is lost.
 3. Cost: one prefill of prompt + response per trajectory, once (when its group is first seen finished;
    the sampler caches the result), on a rollout server (competing with generation) and on the
    trainer's sample path (the learner waits for it). Off by default (``pace.scorer=none``).
@@ -33,13 +36,18 @@ from thundersync_verl.core.errors import StreamingConfigError, StreamingInputErr
 SCORE_PARAMS = {"prompt_logprobs": 0, "max_tokens": 1, "temperature": 1.0}
 DEFAULT_SERVER_PREFIX = "hf_cpu_server_"
 NOT_ROLLOUT = ("teacher", "reward")  # servers of other models that share the name prefix
+PROBE_TIMEOUT_S = 5.0  # a server answering no two-token request in this time is parked
 
 
 class ServerEndpoint(Protocol):
     """One rollout server: ``sequences`` -> per sequence (the log-prob row of each token given its
     prefix, verl's ``prompt_logprobs`` layout flattened; the weight version that scored it)."""
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[tuple[list[float], int | None]]: ...
+    name: str
+
+    def prompt_logprobs(self, sequences: list[list[int]],
+                        timeout_s: float | None = None) -> list[tuple[list[float], int | None]]:
+        """Raises ``TimeoutError`` when ``timeout_s`` passes before every answer."""
 
 
 def _parse(output) -> tuple[list[float], int | None]:
@@ -61,27 +69,36 @@ class RayServerEndpoint:
     def __init__(self, name: str, handle):
         self.name, self.handle = name, handle
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[tuple[list[float], int | None]]:
+    def prompt_logprobs(self, sequences: list[list[int]],
+                        timeout_s: float | None = None) -> list[tuple[list[float], int | None]]:
         import ray
 
         refs = [self.handle.generate.remote(prompt_ids=list(ids), sampling_params=dict(SCORE_PARAMS),
                                             request_id=f"pace-{uuid.uuid4().hex}") for ids in sequences]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            for ref in pending:
+                ray.cancel(ref)  # the parked request would otherwise run when the server resumes
+            raise TimeoutError(f"{self.name} answered {len(refs) - len(pending)} of {len(refs)} in {timeout_s} s")
         return [_parse(out) for out in ray.get(refs)]
 
 
 class InProcessServerEndpoint:
-    """A server object living in this process (the same ``generate`` call, without Ray)."""
+    """A server object living in this process (the same ``generate`` call, without Ray), driven by an
+    event loop of its own: a parked server's pause event stays bound to the loop that first waited on it."""
 
     def __init__(self, server, name: str = "in_process"):
         self.name, self.server = name, server
+        self.loop = asyncio.new_event_loop()
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[tuple[list[float], int | None]]:
+    def prompt_logprobs(self, sequences: list[list[int]],
+                        timeout_s: float | None = None) -> list[tuple[list[float], int | None]]:
         async def run():
-            return await asyncio.gather(*[
+            return await asyncio.wait_for(asyncio.gather(*[
                 self.server.generate(prompt_ids=list(ids), sampling_params=dict(SCORE_PARAMS),
-                                     request_id=f"pace-{uuid.uuid4().hex}") for ids in sequences])
+                                     request_id=f"pace-{uuid.uuid4().hex}") for ids in sequences]), timeout_s)
 
-        return [_parse(out) for out in asyncio.run(run())]
+        return [_parse(out) for out in self.loop.run_until_complete(run())]
 
 
 def discover_servers(prefix: str = DEFAULT_SERVER_PREFIX) -> list[RayServerEndpoint]:
@@ -102,8 +119,10 @@ def discover_servers(prefix: str = DEFAULT_SERVER_PREFIX) -> list[RayServerEndpo
 class RolloutServerScorer:
     """Re-scores (prompt, response) pairs on the rollout server holding the newest weights."""
 
-    def __init__(self, endpoints: Sequence[ServerEndpoint]):
+    def __init__(self, endpoints: Sequence[ServerEndpoint], probe_timeout_s: float = PROBE_TIMEOUT_S):
         self.endpoints = list(endpoints)
+        self.probe_timeout_s = probe_timeout_s
+        self.parked: set[str] = set()  # endpoints that did not answer a probe: left out from then on
         self.calls = 0
         self.sequences = 0
 
@@ -113,11 +132,22 @@ class RolloutServerScorer:
 
     def _newest(self, probe: list[int]) -> ServerEndpoint:
         """With several servers (hybrid replicas keep old weights while the learner trains): the newest."""
-        if len(self.endpoints) == 1:
-            return self.endpoints[0]
-        versions = [ep.prompt_logprobs([probe])[0][1] for ep in self.endpoints]
-        newest = max(range(len(versions)), key=lambda i: (-1 if versions[i] is None else versions[i], -i))
-        return self.endpoints[newest]
+        live = [ep for ep in self.endpoints if ep.name not in self.parked]
+        if len(live) == 1:
+            return live[0]
+        answered = []
+        for ep in live:
+            try:
+                answered.append((ep.prompt_logprobs([probe], timeout_s=self.probe_timeout_s)[0][1], ep))
+            except (TimeoutError, asyncio.TimeoutError):
+                self.parked.add(ep.name)
+        if not answered:
+            raise StreamingInputError(rule_message(
+                f"no rollout server answered PACE's scoring probe within {self.probe_timeout_s} s "
+                f"(parked: {sorted(self.parked)})",
+                "the measured drift needs a server that holds the current weights and serves requests",
+                "check that the standalone rollout servers run, or set pace.scorer=none"))
+        return max(answered, key=lambda a: -1 if a[0] is None else a[0])[1]
 
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[torch.Tensor], int | None]:
         """Per ``(prompt_ids, response_ids)``: the response tokens' log-probs [R] given their prefix under the
