@@ -28,17 +28,17 @@ pytestmark = pytest.mark.slow  # two Ray worker groups of verl's Megatron engine
 GROUPS, TP, SEED = 2, 2, 5
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def kl_engine(tmp_path_factory, *, tp: int = 1, pp: int = 1):
+    """Actor and reference groups of the TP x PP layout (a generator for a module fixture; Ray down at the end)."""
     saved, threads = dict(os.environ), torch.get_num_threads()
     work = tmp_path_factory.mktemp("megatron_kl")
     ray_tmp = setup.prepare_environment()
     try:
         model_path, pad_id, vocab = build_megatron_model(work / "model")
         ref_path = kle.build_reference(model_path, work / "ref")
-        config = mke.megatron_kl_entropy_config(model_path, groups=GROUPS, micro=4, tp=TP, kl_type="low_var_kl",
+        config = mke.megatron_kl_entropy_config(model_path, groups=GROUPS, micro=4, tp=tp, pp=pp, kl_type="low_var_kl",
                                                 entropy=True)
-        wg, ref_wg = mke.start_megatron_kl_workers(config, TP, ref_path)
+        wg, ref_wg = mke.start_megatron_kl_workers(config, tp * pp, ref_path)
         yield {"wg": wg, "ref": ref_wg, "pad": pad_id, "vocab": vocab}
     finally:
         import ray
@@ -48,6 +48,11 @@ def engine(tmp_path_factory):
         os.environ.clear()
         os.environ.update(saved)
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    yield from kl_engine(tmp_path_factory, tp=TP)
 
 
 def _sync_step_ref_is_policy(wg, trajs, pad: int) -> dict:
@@ -60,7 +65,7 @@ def _sync_step_ref_is_policy(wg, trajs, pad: int) -> dict:
 
 def test_megatron_streamed_step_with_kl_and_entropy_equals_verls_update_actor(engine):
     wg, ref, pad = engine["wg"], engine["ref"], engine["pad"]
-    assert va.actor_dp_size(wg) == 1  # both TP ranks receive every row
+    assert va.actor_dp_size(wg) == 1  # the TP or PP peers all receive every row
     trajs, arrival = setup.make_trajectories(SEED, GROUPS, engine["vocab"])
     rows = list(range(len(trajs)))
     # two steps: at the second the policy has moved away from where it started
