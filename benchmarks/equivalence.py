@@ -50,10 +50,6 @@ Why:
    (``thundersync_harness.kl_entropy_steps``). With ``--engine megatron [--tp 2] [--pp 2]`` the same steps run on
    verl's Megatron engine, the reference group with the actor's layout (``thundersync_harness.megatron_kl_entropy``);
    JSON equivalence_megatron_tpT_ppP_dpD_kl_*.
-11. ``--engine megatron --float64-sum``: an experiment on the margin of point 7. The stream runs once more with
-   its streamed pieces (direct calls, folds, the deferred scale) summed in float64 and rounded to fp32 once at
-   the barrier (``thundersync_harness.megatron_accumulation``); each chunk's backward is unchanged. JSON
-   equivalence_megatron_*_float64sum (``gap_float64_sum_over_floor``).
 9. ``--mini-batches K [--ppo-epochs E]``: K optimizer steps per batch (and E epochs), streamed
    (``MiniBatchPlanner``: mini-batch j = the j-th groups to complete; mini-batch 1 at ratio 1, later ones
    with verl's PPO ratio and clip) against verl's ``update_actor`` on the SAME partition (batch ordered by
@@ -63,6 +59,10 @@ Why:
    reinforce_plus_plus, opo, gpg): verl's ``compute_advantage(adv_estimator=NAME)`` before ``update_actor``
    against the stream planner with the same estimator (``thundersync_harness.estimator_steps``); the JSON
    (equivalence_estimator_NAME) lists the estimators that stream and the refused ones with the reason.
+11. ``--engine megatron --float64-sum``: an experiment on the margin of point 7. The stream runs once more with
+   its streamed pieces (direct calls, folds, the deferred scale) summed in float64 and rounded to fp32 once at
+   the barrier (``thundersync_harness.megatron_accumulation``); each chunk's backward is unchanged. JSON
+   equivalence_megatron_*_float64sum (``gap_float64_sum_over_floor``).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
