@@ -233,3 +233,21 @@ def test_critic_coefficients_with_a_deferred_normaliser_give_verls_value_loss_gr
     loss.backward()
     assert torch.allclose(streamed, leaf.grad, rtol=1e-7, atol=1e-12)  # verl's agg_loss rounds its divisor
     assert float(leaf.grad.abs().max()) > 1e-3
+
+
+def test_the_trainers_op_pipeline_sends_sao_ops_as_per_token_chunks():
+    from thundersync_verl.trainer.stream_exec import _request
+    from thundersync_verl.trainer.stream_loss import SEQ_KEY, TOKEN_COEF_KEY
+
+    planner = _planner()
+    trajs = _trajs(6, 2)
+    planner.begin_batch([t.traj_id for t in trajs])
+    for t in trajs:
+        planner.arrive(t)
+    direct, bucket = planner.next_ops()
+    method, (chunk,) = _request(_Recorder(), bucket, {}, pad_token_id=PAD, temperature=1.0, queued=True, seq=3)
+    assert method == "stream_token_backward_queued" and is_sao_chunk(chunk)
+    assert va.non_tensor(chunk, SEQ_KEY) == 3 and va.non_tensor(chunk, "ts_dest") == SAO_BUCKET
+    assert chunk[TOKEN_COEF_KEY].sum() == sum(sum(t.agent_mask) for t in trajs)  # 1 per agent token
+    method, (chunk,) = _request(_Recorder(), direct, {}, pad_token_id=PAD, temperature=1.0, queued=False)
+    assert method == "stream_token_backward" and va.non_tensor(chunk, "ts_dest") == "direct"
