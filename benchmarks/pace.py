@@ -12,6 +12,8 @@ Why this benchmark exists:
      pace_measured     as pace, with the measured drift: each trajectory re-scored once by the rollout
                        server holding the newest weights (pace.scorer=rollout_server; ``pace_scorer.py``)
                        instead of the version-count proxy; its cost is in the JSON (``scorer_s``)
+     pace_rescored     as pace_measured, re-scored at every new learner version (pace.rescore=decision),
+                       so the measured drift also covers the wait, which then has weight 0
    Every async policy runs the same buffer class, so the staleness histograms come from one
    instrument (its decision log); all share ``ASYNC_SHARED`` (a two-batch prefetch window, so
    a pool of finished groups forms on this CPU).
@@ -28,7 +30,7 @@ Why this benchmark exists:
 4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
    distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
 
-    python benchmarks/pace.py [--quick] [--steps 16] [--policies sync,fully_async,fully_async_drop,pace,pace_measured]
+    python benchmarks/pace.py [--quick] [--steps 16] [--policies sync,fully_async,fully_async_drop,pace,pace_measured,pace_rescored]
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ import modes  # noqa: E402
 from thundersync_verl.demo import prepare_inputs  # noqa: E402
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
 
-POLICIES = ("sync", "fully_async", "fully_async_drop", "pace", "pace_measured")
+POLICIES = ("sync", "fully_async", "fully_async_drop", "pace", "pace_measured", "pace_rescored")
 DROP_THRESHOLD = 2  # verl's span bound (global_steps - dispatch step + 1), strategy drop
 PACE_OPTIONS = {"target_pool": 8, "gain": 0.5, "min_score": 1.0, "waiting_weight": 1.0, "drift_per_version": 1.0,
                 "prefix_carry": 0.5, "decide_every": "step"}
 MEASURED_OPTIONS = {"scorer": "rollout_server"}  # pace_measured: PACE_OPTIONS plus these
+RESCORED_OPTIONS = {"scorer": "rollout_server", "rescore": "decision", "waiting_weight": 0.0}  # pace_rescored
 ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
 SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
            "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]
@@ -63,9 +66,8 @@ def policy_overrides(policy: str, log_path: Path) -> tuple[str, list[str]]:
     """(modes.py mode, extra hydra overrides) of one policy."""
     if policy == "sync":
         return "sync", []
-    pace = dict(PACE_OPTIONS) if policy in ("pace", "pace_measured") else {"gain": 0.0}
-    if policy == "pace_measured":
-        pace.update(MEASURED_OPTIONS)
+    pace = dict(PACE_OPTIONS) if policy.startswith("pace") else {"gain": 0.0}
+    pace.update({"pace_measured": MEASURED_OPTIONS, "pace_rescored": RESCORED_OPTIONS}.get(policy, {}))
     pace["log_path"] = str(log_path)
     threshold = DROP_THRESHOLD if policy == "fully_async_drop" else "null"
     kwargs = [f"+trainer.v1.sampler.sampler_kwargs.pace.{k}={v}" for k, v in pace.items()]
@@ -243,7 +245,7 @@ def main(argv=None) -> dict:
     result = {"steps": steps, "wall_clock_budget_s": round(budget_s, 2),
               "budget_rule": "equal training clock: sum of verl timing_s/step from step 2, cut at the shortest run",
               "latency_scale": args.latency_scale, "drop_threshold": DROP_THRESHOLD, "pace_options": PACE_OPTIONS,
-              "measured_options": MEASURED_OPTIONS,
+              "measured_options": MEASURED_OPTIONS, "rescored_options": RESCORED_OPTIONS,
               "async_shared": ASYNC_SHARED, "png": str(png)}
     for key in ("staleness_mean", "rejected_share", "final_reward", "step_time_s", "steps_inside_budget",
                 "staleness_hist", "per_turn_share", "scored_trajectories", "scorer_s", "nats_per_version"):

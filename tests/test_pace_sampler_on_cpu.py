@@ -176,7 +176,7 @@ def test_verl_loads_the_sampler_from_its_config_keys():
     assert load_extern_type("pkg://thundersync_verl.pace", "PaceReplayBufferAsync") is PaceReplayBufferAsync
 
 
-@pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace", "pace_measured"])
+@pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace", "pace_measured", "pace_rescored"])
 def test_the_benchmark_overrides_build_the_pace_buffer_through_verls_keys(policy, tmp_path):
     """benchmarks/pace.py's overrides on the cpu_tiny recipe select this buffer with the settings asked for."""
     import importlib.util
@@ -202,7 +202,8 @@ def test_the_benchmark_overrides_build_the_pace_buffer_through_verls_keys(policy
               refill_fn=[].append)
     assert buf.max_off_policy_threshold == (bench.DROP_THRESHOLD if policy == "fully_async_drop" else None)
     assert buf.pace.gain == (bench.PACE_OPTIONS["gain"] if policy.startswith("pace") else 0.0)
-    assert buf.scorer_kind == ("rollout_server" if policy == "pace_measured" else "none")
+    assert buf.scorer_kind == ("rollout_server" if policy in ("pace_measured", "pace_rescored") else "none")
+    assert buf.rescore == ("decision" if policy == "pace_rescored" else "landing")
     assert buf.log_path == str(tmp_path / "decisions.jsonl") and buf.decide_every == "step"
     assert cfg.trainer.v1.separate_async.num_warmup_batches == 2
 
@@ -381,3 +382,20 @@ def test_stored_fields_are_read_back_per_trajectory_from_jagged_and_regular_colu
     rows = va.replay_buffer_rows(["a_0_0", "b_0_0"], "train", ["prompts", "response_mask"])
     assert [r["prompts"].tolist() for r in rows] == [[1, 2, 3], [4, 5]]
     assert [r["response_mask"].tolist() for r in rows] == [[1, 0], [1, 1]]
+
+
+def test_rescore_at_each_decision_measures_the_drift_while_waiting(tq, server, tmp_path):
+    _measured_pool(tq, server)
+    log = tmp_path / "decisions.jsonl"
+    buf = _buffer([], gain=0.0, waiting_weight=0.0, log_path=str(log), scorer="rollout_server", rescore="decision")
+    buf.scorer = _scorer(server)
+    batch, first = buf.sample(6, "train", 1)  # learner version 5 = the server's: fresh scores 0
+    tq.kv_clear(keys=batch.keys, partition_id="train")
+    _load(server, 6, noise=0.05, seed=9)  # the next version moved the policy
+    _, second = buf.sample(7, "train", 1)
+    # verl took the oldest group (near) first; the 6 trajectories of far, fresh, other are re-scored at version 6
+    assert first["pace/scored"] == 8 and second["pace/scored"] == 6 and second["pace/scored_version"] == 6
+    fresh = [buf._segments[f"fresh_{i}_0"][0] for i in range(2)]
+    assert all(seg.drift > 1e-3 for segs in fresh for seg in segs)  # generated at 5, waited one version: drifted
+    with pytest.raises(StreamingConfigError, match="pace.rescore"):
+        _buffer([], rescore="always")

@@ -8,7 +8,8 @@ Why this module exists:
        trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync
        +trainer.v1.sampler.sampler_kwargs.pace.{target_pool,gain,waiting_weight,drift_per_version,
                                                 prefix_carry,min_score,nats_per_version,per_turn_versions,
-                                                log_path,decide_every,scorer,scorer_server_prefix}=...
+                                                log_path,decide_every,scorer,scorer_server_prefix,
+                                                rescore}=...
 2. At each sample, after verl's own evictions (its drop threshold still applies when set), every
    sampleable group gets the effective-staleness score of ``core/pace.py`` (formulas there); the
    budget comes from the pool's excess over ``target_pool``, and the worst groups within it are
@@ -30,7 +31,9 @@ Why this module exists:
    (``pace_scorer.py``: cost, and why the servers), and its segments carry the mean absolute log-prob
    gap (formula (3m) of ``core/pace.py``) instead of delta * lag. Counted as ``pace/scored``,
    ``pace/scorer_s`` (seconds on the sample path), ``pace/drift_nats/mean``, ``pace/nats_per_version``
-   and ``pace/scored_version`` (the version that re-scored).
+   and ``pace/scored_version`` (the version that re-scored). ``rescore=decision`` (default ``landing``)
+   re-scores every pooled trajectory again at each new learner version, so m_j also covers the drift
+   while it waited: set ``waiting_weight=0`` with it, or the wait counts twice.
 7. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
    the rejected groups are regenerated together, in one refill; ``sample`` decides at every
    mini-batch sample (measured with ``benchmarks/pace.py --quick`` on 2 shared CPU cores: deciding
@@ -56,18 +59,20 @@ HIST_LABELS = ("0", "1", "2", "3", "4plus")
 DECIDE_EVERY = ("step", "sample")
 SCORERS = ("none", "rollout_server")
 SCORE_FIELDS = ["prompts", "responses", "response_mask", "rollout_log_probs"]
-SAMPLER_KEYS = {"per_turn_versions", "log_path", "decide_every", "scorer", "scorer_server_prefix"}
+SAMPLER_KEYS = {"per_turn_versions", "log_path", "decide_every", "scorer", "scorer_server_prefix", "rescore"}
+RESCORE = ("landing", "decision")
 
 
-def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str, str, str]:
-    """``(settings, per_turn_versions, log_path, decide_every, scorer, scorer_server_prefix)`` from
-    ``sampler_kwargs.pace``."""
+def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str, str, str, str]:
+    """``(settings, per_turn_versions, log_path, decide_every, scorer, scorer_server_prefix, rescore)``
+    from ``sampler_kwargs.pace``."""
     options = dict((sampler_kwargs or {}).get(OPTIONS_KEY) or {})
     per_turn = bool(options.pop("per_turn_versions", True))
     log_path = options.pop("log_path", None)
     every = str(options.pop("decide_every", "step"))
     scorer = str(options.pop("scorer", "none"))
     prefix = str(options.pop("scorer_server_prefix", DEFAULT_SERVER_PREFIX))
+    rescore = str(options.pop("rescore", "landing"))
     known = set(pc.PaceSettings.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
@@ -85,7 +90,13 @@ def pace_options(sampler_kwargs) -> tuple[pc.PaceSettings, bool, str | None, str
             f"pace.scorer must be one of {SCORERS}, got {scorer!r}",
             "the drift is the version-count proxy or measured by re-scoring on the rollout servers",
             "set pace.scorer=none (default) or rollout_server"))
-    return pc.PaceSettings(**options).validate(), per_turn, (str(log_path) if log_path else None), every, scorer, prefix
+    if rescore not in RESCORE:
+        raise StreamingConfigError(rule_message(
+            f"pace.rescore must be one of {RESCORE}, got {rescore!r}",
+            "a trajectory is re-scored once when its group lands, or again at every new learner version",
+            "set pace.rescore=landing (default) or decision"))
+    settings = pc.PaceSettings(**options).validate()
+    return settings, per_turn, (str(log_path) if log_path else None), every, scorer, prefix, rescore
 
 
 def _turn_segments(turns) -> list[pc.Segment] | None:
@@ -103,8 +114,9 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
 
     def __init__(self, *args, sampler_kwargs=None, **kwargs):
         super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
-        (self.pace, self.per_turn, self.log_path, self.decide_every, self.scorer_kind,
-         self.scorer_prefix) = pace_options(sampler_kwargs)
+        (self.pace, self.per_turn, self.log_path, self.decide_every, self.scorer_kind, self.scorer_prefix,
+         self.rescore) = pace_options(sampler_kwargs)
+        self._scored_at: dict[str, int] = {}  # trajectory key -> learner version when it was last re-scored
         self.scorer: RolloutServerScorer | None = None  # built at the first measurement (the servers exist then)
         self.calibration = pc.DriftCalibration()
         if self.pace.gain > 0 and self.refill_fn is None:
@@ -154,6 +166,7 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
             del self._landed[uid]
         for key in [k for k in self._segments if k.split("_")[0] not in live]:
             del self._segments[key]
+            self._scored_at.pop(key, None)
 
     def _reject(self, partition_id: str, sampleable: set[str], batch_size: int):
         learner_version = self._step - 1
@@ -176,6 +189,10 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
 
     def _load_segments(self, partition_id: str, keys: list[str]) -> None:
         missing = [k for k in keys if k not in self._segments]
+        if self.scorer_kind != "none" and self.rescore == "decision":
+            again = [k for k in keys if k in self._segments and self._scored_at.get(k, -1) < self._step - 1]
+            if again:
+                self._measure(partition_id, again)
         if not missing:
             return
         extras = va.replay_buffer_field(missing, partition_id, "extra_fields") if self.per_turn else [{}] * len(missing)
@@ -210,7 +227,10 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
                     "check that the rollout stores rollout_log_probs for every response token"))
             segments, per_turn = self._segments[key]
             measured = pc.measured_drift_nats(segments, row["rollout_log_probs"], lp, row["response_mask"])
-            self.calibration.observe(measured, self._landed.get(key.split("_")[0], self._step - 1))
+            # m_j spans the versions from u_j to the one that re-scored (the landing one, unless rescored later)
+            scored = version if version is not None else self._landed.get(key.split("_")[0], self._step - 1)
+            self.calibration.observe(measured, scored)
+            self._scored_at[key] = self._step - 1
             self._segments[key] = (measured, per_turn)
             drifts += [s.drift for s in measured for _ in range(s.tokens)]
         self._metrics["pace/scored"] = self._metrics.get("pace/scored", 0) + len(keys)
