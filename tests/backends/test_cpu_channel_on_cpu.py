@@ -9,8 +9,6 @@ pushed again must reach it intact; a partial snapshot still there at the wait's 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 
 import pytest
 import torch
@@ -27,16 +25,9 @@ def ray_cluster():
 
     from thundersync_harness import engine_setup as setup
 
-    saved = dict(os.environ)
-    ray_tmp = setup.prepare_environment()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_tmp))
-    try:
+    with setup.ray_session() as ray_tmp:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_tmp))
         yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _engines():

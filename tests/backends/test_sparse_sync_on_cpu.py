@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 
 import pytest
 import torch
@@ -264,19 +263,11 @@ def ray_cluster():
 
     from thundersync_harness import engine_setup as setup
 
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    ray_tmp = setup.prepare_environment()
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
-             _temp_dir=str(ray_tmp))
-    try:
+    with setup.ray_session() as ray_tmp:
+        env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+                 _temp_dir=str(ray_tmp))
         yield ray_tmp
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
 
 
 def _connect(cores: list[SparseSyncCore], n_senders: int = 1) -> None:

@@ -12,8 +12,10 @@ Why:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,25 @@ def prepare_environment() -> Path:
                        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"})
     torch.set_num_threads(1)
     return ray_tmp
+
+
+@contextlib.contextmanager
+def ray_session():
+    """A test module's private Ray: ``prepare_environment`` on entry (yields Ray's temp dir; the caller starts
+    Ray or verl's workers); on exit Ray is shut down, its temp dir removed, and the process environment and
+    torch's thread count are as they were before."""
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    ray_tmp = prepare_environment()
+    try:
+        yield ray_tmp
+    finally:
+        import ray
+
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
 
 
 def build_tiny_model(folder: Path, seed: int = 0) -> tuple[Path, int, int]:

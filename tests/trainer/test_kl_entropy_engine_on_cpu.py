@@ -9,8 +9,6 @@ at the fold would move the update far beyond fp32 summation noise.
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -26,23 +24,13 @@ GROUPS = 2
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    saved, threads = dict(os.environ), torch.get_num_threads()
     work = tmp_path_factory.mktemp("kl_engine")
-    ray_tmp = setup.prepare_environment()
-    try:
+    with setup.ray_session():
         model_path, pad_id, vocab = setup.build_tiny_model(work / "model")
         ref_path = kle.build_reference(model_path, work / "ref")
         config = kle.kl_entropy_config(model_path, groups=GROUPS, micro=4, kl_type="low_var_kl", entropy=True)
         wg, ref_wg = kle.start_kl_workers(config, 1, ref_path)
         yield {"wg": wg, "ref": ref_wg, "pad": pad_id, "vocab": vocab}
-    finally:
-        import ray
-
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
 
 
 def test_streamed_step_with_kl_and_entropy_equals_verls_update_actor(engine):

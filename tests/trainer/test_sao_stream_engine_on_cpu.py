@@ -9,11 +9,7 @@ Starts Ray once (~20-40 s on 2 cores).
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
-import torch
 
 from thundersync_harness import engine_setup as setup
 from thundersync_harness.engine_steps import relative_gap, train
@@ -25,20 +21,10 @@ GROUPS, MICRO = 2, 4
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    ray_tmp = setup.prepare_environment()
-    try:
+    with setup.ray_session():
         model, pad_id, vocab = setup.build_tiny_model(tmp_path_factory.mktemp("sao_engine") / "model")
         wg = setup.start_workers(sao_config(model, groups=GROUPS, micro=MICRO), dp=1)
         yield {"wg": wg, "pad": pad_id, "batch": make_sao_batch(11, GROUPS, vocab)}
-    finally:
-        import ray
-
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
 
 
 def test_streamed_sao_actor_step_equals_verls_update_actor(engine):
