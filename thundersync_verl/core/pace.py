@@ -22,6 +22,9 @@ staleness accrued in the pool add up to the plain version lag v - u when beta = 
   (2) lag         l_j = max(0, v_land - u_j)                          (accrued before completion)
   (3) drift       d_j = delta * l_j                                   (proxy: ``drift_per_version``)
  (3m) measured    m_j = mean_{t in j} |log pi_r(y_t | y_<t) - log pi_{u_j}(y_t | y_<t)|   (nats)
+                  m_j < epsilon counts as 0                           (``DRIFT_NOISE_NATS``: the same
+                                                  weights re-score within ~1e-6 in float32 and a
+                                                  ``min_score`` must not be crossed by rounding)
                   d_j = delta * m_j / k                               (``measured_drift_nats``,
                                                   ``in_version_units``): the whole sequence re-scored by
                                                   the policy pi_r the rollout servers hold when the group
@@ -67,6 +70,7 @@ import torch
 
 from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
 
+DRIFT_NOISE_NATS = 1e-4  # epsilon of (3m): a mean |log-prob gap| below it is re-scoring noise, not drift
 HISTOGRAM_EDGES = (0.5, 1.5, 2.5, 3.5)  # staleness buckets 0, 1, 2, 3, 4+ (integers land mid-bucket)
 
 
@@ -233,7 +237,7 @@ def measured_drift_nats(segments: Sequence[Segment], rollout_log_probs: torch.Te
     rollout ([R]) and under the re-scoring policy ([R])."""
     seg_ids = segment_of_tokens(segments, response_mask)  # [R]
     drifts = measured_segment_drift(rollout_log_probs.reshape(-1), current_log_probs.reshape(-1), seg_ids, len(segments))
-    return [replace(s, drift=d) for s, d in zip(segments, drifts)]
+    return [replace(s, drift=d if d >= DRIFT_NOISE_NATS else 0.0) for s, d in zip(segments, drifts)]
 
 
 @dataclass
