@@ -10,9 +10,6 @@ extra terms, would move the update far beyond fp32 summation noise. One launch f
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -30,24 +27,14 @@ GROUPS, TP, SEED = 2, 2, 5
 
 def kl_engine(tmp_path_factory, *, tp: int = 1, pp: int = 1):
     """Actor and reference groups of the TP x PP layout (a generator for a module fixture; Ray down at the end)."""
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    work = tmp_path_factory.mktemp("megatron_kl")
-    ray_tmp = setup.prepare_environment()
-    try:
+    with setup.ray_session():
+        work = tmp_path_factory.mktemp("megatron_kl")
         model_path, pad_id, vocab = build_megatron_model(work / "model")
         ref_path = kle.build_reference(model_path, work / "ref")
         config = mke.megatron_kl_entropy_config(model_path, groups=GROUPS, micro=4, tp=tp, pp=pp, kl_type="low_var_kl",
                                                 entropy=True)
         wg, ref_wg = mke.start_megatron_kl_workers(config, tp * pp, ref_path)
         yield {"wg": wg, "ref": ref_wg, "pad": pad_id, "vocab": vocab}
-    finally:
-        import ray
-
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
