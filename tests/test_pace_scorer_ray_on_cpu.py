@@ -10,8 +10,6 @@ GPUs needed: 0 (CPU only).
 
 from __future__ import annotations
 
-import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -28,16 +26,9 @@ def ray_cluster():
 
     from thundersync_harness import engine_setup as setup
 
-    saved = dict(os.environ)
-    ray_tmp = setup.prepare_environment()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_tmp))
-    try:
+    with setup.ray_session() as ray_tmp:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_tmp))
         yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_discovered_scorer_uses_the_server_with_the_newest_weights(ray_cluster):
