@@ -170,3 +170,19 @@ def kl_entropy_steps(wg, ref_wg, batches, pad_id: int, row_orders, *, loss_agg_m
         steps["sync_b"].append(partial(sync_kl_step, wg, ref_wg, trajs, order_b, pad_id, entropy=entropy))
         steps["stream"].append(partial(stream_kl_step, wg, ref_wg, trajs, arrival, pad_id, loss_agg_mode=loss_agg_mode))
     return steps
+
+
+def refuses_kl_chunk_without_reference(wg, pad_token_id: int, groups: int) -> bool:
+    """A KL chunk that lacks its reference log-probs is refused before its backward and leaves the weights as they
+    were (any engine's streaming worker): True when both hold; raises if the chunk was accepted."""
+    wg.reset_actor()
+    before = wg.gather_flat_params()[0]
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": groups})
+    chunk = build_stream_chunk([[9, 10, 11]], [[12, 13]], [0.5], "direct", dp_size=1, pad_token_id=pad_token_id)
+    try:
+        wg.stream_backward(chunk)
+    except Exception as exc:  # the worker's refusal comes back through Ray
+        if "no ts_ref_log_prob" not in str(exc):
+            raise
+        return torch.equal(wg.gather_flat_params()[0], before)
+    raise AssertionError("a KL chunk without reference log-probs was accepted")
