@@ -63,6 +63,14 @@ Why:
    its streamed pieces (direct calls, folds, the deferred scale) summed in float64 and rounded to fp32 once at
    the barrier (``thundersync_harness.megatron_accumulation``); each chunk's backward is unchanged. JSON
    equivalence_megatron_*_float64sum (``gap_float64_sum_over_floor``).
+12. ``--seeds S1,S2,...`` (any engine and comparison): the whole comparison once per seed (other batches and
+   arrival orders, the same model; a fresh Ray session each), each seed's table printed as with ``--seed``.
+   The floor is ONE regrouping sample per step, itself noisy, so one seed's worst step can cross the 2x mark
+   on the floor's noise alone. The JSON's ``gap_over_floor`` is then the MEDIAN over seeds of each seed's
+   worst-step gap/floor (with an even count the higher of the two middle values, never in the stream's
+   favour); ``gap``, ``floor`` and the other keys are that seed's. The worst seed is reported beside it
+   (``gap_over_floor_worst``, ``gap_over_floor_per_seed``; ``per_seed`` keeps every seed's result), and the
+   printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -72,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 from functools import partial
@@ -167,7 +176,30 @@ def fp64_probe() -> str:
     return "yes"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2``: distinct non-negative integers separated by commas (point 12)."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0,1,2, got {text!r}") from None
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct non-negative seeds, got {text!r}")
+    return seeds
+
+
+def aggregate_seeds(per_seed: list[dict]) -> dict:
+    """Point 12: one result from every seed's (each with ``seed`` and ``seconds``): the median seed's keys,
+    ``gap_over_floor`` its worst-step gap/floor (``median_high``), the worst and the per-seed list beside it."""
+    ratios = [r["gap_over_floor"] for r in per_seed]
+    median = statistics.median_high(ratios)
+    pick = per_seed[ratios.index(median)]
+    result = {k: v for k, v in pick.items() if k not in ("seed", "seconds")}
+    result.update(gap_over_floor=median, gap_over_floor_per_seed=ratios, gap_over_floor_worst=max(ratios),
+                  seeds=[r["seed"] for r in per_seed], median_seed=pick["seed"], per_seed=per_seed)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algo", default="grpo", choices=["grpo", "opd"])
     parser.add_argument("--engine", default="fsdp", choices=["fsdp", "megatron"], help="verl's model_engine")
@@ -179,7 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups", type=int, default=None, help="prompt groups per step (quick: 4, full: 8)")
     parser.add_argument("--optimizer", default="SGD", choices=["SGD", "AdamW"])
-    parser.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
+    seed = parser.add_mutually_exclusive_group()
+    seed.add_argument("--seed", type=int, default=0, help="offsets every data seed (other batches, same model)")
+    seed.add_argument("--seeds", type=parse_seeds, default=None, metavar="S1,S2,...",
+                      help="the comparison once per seed; JSON gap_over_floor = median of the seeds' worst (point 12)")
     parser.add_argument("--kl", action="store_true", help="actor.use_kl_loss with a reference model (point 8)")
     parser.add_argument("--kl-type", default="low_var_kl", help="actor.kl_loss_type (verl's kl_penalty names)")
     parser.add_argument("--entropy", action="store_true", help="actor.entropy_coeff != 0 (point 8)")
@@ -190,8 +225,41 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--float64-sum", action="store_true",
                         help="megatron experiment: also the stream summed in float64 across calls (point 11)")
     add_results_dir_argument(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
+    args.per_seed = None  # report() writes the result, or with several seeds appends (name, result) here
+    if args.seeds is None or len(args.seeds) == 1:
+        args.seed = args.seeds[0] if args.seeds else args.seed
+        return compare(parser, args)
+    t0, args.per_seed = time.time(), []
+    for seed in args.seeds:
+        args.seed = seed
+        print(f"\n=== seed {seed} ({args.seeds.index(seed) + 1} of {len(args.seeds)}) ===", flush=True)
+        compare(parser, args)
+    return report_seeds(args, time.time() - t0)
+
+
+def report_seeds(args, seconds: float) -> dict:
+    """Point 12: the per-seed worst steps, their median (the verdict) and the worst beside it; JSON <name>_seeds."""
+    result = aggregate_seeds([r for _, r in args.per_seed])
+    name = args.per_seed[0][0] + "_seeds"
+    median, worst = result["gap_over_floor"], result["gap_over_floor_worst"]
+    print(f"\nseeds {', '.join(map(str, result['seeds']))}: worst-step gap/floor "
+          + ", ".join(f"{r:.2f}" for r in result["gap_over_floor_per_seed"])
+          + f"; median {median:.2f} (seed {result['median_seed']}) -> {'PASS' if median <= 2.0 else 'FAIL'}, "
+          + f"worst seed {worst:.2f}{'' if worst <= 2.0 else ' (above 2)'}; {seconds:.0f} s")
+    result["seconds"] = round(seconds, 1)
+    write_result(name, result, args.results_dir)
+    return result
+
+
+def compare(parser: argparse.ArgumentParser, args) -> dict:
+    """One comparison with ``args.seed``'s batches: build, run, report (with ``--seeds``: once per seed)."""
     groups = args.groups or (4 if args.quick else 8)
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="ts_equivalence_"))
@@ -428,7 +496,11 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
-    write_result(name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}", result, args.results_dir)
+    name = name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}"
+    if getattr(args, "per_seed", None) is not None:  # --seeds: main writes the aggregate (point 12)
+        args.per_seed.append((name, {"seed": args.seed, "seconds": round(seconds, 1), **result}))
+    else:
+        write_result(name, result, args.results_dir)
     return result
 
 
