@@ -25,6 +25,7 @@ class _TQ:
         self.tags: dict[str, dict] = {}
         self.values: dict[str, dict] = {}
         self.cleared: list[str] = []
+        self.reads: list[tuple[list[str], list[str]]] = []  # (keys, select_fields) of every kv_batch_get
 
     def kv_list(self, partition_id=None):
         return {"train": {k: dict(t) for k, t in self.tags.items()}}
@@ -36,6 +37,7 @@ class _TQ:
         self.cleared += list(keys)
 
     def kv_batch_get(self, keys, partition_id, select_fields):
+        self.reads.append((list(keys), list(select_fields)))
         return {f: [self.values[k][f] for k in keys] for f in select_fields}
 
     def add_group(self, uid: str, dispatch: int, turns: list[tuple[int, int]], n: int = 2, *, per_turn: bool = True):
@@ -346,7 +348,7 @@ def test_measured_drift_ranks_by_how_far_the_policy_moved_not_by_version_count(t
     # proxy: near (lag 3) is the worst and goes
     assert list(proxy["rejected"]) == ["near"] and "pace/scored" not in proxy_metrics
 
-    tq.tags, tq.values, tq.cleared = {}, {}, []
+    tq.tags, tq.values, tq.cleared, tq.reads = {}, {}, [], []
     _measured_pool(tq, server)
     refills: list = []
     buf = _buffer(refills, target_pool=1, gain=1.0, log_path=str(measured_log), scorer="rollout_server")
@@ -360,6 +362,11 @@ def test_measured_drift_ranks_by_how_far_the_policy_moved_not_by_version_count(t
     assert scores.get("fresh", 0.0) < 1e-3  # today's weights and its tool tokens left out: ~0
     assert metrics["pace/scored"] == 8 and metrics["pace/scored_version"] == 5
     assert metrics["pace/nats_per_version"] > 0 and metrics["pace/scorer_s"] > 0
+    # each newly landed trajectory is read from the TransferQueue once: per-turn versions and scored tensors together
+    assert len(tq.reads) == 1
+    keys, fields = tq.reads[0]
+    assert sorted(keys) == sorted(f"{g}_{i}_0" for g in ("near", "far", "fresh", "other") for i in range(2))
+    assert fields == ["extra_fields", "prompts", "responses", "response_mask", "rollout_log_probs"]
 
 
 def test_an_unknown_scorer_is_refused(tq):
@@ -367,19 +374,29 @@ def test_an_unknown_scorer_is_refused(tq):
         _buffer([], scorer="learner")
 
 
-def test_stored_fields_are_read_back_per_trajectory_from_jagged_and_regular_columns(monkeypatch):
-    """verl's agent loop stores variable-length fields; TransferQueue returns them jagged (or stacked when equal)."""
+def test_stored_fields_are_read_back_per_trajectory_from_jagged_regular_and_non_tensor_columns(monkeypatch):
+    """verl's agent loop stores variable-length fields; TransferQueue returns them jagged (or stacked when equal),
+    and ``extra_fields`` as a stack of non-tensor values: all of them come back per trajectory from one read."""
     import torch
+    from tensordict import NonTensorData, NonTensorStack
     from verl.trainer.ppo.v1 import replay_buffer
 
-    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.pace import _read_stored
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     columns = {"prompts": torch.nested.as_nested_tensor(prompts, layout=torch.jagged),
-               "response_mask": torch.tensor([[1, 0], [1, 1]])}
-    monkeypatch.setattr(replay_buffer, "tq", type("TQ", (), {"kv_batch_get": staticmethod(
-        lambda keys, partition_id, select_fields: {f: columns[f] for f in select_fields})}))
-    rows = va.replay_buffer_rows(["a_0_0", "b_0_0"], "train", ["prompts", "response_mask"])
+               "response_mask": torch.tensor([[1, 0], [1, 1]]),
+               "extra_fields": NonTensorStack(NonTensorData({"turns": [1]}), NonTensorData({}))}
+    calls = []
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        calls.append(list(select_fields))
+        return {f: columns[f] for f in select_fields}
+
+    monkeypatch.setattr(replay_buffer, "tq", type("TQ", (), {"kv_batch_get": staticmethod(kv_batch_get)}))
+    rows = _read_stored(["a_0_0", "b_0_0"], "train", ["extra_fields"], ["prompts", "response_mask"])
+    assert calls == [["extra_fields", "prompts", "response_mask"]]
+    assert [r["extra_fields"] for r in rows] == [{"turns": [1]}, {}]
     assert [r["prompts"].tolist() for r in rows] == [[1, 2, 3], [4, 5]]
     assert [r["response_mask"].tolist() for r in rows] == [[1, 0], [1, 1]]
 
@@ -395,6 +412,8 @@ def test_rescore_at_each_decision_measures_the_drift_while_waiting(tq, server, t
     _, second = buf.sample(7, "train", 1)
     # verl took the oldest group (near) first; the 6 trajectories of far, fresh, other are re-scored at version 6
     assert first["pace/scored"] == 8 and second["pace/scored"] == 6 and second["pace/scored_version"] == 6
+    # one read per decision: the landing one with the per-turn versions, the re-scoring one with the tensors only
+    assert [(len(keys), fields[0]) for keys, fields in tq.reads] == [(8, "extra_fields"), (6, "prompts")]
     fresh = [buf._segments[f"fresh_{i}_0"][0] for i in range(2)]
     assert all(seg.drift > 1e-3 for segs in fresh for seg in segs)  # generated at 5, waited one version: drifted
     with pytest.raises(StreamingConfigError, match="pace.rescore"):

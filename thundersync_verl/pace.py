@@ -34,6 +34,8 @@ Why this module exists:
    and ``pace/scored_version`` (the version that re-scored). ``rescore=decision`` (default ``landing``)
    re-scores every pooled trajectory again at each new learner version, so m_j also covers the drift
    while it waited: set ``waiting_weight=0`` with it, or the wait counts twice.
+   A landed trajectory's per-turn versions (``extra_fields``) and the tensors the scorer needs come from
+   one TransferQueue read (``_read_stored``), and a decision re-scores everything it needs in one call.
 7. ``decide_every=step`` (default) spends the budget at the first sample of each training step, so
    the rejected groups are regenerated together, in one refill; ``sample`` decides at every
    mini-batch sample (measured with ``benchmarks/pace.py --quick`` on 2 shared CPU cores: deciding
@@ -48,7 +50,6 @@ import os
 import time
 from dataclasses import replace
 
-from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import pace as pc
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 from thundersync_verl.pace_scorer import DEFAULT_SERVER_PREFIX, RolloutServerScorer
@@ -107,6 +108,26 @@ def _turn_segments(turns) -> list[pc.Segment] | None:
     for turn in turns:
         segments += pc.segments_from_span(int(turn["gen_tokens"]), int(turn["min_version"]), int(turn["max_version"]))
     return segments
+
+
+def _read_stored(keys: list[str], partition_id: str, plain: list[str], tensors: list[str]) -> list[dict]:
+    """``plain`` fields (one value per key, e.g. ``extra_fields``) and ``tensors`` fields (one 1-D tensor per
+    key) of stored trajectories in ONE ``kv_batch_get`` of the TransferQueue client verl's replay buffer
+    uses; decoded as ``verl_adapter.replay_buffer_field`` / ``replay_buffer_rows`` decode them."""
+    import torch
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=plain + tensors)
+    columns = {}
+    for field in plain:
+        values = data[field]
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        columns[field] = [getattr(v, "data", v) for v in values]
+    for field in tensors:
+        values = data[field]
+        rows = values.unbind(0) if isinstance(values, torch.Tensor) else list(values)
+        columns[field] = [torch.as_tensor(getattr(v, "data", v)).reshape(-1) for v in rows]
+    return [{f: columns[f][i] for f in plain + tensors} for i in range(len(keys))]
 
 
 class PaceReplayBufferAsync(FastPollReplayBufferAsync):
@@ -188,16 +209,19 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
         return sampleable - set(decision.rejected), decision, scores
 
     def _load_segments(self, partition_id: str, keys: list[str]) -> None:
+        """Segments of the newly landed ``keys`` and, with a scorer, their measured drift (plus, with
+        ``rescore=decision``, the pooled ones not re-scored at this learner version): every field
+        needed comes from ONE TransferQueue read (``_read_stored``)."""
         missing = [k for k in keys if k not in self._segments]
-        if self.scorer_kind != "none" and self.rescore == "decision":
-            again = [k for k in keys if k in self._segments and self._scored_at.get(k, -1) < self._step - 1]
-            if again:
-                self._measure(partition_id, again)
-        if not missing:
-            return
-        extras = va.replay_buffer_field(missing, partition_id, "extra_fields") if self.per_turn else [{}] * len(missing)
-        for key, extra in zip(missing, extras):
-            events = (extra or {}).get("thundersync_events") or {}
+        measure = self.scorer_kind != "none"
+        again = [k for k in keys if k in self._segments and self._scored_at.get(k, -1) < self._step - 1] \
+            if measure and self.rescore == "decision" else []
+        plain = ["extra_fields"] if self.per_turn and missing else []
+        tensors = SCORE_FIELDS if measure else []
+        read = missing + again if tensors else (missing if plain else [])
+        stored = dict(zip(read, _read_stored(read, partition_id, plain, tensors))) if read else {}
+        for key in missing:
+            events = (stored.get(key, {}).get("extra_fields") or {}).get("thundersync_events") or {}
             per_turn = _turn_segments(events.get("turns"))
             if per_turn is None:
                 tag = self.partitions[partition_id][key]
@@ -207,14 +231,14 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
                 self._segments[key] = (pc.segments_from_span(int(tag.get("response_len", 1)), lo, hi), False)
             else:
                 self._segments[key] = (per_turn, True)
-        if self.scorer_kind != "none":
-            self._measure(partition_id, missing)
+        if measure and read:
+            self._measure(read, [stored[k] for k in read])
 
-    def _measure(self, partition_id: str, keys: list[str]) -> None:
-        """(3m): re-score ``keys`` on the rollout servers; their segments carry the measured drift in nats."""
+    def _measure(self, keys: list[str], rows: list[dict]) -> None:
+        """(3m): re-score ``keys`` (their stored ``SCORE_FIELDS`` in ``rows``) on the rollout servers; their
+        segments carry the measured drift in nats."""
         if self.scorer is None:
             self.scorer = RolloutServerScorer.discover(self.scorer_prefix)
-        rows = va.replay_buffer_rows(keys, partition_id, SCORE_FIELDS)
         t0 = time.perf_counter()
         current, version = self.scorer.score([(r["prompts"].tolist(), r["responses"].tolist()) for r in rows])
         spent = time.perf_counter() - t0
