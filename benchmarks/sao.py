@@ -1,6 +1,6 @@
 """SAO on the embedded CPU task: stock ``verl.trainer.main_ppo`` with the ``sao`` recipe, one JSON line.
 
-``python benchmarks/sao.py [--mode sync|async|fully_async] [--steps 30]`` (``--quick``: 8 steps, sync).
+``python benchmarks/sao.py [--mode sync|async|fully_async|thundersync] [--steps 30]`` (``--quick``: 8 steps).
 
 Why:
 1. SAO must train through verl's own machinery: one rollout per prompt on the live ``hf_cpu`` rollout,
@@ -18,9 +18,12 @@ Why:
    whitening folded at the barrier) against verl's own ``update_actor`` with loss ``sao`` on the same batch,
    on verl's FSDP2 engine on the CPU (``tests/harness/sao_steps.py``); the floor is verl's update with the
    rows regrouped across micro-batches, and the figure is the worst step's gap / floor (acceptance: <= 2).
-   It is an engine-level measurement: the ThunderSync trainer does not run SAO yet (no critic forward at
-   arrival; it refuses ``adv_estimator=sao``), and the critic's update is verl's, not streamed.
+   It is an engine-level measurement of the same streamed update the ThunderSync trainer runs with
+   ``--mode thundersync`` (``trainer/sao_trainer_step.py``: the critic's forward on each arrival, the actor's
+   backwards streamed, verl's own critic update at the barrier, not streamed).
    ``--gap-only`` measures it without the main_ppo run.
+4. ``staleness_max``: verl's ``training/off_policy/trajectory_staleness/max`` over the run (0 for sync and
+   thundersync); ``step_s_mean``: the mean of verl's ``timing_s/step`` after step 1.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from thundersync_verl.results import add_results_dir_argument, find_results_dir,
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cpu_tiny" / "sao"
-MODES = ("sync", "async", "fully_async")
+MODES = ("sync", "async", "fully_async", "thundersync")
 CURVES = (("critic/score/mean", "mean reward"), ("critic/vf_loss", "value loss"),
           ("critic/vf_explained_var", "explained variance"))
 
@@ -65,7 +68,10 @@ def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_
     steps = sorted(per_step)
     rewards = [per_step[s].get("critic/score/mean", float("nan")) for s in steps]
     k = min(5, len(rewards))
-    actor_steps = [s for s in steps if "actor/pg_loss" in per_step[s]]
+    actor_steps = [s for s in steps if "actor/pg_loss" in per_step[s] or per_step[s].get("thundersync/chunks", 0) > 0]
+    staleness = [per_step[s]["training/off_policy/trajectory_staleness/max"] for s in steps
+                 if "training/off_policy/trajectory_staleness/max" in per_step[s]]
+    step_s = [per_step[s]["timing_s/step"] for s in steps[1:] if "timing_s/step" in per_step[s]]
     return {
         "algo": "sao", "mode": mode, "steps": len(steps),
         "reward_first5": _mean(rewards[:k]), "reward_last5": _mean(rewards[-k:]),
@@ -77,6 +83,7 @@ def summarise(per_step: dict, *, mode: str, seconds: float, warmup: int, critic_
         "masked_frac_mean": _mean([per_step[s]["actor/sao_masked_frac"] for s in actor_steps
                                    if "actor/sao_masked_frac" in per_step[s]]),
         "critic_warmup": warmup, "critic_ppo_epochs": critic_epochs,
+        "staleness_max": max(staleness) if staleness else None, "step_s_mean": _mean(step_s),
         "first_actor_step": actor_steps[0] if actor_steps else None,
         "seconds": round(seconds, 1),
     }

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 import torch
 
@@ -145,7 +147,7 @@ def test_policy_loss_through_verl_registry_equals_core():
     assert torch.allclose(grad, -adv * ratio * keep / mask.sum())
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "fully_async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "fully_async", "thundersync"])
 def test_sao_recipe_is_grpo_plus_the_sao_keys(mode):
     from omegaconf import OmegaConf
 
@@ -176,16 +178,32 @@ def test_sao_recipe_is_grpo_plus_the_sao_keys(mode):
     assert _compose(mode).trainer.experiment_name == "sao_sync"
 
 
-def test_sao_recipe_offers_no_thundersync_mode_and_the_trainer_refuses_sao():
+def test_sao_recipe_thundersync_mode_validates_and_broken_variants_are_refused_naming_the_key():
     from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
 
-    assert sorted(p.stem for p in (RECIPES / "sao" / "mode").glob("*.yaml")) == ["async", "fully_async", "sync"]
-    for mode in ("sync", "async", "fully_async"):  # verl asserts micro | rows; rows = prompts per mini-batch x 1
+    assert sorted(p.stem for p in (RECIPES / "sao" / "mode").glob("*.yaml")) == ["async", "fully_async", "sync",
+                                                                                "thundersync"]
+    for mode in ("sync", "async", "fully_async", "thundersync"):  # verl asserts micro | rows; rows = prompts x 1
         actor = _compose(mode).actor_rollout_ref.actor
         assert actor.ppo_mini_batch_size % actor.ppo_micro_batch_size_per_gpu == 0
-    cfg = _compose("thundersync", "algorithm.adv_estimator=sao", "actor_rollout_ref.rollout.n=1", recipe="grpo")
-    with pytest.raises(StreamingConfigError, match="sao"):
-        validate_thundersync_config(cfg)
+    ts = validate_thundersync_config(_compose("thundersync"))
+    assert ts.learner_forward == "fused"
+    broken = {
+        "actor_rollout_ref.rollout.n=4": "rollout.n=1",
+        "critic.enable=false": "critic.enable=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla": "loss_mode=sao",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4": "ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=true": "use_kl_loss=false",
+        "algorithm.rollout_correction.bypass_mode=false": "bypass_mode=true",
+        "thundersync.learner_forward=separate": "learner_forward=fused",
+    }
+    for override, key in broken.items():
+        with pytest.raises(StreamingConfigError, match=re.escape(key)):
+            validate_thundersync_config(_compose("thundersync", override))
+    # the GRPO recipe with only the estimator switched lacks the critic and the loss: refused, both named
+    with pytest.raises(StreamingConfigError, match="critic.enable=true.*loss_mode=sao"):
+        validate_thundersync_config(_compose("thundersync", "algorithm.adv_estimator=sao",
+                                             "actor_rollout_ref.rollout.n=1", recipe="grpo"))
 
 
 def test_the_critic_value_model_loads_on_cpu_through_verl(tmp_path):

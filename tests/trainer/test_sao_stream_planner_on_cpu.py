@@ -251,3 +251,45 @@ def test_the_trainers_op_pipeline_sends_sao_ops_as_per_token_chunks():
     assert chunk[TOKEN_COEF_KEY].sum() == sum(sum(t.agent_mask) for t in trajs)  # 1 per agent token
     method, (chunk,) = _request(_Recorder(), direct, {}, pad_token_id=PAD, temperature=1.0, queued=False)
     assert method == "stream_token_backward" and va.non_tensor(chunk, "ts_dest") == "direct"
+
+
+def test_the_trainers_step_planner_plans_the_fold_last_and_steps_like_the_plain_planner():
+    """``SAOStepPlanner`` (the ThunderSync trainer's): rows as they arrive, the whitening fold once the last
+    trajectory is planned, and the same barrier scale as ``SAOStreamPlanner.finalize`` on the same batch."""
+    from thundersync_verl.trainer.sao_trainer_step import BATCH_GROUP, SAOArrivals, SAOStepPlanner
+    from thundersync_verl.trainer.stream_plan import FoldOp
+
+    trajs = _trajs(3, n=3)
+    step = SAOStepPlanner(_planner())
+    step.begin_batch([t.traj_id for t in trajs])
+    assert step.ready_count == 0
+    step.arrive(trajs[0])
+    assert step.ready_count == 1
+    first = step.next_ops()
+    assert [op.dest for op in first] == ["direct", SAO_BUCKET] and step.ready_count == 0
+    with pytest.raises(StreamingStateError, match="1 of 3 trajectories"):
+        step.finalize()  # no step on part of the batch
+    for t in trajs[1:]:
+        step.arrive(t)
+    assert step.ready_count == 3  # two rows and the fold
+    ops = step.next_ops()
+    assert isinstance(ops[-1], FoldOp) and ops[-1].group_id == BATCH_GROUP and SAO_BUCKET in ops[-1].folds
+    assert not any(isinstance(op, FoldOp) for op in ops[:-1]) and step.ready_count == 0 and step.next_ops() == []
+    plain = _planner()
+    plain.begin_batch([t.traj_id for t in trajs])
+    for t in trajs:
+        plain.arrive(t)
+    plain.next_ops()
+    folds, final = plain.finalize()
+    got = step.finalize()
+    assert got.scale == final.scale and got.num_tokens == final.num_tokens and ops[-1].folds == folds
+    # a landed row without the critic's values (or the rollout's log-probs) is refused by name, not guessed
+    arrivals = SAOArrivals(SAOStepPlanner(_planner()))
+    arrivals.planner.begin_batch(["u1"])
+    row = {"prompt": [1, 2], "response": [3, 4], "mask": [1, 1], "scores": [0.0, 1.0], "rollout_lp": [-1.0, -1.0]}
+    with pytest.raises(StreamingStateError, match="values"):
+        arrivals.admit_trajectory("u1_0_0", row, None, 0.0)
+    arrivals.admit_trajectory("u1_0_0", {**row, "values": [0.1, 0.2]}, None, 0.0)
+    assert arrivals.planner.ready_count == 2  # its row and the fold (the batch is complete)
+    (kind, items, tokens) = arrivals.describe_op(arrivals.planner.next_ops()[0], None, 0.0)
+    assert kind == "backward" and items == (("u1", "u1_0_0"),) and tokens == 4

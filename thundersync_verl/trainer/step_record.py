@@ -20,7 +20,7 @@ from pathlib import Path
 from thundersync_verl.trainer.timeline import TimelineDrawer, busy_fraction
 
 
-SIM_OPS = {"fold": "other"}  # the simulator's learner-op vocabulary (sim/trace.py)
+SIM_OPS = {"fold": "other", "critic_update": "other"}  # the simulator's learner-op vocabulary (sim/trace.py)
 REPORT_COST_FILE = "report_cost.jsonl"  # one {"step", "in_step_s"} line per flushed step
 
 

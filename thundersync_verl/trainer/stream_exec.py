@@ -36,7 +36,7 @@ ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_field
 
 
 def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, dict]:
-    """``{key: {prompt, response, mask, reward, num_tokens, extra}}`` for finished trajectories."""
+    """``{key: {prompt, response, mask, reward, scores, num_tokens, extra}}`` for finished trajectories."""
     data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=ROW_FIELDS)
     extras = data["extra_fields"]
     extras = extras.tolist() if hasattr(extras, "tolist") else list(extras)
@@ -48,6 +48,7 @@ def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, di
             "response": data["responses"][i].tolist(),
             "mask": mask.tolist(),
             "reward": float(data["rm_scores"][i].sum()),
+            "scores": data["rm_scores"][i].tolist(),  # per response token (SAO's GAE reads them)
             "num_tokens": int(mask.sum()),
             "extra": getattr(extras[i], "data", extras[i]) or {},
         }

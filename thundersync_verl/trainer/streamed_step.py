@@ -72,6 +72,7 @@ class StepContext:
     memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
     ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
     deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
+    values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
 
 
 @dataclass
@@ -264,26 +265,35 @@ class StreamedStep:
         state.rows.update(fetch_rows(self.ctx.tq, missing) if missing else {})
         rows = {k: state.rows[k] for k in keys}
         gate = self.source.gate
+        planned = {}
         for key, tag in arrivals.trajectories:
-            planned = key if gate is None else gate.alias[key]  # deterministic: ids by batch place, not random uids
-            state.rows[planned] = rows[key]
-            self.algo.admit_trajectory(planned, rows[key], state, t_seen)
+            planned[key] = key if gate is None else gate.alias[key]  # deterministic: ids by batch place, not random uids
+            state.rows[planned[key]] = rows[key]
             self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
             state.keys.append(key)
             state.tags.append(tag)
-        if self.ctx.ref_log_probs is not None:  # KL loss: the reference never changes, so it scores rows on arrival
-            t0 = time.time()
-            for key, lp in self.ctx.ref_log_probs(keys, [t for _, t in arrivals.trajectories]).items():
-                rows[key]["ref_lp"] = lp
-            tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
-            self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+        tags = [t for _, t in arrivals.trajectories]
+        tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+        # on arrival: fixed models score the rows (KL loss: the reference; SAO: the critic at the step-start weights)
+        for name, score in (("ref_lp", self.ctx.ref_log_probs), ("values", self.ctx.values)):
+            if score is not None:
+                t0 = time.time()
+                for key, value in score(keys, tags).items():
+                    rows[key][name] = value
+                self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+        self._old_log_probs(keys, tags, rows, tokens)
+        for key, _ in arrivals.trajectories:  # the planner sees a row once everything it needs is on it
+            self.algo.admit_trajectory(planned[key], rows[key], state, t_seen)
+
+    def _old_log_probs(self, keys: list, tags: list, rows: dict, tokens: int) -> None:
+        """verl's old log-probs of landed rows: the rollout's (fused), or verl's forward at θ_k (separate)."""
+        state = self.state
         if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
             for key, lp in self._old_log_probs_from_rollout(keys).items():
                 rows[key]["rollout_lp"] = lp
         else:
             t0 = time.time()
-            part = self.ctx.forward_at_theta_k(keys, [t for _, t in arrivals.trajectories])
-            tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+            part = self.ctx.forward_at_theta_k(keys, tags)
             self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
             for name, value in part.items():
                 if name.endswith("_max"):

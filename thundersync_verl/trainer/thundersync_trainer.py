@@ -23,6 +23,9 @@ the per-step work and a few hooks change:
    give several optimizer steps per batch (``minibatch_plan.py``): mini-batch 1 streams as above, the
    later ones run verl's PPO ratio and clip against the rollout's log-probs once the step before
    theirs is taken; generation stays at the batch's weights, so ``learner_forward=fused`` is needed.
+8. ``algorithm.adv_estimator=sao`` (single rollout, verl's critic): each landed trajectory is valued by the
+   critic on arrival and streamed with its final GAE coefficients; the whitening is folded at the barrier,
+   and verl's own critic update follows the actor's step (``sao_trainer_step.py``).
 7. Reporting reaches the loggers verl users run (``trainer.logger``): the ``thundersync/*`` metrics
    ride in the step's metrics, and each timeline PNG, once drawn, goes to tensorboard / wandb as an
    image through ``verl_adapter.log_images`` (after verl's step timer, and at the end of ``fit``).
@@ -46,6 +49,8 @@ from thundersync_verl.trainer import resume
 from thundersync_verl.trainer.memory_probe import MemoryProbe
 from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
+from thundersync_verl.trainer.sao_trainer_step import (SAOArrivals, collect_batch, planner_from_config, sao_enabled,
+                                                       validate_sao_config)
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
 from thundersync_verl.trainer.stream_loss import IndependentTerms, exact_micro_batch_size
@@ -64,7 +69,15 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
     the rules here are those that need the rest of verl's config.
     """
     ts = ThunderSyncConfig.from_verl(config)
-    settings_from_verl_config(config)  # ppo_epochs, mini-batches, loss, estimator, IS/KL terms
+    if sao_enabled(config):  # SAO streams through its own planner (sao_trainer_step.py), with its own rules
+        if opd_enabled(config):
+            raise StreamingConfigError(rule_message(
+                "algorithm.adv_estimator=sao and distillation.enabled=true together",
+                "OPD streams teacher-scored turns, SAO critic-valued trajectories: one step streams one of them",
+                "set distillation.enabled=false, or algorithm.adv_estimator to an OPD setting"))
+        validate_sao_config(config, ts)
+    else:
+        settings_from_verl_config(config)  # ppo_epochs, mini-batches, loss, estimator, IS/KL terms
     arr = config.actor_rollout_ref
     if arr.get("hybrid_engine", True):
         raise StreamingConfigError(rule_message(
@@ -192,7 +205,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def __init__(self, config):
         self.ts = validate_thundersync_config(config)
         super().__init__(config)
-        self.opd = opd_enabled(config)
+        self.opd, self.sao = opd_enabled(config), sao_enabled(config)
         self.planner = None  # one planner for the run, built once the learner exists (on_init_end)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(self.ts.run_dir, mode="thundersync", algo="opd" if self.opd else "grpo",
@@ -232,6 +245,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     def _build_planner(self):
         """The run's planner, GRPO's sized to this learner's buckets (``build_planner``)."""
+        if self.sao:
+            return planner_from_config(self.config, self.ts)
         bucket = None
         if not self.opd and self.ts.memory_budget_bytes is not None:
             bucket = max(int(m["stream/buffer_bytes"]) for m in self.actor_rollout_wg.stream_memory())
@@ -311,6 +326,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     # -- the streamed step (streamed_step.py) -----------------------------------------------
     def _step_once(self, metrics: dict, timing_raw: dict, sample_batch_size: int):
+        if self.sao and self.config.trainer.critic_warmup > self.global_steps:
+            return self._critic_warmup_step(metrics, timing_raw)
         step = StreamedStep(self._step_context(), self._step_algorithm())
         with api.marked_timer("stream", timing_raw, color="red"):
             try:
@@ -323,7 +340,28 @@ class ThunderSyncTrainer(api.PPOTrainer):
             logger.warning("step %s: non-finite gradient norm, the optimizer step was skipped", self.global_steps)
         metrics.update(self.run_state.metrics())
         batch = api.KVBatchMeta(partition_id="train", keys=state.keys, tags=state.tags)
-        return self._compute_advantage(batch, {})  # verl's own advantages, for verl's data metrics
+        batch = self._compute_advantage(batch, {})  # verl's own advantages (SAO: and the returns), for verl's data metrics
+        if self.sao:  # verl's critic update on the Monte-Carlo returns, after the actor read the step-start values
+            with api.marked_timer("update_critic", timing_raw, color="pink"):
+                t0 = time.time()
+                batch = self._update_critic(batch, metrics=metrics)
+                self.recorder.learner_op("critic_update", t0, time.time())
+        return batch
+
+    def _critic_warmup_step(self, metrics: dict, timing_raw: dict):
+        """SAO's ``trainer.critic_warmup`` steps: the whole batch valued, the critic updated, the actor untouched."""
+        with api.marked_timer("gen", timing_raw, color="red"):
+            keys, tags = collect_batch(api.tq, list(self._batch_uids), int(self.config.actor_rollout_ref.rollout.n),
+                                       timeout_s=self.ts.trajectory_timeout_s, poll_s=self.ts.poll_s)
+        data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+        data["old_log_probs"] = data.pop("rollout_log_probs")  # bypass mode, as on the streamed steps
+        api.tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
+        self._critic_values(keys, tags)
+        batch = self._compute_advantage(api.KVBatchMeta(partition_id="train", keys=keys, tags=tags), {})
+        with api.marked_timer("update_critic", timing_raw, color="pink"):
+            batch = self._update_critic(batch, metrics=metrics)
+        self.recorder.finish_step({}, {})
+        return batch
 
     # -- checkpoints: only between batches, with ThunderSync's run state (trainer/resume.py) --
     def _save_checkpoint(self):
@@ -347,6 +385,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     def _step_algorithm(self):
         """What "landed" means for this algorithm: scored turns and trajectories (OPD) or trajectories."""
+        if self.sao:
+            return SAOArrivals(self.planner)
         return OPDArrivals(self.planner) if self.opd else GRPOArrivals(self.planner)
 
     def _step_context(self) -> StepContext:
@@ -360,7 +400,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
             fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
             deterministic=ts.deterministic,
-            ref_log_probs=self._ref_log_probs if self.use_reference_policy else None)
+            ref_log_probs=self._ref_log_probs if self.use_reference_policy else None,
+            values=self._critic_values if self.sao else None)
 
     def _ref_log_probs(self, keys: list, tags: list) -> dict[str, list[float]]:
         """``use_kl_loss``: verl's ``_compute_ref_log_prob`` (its ref worker group, or with LoRA the actor
@@ -371,6 +412,16 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self._compute_ref_log_prob(meta, {})
         data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["ref_log_prob"])
         return {key: data["ref_log_prob"][i].tolist() for i, key in enumerate(keys)}
+
+    def _critic_values(self, keys: list, tags: list) -> dict[str, list[float]]:
+        """SAO: verl's critic forward (``_compute_values``) for trajectories as they land, at the step-start weights."""
+        critic = self.config.critic
+        cap = critic.get("forward_micro_batch_size_per_gpu") or critic.get("ppo_micro_batch_size_per_gpu")
+        meta = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags,
+                               extra_info={"micro_batch_size_per_gpu": exact_micro_batch_size(len(keys), cap)})
+        self._compute_values(meta, {})
+        data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["values"])
+        return {key: data["values"][i].tolist() for i, key in enumerate(keys)}
 
     def _forward_at_theta_k(self, keys: list, tags: list) -> dict:
         """``learner_forward=separate``: verl's old-log-prob forward for trajectories as they land.

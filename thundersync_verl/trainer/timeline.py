@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterable
 
 OP_COLOURS = {"backward": "#2b8cbe", "fold": "#7bccc4", "optimizer": "#e34a33", "weight_sync": "#fdbb84",
-              "forward": "#a6bddb", "other": "#bdbdbd"}
+              "forward": "#a6bddb", "critic_update": "#756bb1", "other": "#bdbdbd"}
 
 
 def pack_slots(trajectories: list[dict]) -> list[int]:
