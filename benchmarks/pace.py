@@ -27,6 +27,16 @@ Why this benchmark exists:
    mini-batches (the trace's one learner record per step spread over them), the Sync run's under
    Sync. The simulator's staleness is v - (start version); verl's, v - (last version used). The
    simulator has no token log-probs, so ``pace_measured`` has no prediction.
+   Landing latency (done -> sampleable): verl's trainer records no reward timing, and the replay's
+   fit from the learner's first op (``sim/calibrate.py``) is not pinned down by a run whose learner
+   never waited for data: it explained step 2's 0.55 s of untimed start by a 4.7 s landing, so the
+   batch started at a push was still landing at the next step and PACE's pool held 16 groups where
+   the sampler saw 32 (budget 3, not 11). The latency is measured instead from what the sampler
+   saw: the unfiltered run's decision log counts the pool at every sample, and the h whose
+   prediction (groups whose last trajectory ended h before the sample, less those already taken)
+   fits those counts best (least squares, ``pool_landing_s``) is written into the trace as each
+   trajectory's t_reward. The prediction is also read over the steps the measured run counted
+   (``*_in_budget``, from ``sim/pace.py``'s ``per_step``); the whole simulated run has more steps.
 4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
    distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
 
@@ -143,13 +153,53 @@ def summarise(policy: str, run: dict, budget_s: float) -> dict:
     }
 
 
-def simulate_policies(runs: dict, traces: Path) -> dict:
-    """The simulator's prediction: the unfiltered fully-async trace replayed under each policy."""
+LANDING_GRID_S = [i * 0.01 for i in range(1001)]  # candidate landing latencies, 0-10 s
+
+
+def pool_landing_s(run: dict) -> float | None:
+    """The landing latency h that best predicts the pool the sampler counted at each sample of an unfiltered run
+    (module docstring, point 3); None without a decision log or trajectories."""
+    if not run.get("decisions") or not Path(run["traj_path"]).is_file():
+        return None
+    ready: dict[str, float] = {}  # group -> when its last trajectory ended
+    for r in _read_jsonl(Path(run["traj_path"])):
+        ready[r["uid"]] = max(ready.get(r["uid"], 0.0), r["t_done"])
+    taken: set[str] = set()
+    rows = []  # (sample time, groups counted, group ends not yet taken)
+    for d in run["decisions"]:
+        rows.append((d["t"], d["pool"], sorted(t for u, t in ready.items() if u not in taken)))
+        taken |= set(d["selected"]) | set(d["rejected"])
+    err = [sum((sum(1 for e in ends if e + h <= t) - pool) ** 2 for t, pool, ends in rows) for h in LANDING_GRID_S]
+    return LANDING_GRID_S[min(range(len(err)), key=err.__getitem__)]
+
+
+def set_trace_landing(path: Path, landing_s: float) -> None:
+    """The measured landing as each trajectory's t_reward in a written trace (a latency of 0 as 1 us: t_reward ==
+    t_done everywhere means "no reward timing" to the replay, which would fit one again)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    for r in lines:
+        if r["kind"] == "trajectory":
+            r["t_reward"] = r["t_done"] + max(landing_s, 1e-6)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _in_budget(per_step: dict, steps: int) -> dict:
+    """A simulated policy's rejected share and mean staleness over its first ``steps`` steps."""
+    rows = [per_step[s] for s in range(1, steps + 1) if s in per_step]
+    rejected, trained = sum(r["rejected"] for r in rows), sum(r["trained"] for r in rows)
+    return {"steps_compared": steps, "rejected_share_in_budget": round(rejected / max(rejected + trained, 1), 3),
+            "staleness_mean_in_budget": round(sum(r["staleness_sum"] for r in rows) / max(trained, 1), 3)}
+
+
+def simulate_policies(runs: dict, traces: Path, rewrite: bool = True, windows: dict | None = None) -> dict:
+    """The simulator's prediction: the unfiltered fully-async trace replayed under each policy. The trace is
+    written from this invocation's runs (``rewrite``); ``--reuse`` reads back the one written with them (the
+    runs read back lack the log times a trace needs)."""
     from thundersync_verl.sim import load_trace, replay, simulate
     from thundersync_verl.sim.pace import PacePolicy
 
-    out = {}
-    sims = {"fully_async": None, "fully_async_drop": PacePolicy(drop_threshold=DROP_THRESHOLD),
+    out, windows, written = {}, windows or {}, set()
+    sims = {"fully_async": PacePolicy(gain=0.0), "fully_async_drop": PacePolicy(drop_threshold=DROP_THRESHOLD),
             "pace": PacePolicy(**{k: PACE_OPTIONS[k] for k in ("target_pool", "gain", "min_score", "waiting_weight",
                                                                "drift_per_version")})}
     sources = {"sync": "sync"} | {p: "fully_async" for p in sims}
@@ -157,9 +207,15 @@ def simulate_policies(runs: dict, traces: Path) -> dict:
         if policy not in runs or base not in runs:
             continue
         path = traces / f"pace_{base}.jsonl"
-        if not path.is_file():
-            modes.write_sim_trace(runs[base]["mode"], runs[base], path)
-        cfg, source, costs = replay(load_trace(path))
+        if base not in written:  # once per trace
+            written.add(base)
+            if rewrite or not path.is_file():
+                modes.write_sim_trace(runs[base]["mode"], runs[base], path)
+            landing = pool_landing_s(runs[base]) if base == "fully_async" else None
+            if landing is not None:
+                set_trace_landing(path, landing)
+        trace = load_trace(path)
+        cfg, source, costs = replay(trace)
         if policy in sims:  # the trainer's 2-prompt mini-batches (the trace has one learner record per step)
             chunks = max(source.batch_size // MINI_BATCH_TRAJECTORIES, 1)
             cfg = replace(cfg, pace=sims[policy], mini_batch=MINI_BATCH_TRAJECTORIES)
@@ -168,7 +224,12 @@ def simulate_policies(runs: dict, traces: Path) -> dict:
         summary = res.staleness_summary()
         out[policy] = {"step_time_s": round(res.step_time_s, 3), "staleness_mean": round(summary["mean"], 3),
                        "staleness_hist": {str(k): v for k, v in summary["hist"].items()},
-                       "rejected_share": round(res.extra.get("rejected_share", 0.0), 3)}
+                       "rejected_share": round(res.extra.get("rejected_share", 0.0), 3), "steps": cfg.steps}
+        if "per_step" in res.extra and policy in windows:
+            out[policy].update(_in_budget(res.extra["per_step"], windows[policy]))
+        if base == "fully_async":
+            lands = [r["t_reward"] - r["t_done"] for r in trace.trajectories]
+            out[policy]["landing_s"] = round(sum(lands) / max(len(lands), 1), 3)
     return out
 
 
@@ -203,12 +264,13 @@ def plot(rows: dict, budget_s: float, png: Path) -> Path:
 
 def print_table(rows: dict, sim: dict) -> None:
     print(f"\n{'policy':<17} {'steps':>5} {'step s':>7} {'stale':>6} {'rej share':>9} {'reward':>7} | "
-          f"{'sim step s':>10} {'sim stale':>9} {'sim rej':>7}")
+          f"{'sim step s':>10} {'sim stale':>9} {'sim rej':>7} {'same steps':>10}")
     for policy, r in rows.items():
         p = sim.get(policy, {})
         print(f"{policy:<17} {r['steps_inside_budget']:>5} {r['step_time_s'] or 0:>7.2f} {r['staleness_mean']:>6.2f} "
               f"{r['rejected_share']:>9.3f} {r['final_reward']:>7.3f} | {p.get('step_time_s', float('nan')):>10.2f} "
-              f"{p.get('staleness_mean', float('nan')):>9.2f} {p.get('rejected_share', float('nan')):>7.3f}")
+              f"{p.get('staleness_mean', float('nan')):>9.2f} {p.get('rejected_share', float('nan')):>7.3f} "
+              f"{p.get('rejected_share_in_budget', float('nan')):>10.3f}")
 
 
 def main(argv=None) -> dict:
@@ -238,7 +300,8 @@ def main(argv=None) -> dict:
     rows = {p: summarise(p, runs[p], budget_s) for p in policies}
     traces = work / "pace_traces"
     traces.mkdir(parents=True, exist_ok=True)
-    sim = simulate_policies(runs, traces)
+    sim = simulate_policies(runs, traces, rewrite=not args.reuse,
+                            windows={p: r["steps_inside_budget"] for p, r in rows.items()})
     print_table(rows, sim)
     results_dir.mkdir(parents=True, exist_ok=True)
     png = plot(rows, budget_s, results_dir / "pace.png")

@@ -418,3 +418,32 @@ def test_rescore_at_each_decision_measures_the_drift_while_waiting(tq, server, t
     assert all(seg.drift > 1e-3 for segs in fresh for seg in segs)  # generated at 5, waited one version: drifted
     with pytest.raises(StreamingConfigError, match="pace.rescore"):
         _buffer([], rescore="always")
+
+
+def test_the_benchmark_measures_the_landing_latency_from_the_pool_the_sampler_counted(tmp_path):
+    """benchmarks/pace.py's ``pool_landing_s``: groups enter the pool h after their last trajectory ends; the
+    counts logged at each sample (less the groups already taken) give h back, and the trace then carries it."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("pace_bench", root / "benchmarks" / "pace.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    h, ends = 0.4, {"a": 1.0, "b": 1.5, "c": 2.0, "d": 3.0}
+    traj = tmp_path / "trajectories.jsonl"
+    traj.write_text("".join(json.dumps({"uid": u, "t_done": t - 0.1 * i}) + "\n" for u, t in ends.items() for i in range(2)))
+    samples = [(1.39, []), (1.41, ["a"]), (1.89, []), (1.91, ["b"]), (3.5, ["c", "d"])]  # pin h within 0.01 s
+    decisions, taken = [], set()
+    for t, selected in samples:
+        pool = sum(1 for u, e in ends.items() if e + h <= t and u not in taken)
+        decisions.append({"t": t, "pool": pool, "selected": dict.fromkeys(selected, 0.0), "rejected": {}})
+        taken |= set(selected)
+    assert bench.pool_landing_s({"traj_path": traj, "decisions": decisions}) == pytest.approx(h, abs=0.011)
+    assert bench.pool_landing_s({"traj_path": traj, "decisions": []}) is None
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"kind": "trajectory", "t_done": 5.0, "t_reward": 5.0}) + "\n"
+                     + json.dumps({"kind": "step", "t_end": 6.0}) + "\n")
+    bench.set_trace_landing(trace, 0.65)
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert rows[0]["t_reward"] == pytest.approx(5.65) and rows[1] == {"kind": "step", "t_end": 6.0}

@@ -69,3 +69,14 @@ def test_budget_is_core_paces(pool, needed, target, gain):
         return
     sim = PacePolicy(target_pool=target, gain=gain).budget(pool, needed)
     assert sim == rejection_budget(pool, needed, PaceSettings(target_pool=target, gain=gain))
+
+
+def test_per_step_counts_add_up_to_the_run():
+    """``per_step`` (step = learner version + 1) lets a prediction be read over the steps a measured run counted."""
+    paced = run(PacePolicy(target_pool=2, gain=1.0))
+    rows = paced.extra["per_step"]
+    assert sum(r["rejected"] for r in rows.values()) == paced.extra["rejected_trajectories"] > 0
+    assert sum(r["trained"] for r in rows.values()) == paced.extra["trained_trajectories"]
+    assert sum(r["staleness_sum"] for r in rows.values()) == sum(k * n for k, n in paced.staleness.items())
+    assert [rows[s]["trained"] for s in range(1, 17)] == [32] * 16  # every step trains a full batch
+    assert rows[1]["staleness_sum"] == 0  # the first step trains on the weights its rollouts started on

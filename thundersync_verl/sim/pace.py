@@ -19,7 +19,16 @@ Why this module exists:
    (verl counts spans from the prompt's dispatch step; here from the trajectory's start).
 3. Rejected trajectories are regenerated: they leave the staleness gate (``_State.retired``) and
    fresh trajectories are drawn from the stream, as verl's refill submits new prompts. Their
-   count is reported (``rejected_trajectories``, ``rejected_share``).
+   count is reported (``rejected_trajectories``, ``rejected_share``), and per training step
+   (``per_step``: step = learner version + 1, as verl's ``global_steps``: rejected and trained
+   trajectories and the trained ones' staleness sum), so a prediction can be read over the steps
+   a measured run counted.
+4. The budget depends on how full the pool is at a step's first chunk, so the prediction is only
+   as good as the landing latency the replay uses (a group enters the pool when its last member
+   has landed): with a landing a few seconds too long, the batch started at the previous push is
+   still landing when the next step begins, the pool holds one batch instead of two and the
+   budget shrinks (measured with ``benchmarks/pace.py``, which replays with the landing latency
+   measured from the unfiltered run's pool counts).
 """
 
 from __future__ import annotations
@@ -56,6 +65,13 @@ class _PaceState(_State):
         self.landed_at: dict[int, int] = {}  # tid -> learner version when it landed
         self.rejected = 0
         self.decisions = 0
+        self.per_step: dict[int, list[int]] = {}  # step (learner version + 1) -> [rejected, trained, staleness sum]
+
+    def _tally(self, rejected: int = 0, trained: int = 0, staleness: int = 0) -> None:
+        row = self.per_step.setdefault(self.version + 1, [0, 0, 0])
+        row[0] += rejected
+        row[1] += trained
+        row[2] += staleness
 
     def on_land(self, t: float, tid: int) -> None:
         self.landed_at[tid] = self.version
@@ -99,18 +115,23 @@ class _PaceState(_State):
             self.n_ready -= len(blocks[i])
             self.retired += len(blocks[i])
             self.rejected += len(blocks[i])
+            self._tally(rejected=len(blocks[i]))
         self.try_start(t)  # regenerate: the gate has room again
 
     def _train(self, tid: int) -> None:
         self.landed_at.pop(tid, None)
+        self._tally(trained=1, staleness=self.version - self.version_of[tid])
         super()._train(tid)
 
 
 def simulate_pace(cfg: SimConfig, source, costs: LearnerCosts, policy: PacePolicy) -> SimResult:
-    """Fully-async with PACE's (or verl's drop) rejection; ``extra`` adds the rejected count and share."""
+    """Fully-async with PACE's (or verl's drop) rejection; ``extra`` adds the rejected count and share, overall
+    and per step."""
     state = _PaceState(cfg, source, costs, policy)
     result = simulate_fully_async(cfg, source, costs, state=state)
     trained = result.extra.get("trained_trajectories", 0)
     result.extra.update({"rejected_trajectories": state.rejected,
-                         "rejected_share": state.rejected / max(state.rejected + trained, 1)})
+                         "rejected_share": state.rejected / max(state.rejected + trained, 1),
+                         "per_step": {step: {"rejected": r, "trained": n, "staleness_sum": st}
+                                      for step, (r, n, st) in sorted(state.per_step.items())}})
     return result
