@@ -24,6 +24,8 @@ Why:
    ``--gap-only`` measures it without the main_ppo run.
 4. ``staleness_max``: verl's ``training/off_policy/trajectory_staleness/max`` over the run (0 for sync and
    thundersync); ``step_s_mean``: the mean of verl's ``timing_s/step`` after step 1.
+5. Every mode's critic starts from one value-model checkpoint made from the student with a value head
+   drawn from seed 0 (``models/value_model.py``; verl would draw the head anew in each run).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 from thundersync_verl.demo import prepare_inputs, run_env, run_verl
+from thundersync_verl.models.value_model import write_value_model
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,10 +130,16 @@ def plot(per_step: dict, png: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     steps = sorted(per_step)
-    first_actor = next((s for s in steps if "actor/pg_loss" in per_step[s]), None)
+    first_actor = next((s for s in steps if "actor/pg_loss" in per_step[s] or per_step[s].get("thundersync/chunks", 0) > 0), None)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, (key, label) in zip(axes, CURVES):
-        ax.plot(steps, [per_step[s].get(key, float("nan")) for s in steps], marker=".")
+        ys = [per_step[s].get(key, float("nan")) for s in steps]
+        if key == "critic/vf_explained_var":  # a batch whose rewards are all equal has Var(G) = 0: EV -> -inf
+            low = [(s, y) for s, y in zip(steps, ys) if y < -1.5]
+            ys = [max(y, -1.5) for y in ys]
+            for s, y in low:
+                ax.annotate(f"{y:.0f}", (s, -1.5), fontsize=7, ha="center", va="bottom")
+        ax.plot(steps, ys, marker=".")
         if first_actor is not None:  # verl's critic_warmup=k: steps 1..k-1 update the critic only
             ax.axvline(first_actor - 0.5, color="grey", ls=":", lw=1)
         ax.set_xlabel("step")
@@ -169,8 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         write_result("sao_gap" + (f"_dp{args.gap_dp}" if args.gap_dp > 1 else "") + ("_quick" if args.quick else ""), result, results_dir)
         return result
     inputs = prepare_inputs(work.parent, variants=("student",))
+    critic = work.parent / "critic_init"  # the same value head in every mode (models/value_model.py)
+    if not (critic / "config.json").is_file():
+        write_value_model(inputs["student"], critic, seed=0)
     cmd = sao_command(inputs, mode=args.mode, steps=steps, warmup=warmup, critic_epochs=args.critic_epochs,
-                      extra=args.extra)
+                      extra=[f"critic.model.path={critic}", *args.extra])
     print(f"[sao] {' '.join(cmd[1:5])} ... (full log: {work / 'verl.log'})", flush=True)
     t0 = time.time()
     per_step = run_verl(cmd, run_env(work, work / "metrics.jsonl"), work / "verl.log", steps)

@@ -31,15 +31,17 @@ WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 
 
 def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
-             env_extra: dict | None = None, timeout: int = 900) -> list[dict]:
-    """One ``main_ppo`` of the ``grpo`` CPU recipe under ``work/name``; returns its per-step metrics."""
+             env_extra: dict | None = None, timeout: int = 900, recipe: str = "grpo") -> list[dict]:
+    """One ``main_ppo`` of a CPU recipe (``grpo``, or ``sao`` from its own folder) under ``work/name``;
+    returns its per-step metrics."""
     train = work / "train.parquet"
     if not train.is_file():
         write_dataset(train, 64, seed=0, split="train")
         write_dataset(work / "val.parquet", 8, seed=0, split="test")
     run = work / name
     run.mkdir()
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={recipe_dir()}", "--config-name=grpo",
+    folder = recipe_dir() / recipe if (recipe_dir() / recipe).is_dir() else recipe_dir()
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={folder}", f"--config-name={recipe}",
            f"data.train_files={train}", f"data.val_files={work / 'val.parquet'}",
            f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={steps}", f"mode={mode}",
            "actor_rollout_ref.rollout.name=replay", f"thundersync.run_dir={run}", *SHAPES["paper"].overrides(),
@@ -57,19 +59,20 @@ def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *,
     return [r["data"] if "data" in r else r for r in rows if "timing_s/step" in r.get("data", r)]
 
 
-def record(work: Path, model: Path, steps: int) -> Path:
+def record(work: Path, model: Path, steps: int, *, recipe: str = "grpo", extra: list[str] = ()) -> Path:
     """Synthesise the ``paper``-shaped recording of ``steps`` Sync steps; every replay of it sees the same data."""
     path = work / "recording.jsonl"
-    main_ppo(work, model, "record", "sync", [f"{REPLAY}.path={path}", f"{REPLAY}.synthesize=paper"], steps=steps)
+    main_ppo(work, model, "record", "sync", [f"{REPLAY}.path={path}", f"{REPLAY}.synthesize=paper", *extra],
+             steps=steps, recipe=recipe)
     return path
 
 
 def replayed(work: Path, model: Path, recording: Path, name: str, mode: str, extra: list[str], *, steps: int = 1,
-             env_extra: dict | None = None) -> tuple[list[dict], Path]:
+             env_extra: dict | None = None, recipe: str = "grpo") -> tuple[list[dict], Path]:
     """A run replaying ``recording``; returns (its step metrics, the folder of its weight pushes)."""
     weights = work / f"weights_{name}"
     rows = main_ppo(work, model, name, mode, [f"{REPLAY}.path={recording}", f"{REPLAY}.time_scale=0", *extra],
-                    steps=steps, env_extra={WEIGHTS_ENV: str(weights), **(env_extra or {})})
+                    steps=steps, env_extra={WEIGHTS_ENV: str(weights), **(env_extra or {})}, recipe=recipe)
     return rows, weights
 
 

@@ -47,7 +47,7 @@ from thundersync_verl.trainer.stream_plan import FinalizeOp
 
 NAME = "sao"
 EPS_LOW_KEY, EPS_HIGH_KEY = "ts_sao_eps_low", "ts_sao_eps_high"  # non-tensor: the double-sided band
-MASKED_METRIC = "stream/sao_masked_tokens"
+MASKED_METRIC, SCORED_METRIC = "stream/sao_masked_tokens", "stream/scored_tokens"
 
 
 def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
@@ -77,7 +77,7 @@ def sao_token_loss(model_output, data, dp_group=None):
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     masked = int((scored & ~double_sided_token_mask(log_prob, rollout, eps_low, eps_high)).sum())
     gap = float(((log_prob.detach() - rollout).abs() * scored).max()) if bool(scored.any()) else 0.0
-    return loss_mat.sum() * dp_size, {"stream/scored_tokens": int(scored.sum()), MASKED_METRIC: masked, LP_DIFF_METRIC: gap}
+    return loss_mat.sum() * dp_size, {SCORED_METRIC: int(scored.sum()), MASKED_METRIC: masked, LP_DIFF_METRIC: gap}
 
 
 def _read(node: Any, key: str, default: Any = None) -> Any:

@@ -174,7 +174,9 @@ class SAOArrivals:
         return None  # SAOStepPlanner.finalize refuses an incomplete batch
 
     def metrics(self, state, ctx) -> dict:
-        return {}
+        """verl's ``actor/sao_masked_frac`` (the sao loss's name): band-masked share of the scored agent tokens."""
+        scored = state.sums.get("sao_scored", 0.0)
+        return {"actor/sao_masked_frac": state.sums.get("sao_masked", 0.0) / scored} if scored else {}
 
     def close(self) -> None:
         return None

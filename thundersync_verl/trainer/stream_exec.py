@@ -112,6 +112,8 @@ def _stats(op, parts: list) -> dict:
     stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max)}
     if isinstance(op, TurnBackwardOp):
         stats.update(kl_sum=_stat(parts, "ts_kl_sum", sum), kl_tokens=_stat(parts, "ts_kl_tokens", sum))
+    if isinstance(op, SAOBackwardOp) and op.dest == "direct":  # its bucket row has the same tokens: counted once
+        stats.update(sao_masked=_stat(parts, "ts_sao_masked", sum), sao_scored=_stat(parts, "ts_sao_scored", sum))
     return {k: v for k, v in stats.items() if not math.isnan(v)}
 
 

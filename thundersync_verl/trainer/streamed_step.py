@@ -91,6 +91,7 @@ class StepState:
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
     peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
+    sums: dict = field(default_factory=dict)  # other per-op counts summed over the step (SAO: masked / scored tokens)
 
 
 @dataclass
@@ -324,6 +325,9 @@ class StreamedStep:
             state.lp_gap = max(state.lp_gap, stats["lp_gap"])
         state.kl_sum += stats.get("kl_sum", 0.0)
         state.kl_tokens += stats.get("kl_tokens", 0.0)
+        for key in ("sao_masked", "sao_scored"):
+            if key in stats:
+                state.sums[key] = state.sums.get(key, 0.0) + stats[key]
         kind, items, tokens = self.algo.describe_op(op, state, t0)
         self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens)
 

@@ -69,7 +69,7 @@ from thundersync_verl.trainer.stream_loss import (
     set_chunk_part,
 )
 from thundersync_verl.trainer.minibatch_loss import ppo_chunk_loss
-from thundersync_verl.trainer.sao_stream import is_sao_chunk, sao_settings, sao_token_loss
+from thundersync_verl.trainer.sao_stream import MASKED_METRIC, SCORED_METRIC, is_sao_chunk, sao_settings, sao_token_loss
 from thundersync_verl.trainer.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key, settings_from_verl_config
 
@@ -461,6 +461,9 @@ def _chunk_result(output, rows: int):
     gap = max(_flat(metrics[LP_DIFF_METRIC])) if LP_DIFF_METRIC in metrics else float("nan")
     kl_sum = sum(_flat(metrics[KL_SUM_METRIC])) if KL_SUM_METRIC in metrics else float("nan")
     kl_tokens = sum(_flat(metrics[KL_TOKENS_METRIC])) if KL_TOKENS_METRIC in metrics else float("nan")
-    values = {"ts_loss": loss, "ts_lp_diff_max": gap, "ts_kl_sum": kl_sum, "ts_kl_tokens": kl_tokens}
+    masked = sum(_flat(metrics[MASKED_METRIC])) if MASKED_METRIC in metrics else float("nan")  # SAO's band mask
+    scored = sum(_flat(metrics[SCORED_METRIC])) if MASKED_METRIC in metrics else float("nan")
+    values = {"ts_loss": loss, "ts_lp_diff_max": gap, "ts_kl_sum": kl_sum, "ts_kl_tokens": kl_tokens,
+              "ts_sao_masked": masked, "ts_sao_scored": scored}
     out = {k: torch.tensor([v], dtype=torch.float64) for k, v in values.items()}
     return TensorDict({**out, "ts_rows": torch.tensor([rows])}, batch_size=[1])
