@@ -496,3 +496,77 @@ def config_check_api():
         rollouts=lambda: set(RolloutReplicaRegistry._registry),
         checkpoint_engines=lambda: set(CheckpointEngineRegistry._registry),
         checkpoint_engines_unimportable=lambda: set(CheckpointEngineRegistry._import_errors))
+
+
+# -- streamed critic (``trainer/critic_stream.py``) --------------------------------------------
+def critic_worker_base():
+    """verl's critic worker (``TrainingWorker``, what the V1 trainer maps ``Role.Critic`` to) with the split API."""
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+    return TinkerTrainingWorker
+
+
+def train_mesh_dispatch():
+    """verl's dispatch over a ``TrainingWorker`` group's "train" mesh (a batch split by data-parallel rank)."""
+    from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn
+
+    return make_nd_compute_dataproto_dispatch_fn(mesh_name="train")
+
+
+def train_dp_size(worker_group) -> int:
+    """How many parts verl cuts a batch into for the "train" mesh of a ``TrainingWorker`` group (the critic's)."""
+    query = getattr(worker_group, "_query_dispatch_info", None)
+    if query is None:
+        return int(worker_group.world_size)
+    if "train" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["train"] = query("train")
+    return max(worker_group._dispatch_info["train"]) + 1
+
+
+def engine_owner_view(worker):
+    """A ``TrainingWorker`` (e.g. the critic) seen through the ``.actor`` accessor the streaming learners read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(actor=worker)
+
+
+def bound_critic_config(loss_fn):
+    """The ``CriticConfig`` bound into verl's value loss (``partial(value_loss, config=critic_cfg)``), else None."""
+    return (getattr(loss_fn, "keywords", None) or {}).get("config")
+
+
+def critic_config_of(config):
+    """verl's ``CriticConfig`` dataclass of a trainer config's ``critic`` section (``omega_conf_to_dataclass``)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    return omega_conf_to_dataclass(config.critic)
+
+
+def value_loss_fn(critic_cfg):
+    """verl's value loss bound to ``critic_cfg``, as the V1 trainer hands it to ``critic_wg.set_loss_fn``."""
+    from functools import partial
+
+    from verl.workers.utils.losses import value_loss
+
+    return partial(value_loss, config=critic_cfg)
+
+
+def critic_worker_group(worker_cls, config, *, n_workers: int, name_prefix: str | None = None):
+    """``(worker group, CriticConfig)``: ``worker_cls`` as the critic, built as verl's V1 ``init_workers`` builds it."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils.device import get_device_name
+    from verl.workers.config import TrainingWorkerConfig
+
+    critic_cfg = critic_config_of(config)
+    critic_cfg.engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    critic_cfg.engine.max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    worker_cfg = TrainingWorkerConfig(model_type="value_model", model_config=critic_cfg.model,
+                                      engine_config=critic_cfg.engine, optimizer_config=critic_cfg.optim,
+                                      checkpoint_config=critic_cfg.checkpoint, profiler_config=None)
+    pool = RayResourcePool([n_workers], use_gpu=True, max_colocate_count=1, name_prefix=name_prefix)
+    cls = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=worker_cfg)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=get_device_name(), name_prefix=name_prefix)
+    wg.reset()
+    wg.set_loss_fn(value_loss_fn(critic_cfg))
+    return wg, critic_cfg
