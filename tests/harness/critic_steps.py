@@ -143,11 +143,13 @@ def _verl_critic_update(wg, rows, batch, values: dict, pad_token_id: int, *, epo
 
 
 def stream_critic_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int, every: int = 2,
-                       max_chunk: int = 3, dp: int = 1, scale_factor: float = 1.0, later_epochs: int = 0) -> dict:
+                       max_chunk: int = 3, dp: int = 1, scale_factor: float = 1.0, later_epochs: int = 0,
+                       wait: bool = True) -> dict:
     """Trajectories arrive in ``batch["arrival"]`` order, valued on arrival (every ``every``); their chunks run.
 
     ``scale_factor`` multiplies the barrier scale (1: verl's 1/N; the control leaves the normaliser off).
     ``later_epochs``: verl's ``train_mini_batch`` runs that many more epochs on the batch after the barrier.
+    ``wait=False``: the backwards are sent without waiting (``stream_token_backward_nowait``).
     """
     trajs = batch["trajs"]
     planner = CriticStreamPlanner(max_chunk_size=max_chunk)
@@ -162,7 +164,9 @@ def stream_critic_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: 
                 values[t.tid] = v
                 planner.arrive(CriticRow(t.tid, t.prompt, t.response, t.mask, v, batch["returns"][t.tid]))
             pending = []
-            results += client.run(planner.next_chunks())
+            results += client.run(planner.next_chunks(), wait=wait)
+    if not wait:
+        results = client.wait()
     scale = planner.finalize()
     metrics = client.finalize(scale * scale_factor)
     if later_epochs:

@@ -48,6 +48,18 @@ def test_streamed_critic_step_equals_verls_critic_update(engine):
     assert result["control_gap"] > 1.0  # the normaliser left off: far from verl's step
 
 
+def test_backwards_sent_without_waiting_give_the_same_step(engine):
+    wg, pad = engine["wg"], engine["pad"]
+    batch = make_critic_batch(17, GROUPS, engine["vocab"])
+    n = len(batch["trajs"])
+    [d_nowait], [info] = train_critic(wg, [lambda: stream_critic_step(wg, batch, pad, train_batch_size=GROUPS,
+                                                                      wait=False)])
+    [d_verl], _ = train_critic(wg, [lambda: sync_critic_step(wg, batch, list(range(n)), pad)])
+    [d_floor], _ = train_critic(wg, [lambda: sync_critic_step(wg, batch, regrouped(n, MICRO), pad)])
+    assert info["stream/chunks"] >= 3
+    assert relative_gap(d_nowait, d_verl) <= 2 * relative_gap(d_floor, d_verl)
+
+
 def test_later_epochs_by_verls_train_mini_batch_give_verls_multi_epoch_update(engine):
     """critic.ppo_epochs = E: the stream is epoch 1 (no LR step), verl's train_mini_batch(epochs=E-1) the rest."""
     wg, pad = engine["wg"], engine["pad"]

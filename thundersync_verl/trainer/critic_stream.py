@@ -11,6 +11,7 @@ Why:
    forward_backward / optimizer_step API) plus
        stream_begin_batch(meta)        validate the critic config, zero the gradient
        stream_token_backward(chunk)    loss dp_size * sum_{i,t} c_{i,t} V_{i,t}(theta) into the gradient
+       stream_token_backward_nowait(c) the same, returning at once (wait for all before finalize_step)
        finalize_step(scale)            grad *= scale, verl's clip, optimizer step, LR step, zero
        gather_flat_params()            all parameters as one float64 vector (equivalence checks)
    Gradient accumulation and the step are the project's ``StreamLearner`` (``trainer/learners``), given
@@ -18,6 +19,7 @@ Why:
    the worker's loss-function seam for the call only, so verl's own ``train_mini_batch`` keeps its value loss.
 3. What cannot stream is refused before any work, read from the ``CriticConfig`` verl's trainer binds into
    the value loss (``set_loss_fn(partial(value_loss, config=critic_cfg))``):
+   - ``critic.strategy`` other than fsdp/fsdp2 (Megatron's value engine is not checked here);
    - ``critic.loss_agg_mode`` other than token-mean (only its deferred normaliser is verified here);
    - several critic mini-batches per batch (``critic.ppo_mini_batch_size`` != ``data.train_batch_size``):
      a later mini-batch's values would be read at weights that exist only after an earlier step;
@@ -60,6 +62,7 @@ LATER_EPOCHS_KEY = "critic_later_epochs"  # batch meta: epochs the caller runs w
 DRIFT_METRIC = "stream/critic_value_drift_max"
 SCORED_METRIC = "stream/scored_tokens"
 SUPPORTED_MODES = ("token-mean",)
+VERIFIED_STRATEGIES = ("fsdp", "fsdp2")  # engine keys (critic.strategy) checked against verl's critic update
 
 
 def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
@@ -177,6 +180,12 @@ class StreamingCriticWorker(_Base):
     def stream_begin_batch(self, meta: dict) -> None:
         """Start a batch: check the critic config (point 3), zero the gradient. ``meta``: ``train_batch_size``
         (data.train_batch_size) and, with critic.ppo_epochs = E > 1, ``critic_later_epochs`` = E - 1."""
+        strategy = va.actor_strategy(va.engine_owner_view(self))
+        if strategy not in VERIFIED_STRATEGIES:
+            _fail(f"critic.strategy={strategy!r}: the streamed critic is verified on {list(VERIFIED_STRATEGIES)} only",
+                  "the chunk loss reads the engine's value output and the learner its gradient; this engine's were not "
+                  "checked against verl's critic update", "set critic.strategy=fsdp2, or update the critic with "
+                  "verl's _update_critic at the barrier", StreamingConfigError)
         later = critic_settings(va.bound_critic_config(self.loss_fn), dict(meta or {}))
         with self._exclusive("stream_begin_batch"):
             self._learner().begin_batch()
@@ -185,10 +194,19 @@ class StreamingCriticWorker(_Base):
     @register(dispatch_mode=TRAIN_MESH)
     def stream_token_backward(self, chunk):
         """Backward of one critic chunk (``critic_chunk``) into the gradient; one result row per rank."""
+        return self._backward(chunk, "stream_token_backward")
+
+    @register(dispatch_mode=TRAIN_MESH, blocking=False)
+    def stream_token_backward_nowait(self, chunk):
+        """``stream_token_backward`` returning at once (verl's future). Chunks add into one gradient, so their
+        order does not matter; the caller waits for every one (``.get()``) before ``finalize_step``."""
+        return self._backward(chunk, "stream_token_backward_nowait")
+
+    def _backward(self, chunk, call: str):
         from tensordict import TensorDict
 
-        with self._exclusive("stream_token_backward"):
-            state = self._state("stream_token_backward")
+        with self._exclusive(call):
+            state = self._state(call)
             check_token_chunk(chunk)
             if not self._agree(bool(torch.isfinite(chunk[TOKEN_COEF_KEY]).all())):
                 _fail(f"every {TOKEN_COEF_KEY} of a critic chunk must be finite", "one NaN poisons the critic's "
@@ -202,7 +220,7 @@ class StreamingCriticWorker(_Base):
             try:
                 output = self._learner().forward_backward(lambda: self.forward_backward(chunk))
             except Exception as exc:
-                state.failed = f"stream_token_backward: {type(exc).__name__}: {exc}"
+                state.failed = f"{call}: {type(exc).__name__}: {exc}"
                 raise
             finally:
                 self.loss_fn = previous
@@ -354,13 +372,28 @@ class CriticStreamClient:
     def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
         self.wg, self.pad_token_id, self.temperature = worker_group, int(pad_token_id), float(temperature)
         self.dp_size = int(dp_size or va.train_dp_size(worker_group))
+        self._pending: list = []
 
     def begin_batch(self, meta: dict) -> None:
+        self._pending = []
         self.wg.stream_begin_batch(meta)
 
-    def run(self, chunks: Sequence[Sequence[CriticRow]]) -> list:
-        return [self.wg.stream_token_backward(critic_chunk(rows, dp_size=self.dp_size, pad_token_id=self.pad_token_id,
-                                                           temperature=self.temperature)) for rows in chunks]
+    def chunk(self, rows: Sequence[CriticRow]):
+        return critic_chunk(rows, dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
+
+    def run(self, chunks: Sequence[Sequence[CriticRow]], *, wait: bool = True) -> list:
+        """One backward per chunk; ``wait=False`` sends them without waiting (``finalize`` waits for them)."""
+        if wait:
+            return [self.wg.stream_token_backward(self.chunk(rows)) for rows in chunks]
+        futures = [self.wg.stream_token_backward_nowait(self.chunk(rows)) for rows in chunks]
+        self._pending += futures
+        return futures
+
+    def wait(self) -> list:
+        """The results of the backwards sent with ``wait=False``, once all have run."""
+        done, self._pending = [f.get() for f in self._pending], []
+        return done
 
     def finalize(self, scale: float) -> dict:
+        self.wait()
         return self.wg.finalize_step(scale)[0]
