@@ -70,7 +70,8 @@ Why:
    worst-step gap/floor (with an even count the higher of the two middle values, never in the stream's
    favour); ``gap``, ``floor`` and the other keys are that seed's. The worst seed is reported beside it
    (``gap_over_floor_worst``, ``gap_over_floor_per_seed``; ``per_seed`` keeps every seed's result), and the
-   printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten.
+   printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten; a single run
+   with ``--seed N`` (N != 0) writes <name>_seedN.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -499,8 +500,8 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     name = name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}"
     if getattr(args, "per_seed", None) is not None:  # --seeds: main writes the aggregate (point 12)
         args.per_seed.append((name, {"seed": args.seed, "seconds": round(seconds, 1), **result}))
-    else:
-        write_result(name, result, args.results_dir)
+    else:  # another seed's batches get their own file: the seed-0 figures are not overwritten
+        write_result(name + (f"_seed{args.seed}" if args.seed else ""), result, args.results_dir)
     return result
 
 

@@ -95,4 +95,4 @@ def test_several_seeds_run_the_comparison_once_each_and_write_one_seeds_file(ben
 def test_one_seed_in_seeds_is_the_plain_single_seed_run(bench, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "compare", lambda parser, args: bench.report(args, fake_runs(1.5), 1.0))
     result = bench.main(["--quick", "--seeds", "4", "--results-dir", str(tmp_path)])
-    assert [p.name for p in tmp_path.iterdir()] == ["equivalence.json"] and "seeds" not in result
+    assert [p.name for p in tmp_path.iterdir()] == ["equivalence_seed4.json"] and "seeds" not in result  # as --seed 4
