@@ -31,7 +31,8 @@ SAO_KEYS = ("actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.policy_loss.
             "actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high", "algorithm.",
             "critic.", "trainer.critic_warmup", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")  # micro-batches: rows = prompts x 1
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",  # micro-batches: rows = prompts x 1
+            "actor_rollout_ref.actor.optim.lr")  # fully_async: one step per 2-prompt mini-batch, lr / 4
 
 
 def _batch(seed: int, observations: bool, b: int = 4, t: int = 9):
