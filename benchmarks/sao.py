@@ -21,7 +21,11 @@ Why:
    It is an engine-level measurement of the same streamed update the ThunderSync trainer runs with
    ``--mode thundersync`` (``trainer/sao_trainer_step.py``: the critic's forward on each arrival, the actor's
    backwards streamed, verl's own critic update at the barrier, not streamed).
-   ``--gap-only`` measures it without the main_ppo run.
+   ``--gap-only`` measures it without the main_ppo run, and with it ``critic_gap_over_floor``: the streamed
+   critic update (``trainer/critic_stream.py``: c_t = V_t - G_t per agent token at arrival, 1/N at the barrier)
+   against verl's own ``train_mini_batch`` with its value loss on the FSDP2 critic engine
+   (``tests/harness/critic_steps.py``; floor: verl's update with the rows regrouped; ``critic_control_gap``: the
+   stream with the normaliser left off, which must be far off).
 4. ``staleness_max``: verl's ``training/off_policy/trajectory_staleness/max`` over the run (0 for sync and
    thundersync); ``step_s_mean``: the mean of verl's ``timing_s/step`` after step 1.
 5. Every mode's critic starts from one value-model checkpoint made from the student with a value head
@@ -123,6 +127,28 @@ def measure_gap(work: Path, steps: int, dp: int = 1) -> dict:
                                      "FSDP2 CPU engine, floor = verl's update with rows regrouped"}
 
 
+def measure_critic_gap(work: Path, steps: int, dp: int = 1) -> dict:
+    """Streamed critic update vs verl's ``train_mini_batch`` (value loss) on the FSDP2 CPU critic engine (point 3)."""
+    from thundersync_harness import engine_setup as setup
+    from thundersync_harness.critic_steps import critic_config, run_critic_equivalence, start_critic
+
+    with setup.ray_session():
+        model, pad_id, vocab = setup.build_tiny_model(work / "critic_engine_model")
+        value = write_value_model(model, work / "critic_engine_value", seed=0)
+        wg = start_critic(critic_config(value, groups=2, micro=4), dp=dp)
+        res = run_critic_equivalence(wg, pad_id, vocab, groups=2, micro=4, steps=steps, dp=dp)
+    per_step = res["steps"]
+    for i, s in enumerate(per_step, 1):
+        print(f"[sao] critic engine step {i}: gap {s['gap']:.3e} floor {s['floor']:.3e} gap/floor "
+              f"{s['gap_over_floor']:.2f} ||dθ|| {s['update_norm']:.3e}", flush=True)
+    worst = max(per_step, key=lambda s: s["gap_over_floor"])
+    return {"critic_gap_over_floor": round(worst["gap_over_floor"], 3), "critic_gap": worst["gap"],
+            "critic_floor": worst["floor"], "critic_gap_over_floor_steps": [round(s["gap_over_floor"], 3) for s in per_step],
+            "critic_control_gap": round(res["control_gap"], 3),
+            "critic_gap_status": "measured: streamed critic update vs verl's train_mini_batch (value loss), FSDP2 CPU "
+                                 "critic engine, floor = verl's update with rows regrouped"}
+
+
 def plot(per_step: dict, png: Path, title: str) -> Path:
     import matplotlib
 
@@ -174,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         stale.unlink()
     gap_steps = args.gap_steps or (1 if args.quick else 2)
     if args.gap_only:
-        result = {"algo": "sao", "mode": "engine", **measure_gap(work, gap_steps, args.gap_dp)}
+        result = {"algo": "sao", "mode": "engine", **measure_gap(work, gap_steps, args.gap_dp),
+                  **measure_critic_gap(work, gap_steps, args.gap_dp)}
         write_result("sao_gap" + (f"_dp{args.gap_dp}" if args.gap_dp > 1 else "") + ("_quick" if args.quick else ""), result, results_dir)
         return result
     inputs = prepare_inputs(work.parent, variants=("student",))
