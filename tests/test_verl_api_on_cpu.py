@@ -161,3 +161,27 @@ def test_derivation_names_every_missing_name_in_a_probe(probe_package):
     found = sorted(m.split("`")[-2] for m in missing)
     assert found == ["_hook_verl_never_had", "_hook_verl_renamed", "_setup_verl_renamed", "missing_on_factory_class"], missing
     assert all("ts_verl_api_probe/probe.py:" in m for m in missing), missing
+
+
+def test_update_critic_epochs_runs_verls_update_with_the_epochs_for_that_call_only():
+    """SAO's later critic epochs: verl's own ``_update_critic`` sees ``critic.ppo_epochs=E-1``; the config is
+    restored afterwards, also when the update fails."""
+    from omegaconf import OmegaConf
+
+    seen = []
+
+    class Trainer:
+        config = OmegaConf.create({"critic": {"ppo_epochs": 3}})
+
+        def _update_critic(self, batch, metrics):
+            seen.append(int(self.config.critic.ppo_epochs))
+            if batch == "bad":
+                raise RuntimeError("critic worker died")
+            metrics["critic/vf_loss"] = 0.5
+            return batch
+
+    trainer, metrics = Trainer(), {}
+    assert va.update_critic_epochs(trainer, "batch", metrics, 2) == "batch" and metrics == {"critic/vf_loss": 0.5}
+    with pytest.raises(RuntimeError, match="died"):
+        va.update_critic_epochs(trainer, "bad", metrics, 2)
+    assert seen == [2, 2] and trainer.config.critic.ppo_epochs == 3

@@ -50,6 +50,7 @@ import os
 import time
 from dataclasses import replace
 
+from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import pace as pc
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 from thundersync_verl.pace_scorer import DEFAULT_SERVER_PREFIX, RolloutServerScorer
@@ -111,23 +112,8 @@ def _turn_segments(turns) -> list[pc.Segment] | None:
 
 
 def _read_stored(keys: list[str], partition_id: str, plain: list[str], tensors: list[str]) -> list[dict]:
-    """``plain`` fields (one value per key, e.g. ``extra_fields``) and ``tensors`` fields (one 1-D tensor per
-    key) of stored trajectories in ONE ``kv_batch_get`` of the TransferQueue client verl's replay buffer
-    uses; decoded as ``verl_adapter.replay_buffer_field`` / ``replay_buffer_rows`` decode them."""
-    import torch
-    from verl.trainer.ppo.v1 import replay_buffer
-
-    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=plain + tensors)
-    columns = {}
-    for field in plain:
-        values = data[field]
-        values = values.tolist() if hasattr(values, "tolist") else list(values)
-        columns[field] = [getattr(v, "data", v) for v in values]
-    for field in tensors:
-        values = data[field]
-        rows = values.unbind(0) if isinstance(values, torch.Tensor) else list(values)
-        columns[field] = [torch.as_tensor(getattr(v, "data", v)).reshape(-1) for v in rows]
-    return [{f: columns[f][i] for f in plain + tensors} for i in range(len(keys))]
+    """``plain`` and ``tensors`` fields of stored trajectories in ONE TransferQueue read (``verl_adapter``)."""
+    return va.replay_buffer_read(keys, partition_id, plain, tensors)
 
 
 class PaceReplayBufferAsync(FastPollReplayBufferAsync):

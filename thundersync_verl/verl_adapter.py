@@ -401,30 +401,24 @@ def replay_buffer_classes():
     return ReplayBuffer, ReplayBufferAsync
 
 
-def replay_buffer_field(keys: list[str], partition_id: str, field: str) -> list:
-    """One stored field of trajectories (e.g. ``extra_fields``), one plain value per key, read through
-    the same TransferQueue client verl's replay buffer uses (``replay_buffer.tq``)."""
-    from verl.trainer.ppo.v1 import replay_buffer
-
-    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=[field])
-    values = data[field]
-    values = values.tolist() if hasattr(values, "tolist") else list(values)
-    return [getattr(v, "data", v) for v in values]
-
-
-def replay_buffer_rows(keys: list[str], partition_id: str, fields: list[str]) -> list[dict]:
-    """Stored tensor fields of trajectories (``prompts``, ``responses``...), one ``{field: 1-D tensor}`` per
-    key; verl keeps them as jagged nested tensors, which are unbound here."""
+def replay_buffer_read(keys: list[str], partition_id: str, plain: list[str], tensors: list[str]) -> list[dict]:
+    """``plain`` fields (one value per key, e.g. ``extra_fields``) and ``tensors`` fields (one 1-D tensor per key:
+    verl keeps them as jagged nested tensors, unbound here) of stored trajectories, in ONE ``kv_batch_get`` of
+    the TransferQueue client verl's replay buffer uses (``replay_buffer.tq``)."""
     import torch
     from verl.trainer.ppo.v1 import replay_buffer
 
-    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=list(fields))
+    data = replay_buffer.tq.kv_batch_get(keys=list(keys), partition_id=partition_id, select_fields=plain + tensors)
     columns = {}
-    for field in fields:
+    for field in plain:
+        values = data[field]
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        columns[field] = [getattr(v, "data", v) for v in values]
+    for field in tensors:
         values = data[field]
         rows = values.unbind(0) if isinstance(values, torch.Tensor) else list(values)
         columns[field] = [torch.as_tensor(getattr(v, "data", v)).reshape(-1) for v in rows]
-    return [{f: columns[f][i] for f in fields} for i in range(len(keys))]
+    return [{f: columns[f][i] for f in plain + tensors} for i in range(len(keys))]
 
 
 # -- SAO (``thundersync_verl/sao.py``) ------------------------------------------------------------
@@ -570,3 +564,19 @@ def critic_worker_group(worker_cls, config, *, n_workers: int, name_prefix: str 
     wg.reset()
     wg.set_loss_fn(value_loss_fn(critic_cfg))
     return wg, critic_cfg
+
+
+def update_critic_epochs(trainer, batch, metrics: dict, epochs: int):
+    """verl's own ``_update_critic`` on ``batch`` with ``critic.ppo_epochs=epochs`` for this call only (SAO's critic
+    epochs after the streamed first one: ``trainer/sao_trainer_step.py`` point 3)."""
+    from omegaconf import open_dict
+
+    critic = trainer.config.critic
+    saved = critic.ppo_epochs
+    with open_dict(critic):
+        critic.ppo_epochs = int(epochs)
+    try:
+        return trainer._update_critic(batch, metrics=metrics)
+    finally:
+        with open_dict(critic):
+            critic.ppo_epochs = saved

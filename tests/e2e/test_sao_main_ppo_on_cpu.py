@@ -5,10 +5,12 @@
    same value-model checkpoint (``models/value_model.py``: verl would draw the value head anew per run).
 2. Step 1 is a critic warm-up (``trainer.critic_warmup=2``): in both modes the actor does not move (the
    pushed weights of version 1 are the start weights, bit for bit); verl's critic is updated.
-3. Step 2 streams: the critic values each trajectory on arrival, its GAE and whitening rows are
-   backpropagated at once, the fold and one optimizer step close the batch. Its update equals Sync's
-   within the spread of verl's own Sync runs with other micro-batches (the drop-in test's floor), at
-   staleness 0, with verl's critic metrics and the band-mask share reported.
+3. Steps 2 and 3 stream: the critic values each trajectory on arrival, its GAE and whitening rows are
+   backpropagated at once and so is its critic row (c_t = V_t - G_t); the fold and one optimizer step close
+   the actor's batch, then the critic's streamed first epoch steps and verl runs its second
+   (``critic.ppo_epochs=2``). Step 3's values come from that critic, so step 3's actor update checks the
+   streamed critic end to end. Each update equals Sync's within the spread of verl's own Sync runs with
+   other micro-batches (the drop-in test's floor), at staleness 0, with verl's critic metrics reported.
 """
 
 from __future__ import annotations
@@ -20,35 +22,37 @@ from thundersync_verl.models.value_model import write_value_model
 
 pytestmark = pytest.mark.slow
 ACTOR = "actor_rollout_ref.actor"
-BASE = ["trainer.critic_warmup=2", "critic.ppo_epochs=1", "data.max_response_length=64"]
+BASE = ["trainer.critic_warmup=2", "critic.ppo_epochs=2", "data.max_response_length=64"]
 
 
 @pytest.mark.timeout(1800)
 def test_thundersync_sao_update_equals_sync_within_the_floor_after_a_critic_warmup(tmp_path, tiny_random_lm):
     critic = write_value_model(tiny_random_lm, tmp_path / "critic_init")
     SAO = BASE + [f"critic.model.path={critic}"]
-    rec = runs.record(tmp_path, tiny_random_lm, steps=2, recipe="sao", extra=SAO)
-    rows_a, w_a = runs.replayed(tmp_path, tiny_random_lm, rec, "sao_sync8", "sync", SAO, steps=2, recipe="sao")
+    rec = runs.record(tmp_path, tiny_random_lm, steps=3, recipe="sao", extra=SAO)
+    rows_a, w_a = runs.replayed(tmp_path, tiny_random_lm, rec, "sao_sync8", "sync", SAO, steps=3, recipe="sao")
     others = [runs.replayed(tmp_path, tiny_random_lm, rec, f"sao_sync{m}", "sync",
-                            SAO + [f"{ACTOR}.ppo_micro_batch_size_per_gpu={m}"], steps=2, recipe="sao")[1] for m in (4, 2)]
-    rows_t, w_t = runs.replayed(tmp_path, tiny_random_lm, rec, "sao_thundersync", "thundersync", SAO, steps=2,
+                            SAO + [f"{ACTOR}.ppo_micro_batch_size_per_gpu={m}"], steps=3, recipe="sao")[1] for m in (4, 2)]
+    rows_t, w_t = runs.replayed(tmp_path, tiny_random_lm, rec, "sao_thundersync", "thundersync", SAO, steps=3,
                                 recipe="sao")
     start = runs.start_weights(tiny_random_lm)
     for w in (w_a, w_t):  # the warm-up step trains the critic only
         assert runs.distance(runs.pushed(w, 1), start) == 0.0
     assert rows_t[0].get("thundersync/chunks", 0) == 0 and "critic/vf_loss" in rows_t[0]
-    a, t = runs.pushed(w_a, 2), runs.pushed(w_t, 2)
-    moved = runs.distance(a, start)
-    syncs = [a] + [runs.pushed(w, 2) for w in others]
-    floors = [runs.distance(x, y) / moved for i, x in enumerate(syncs) for y in syncs[i + 1:]]
-    floor, gap = max(floors), runs.distance(t, a) / moved
-    print(f"SAO step 2: update {moved:.3e}, floor {floor:.3e} ({', '.join(f'{f:.3e}' for f in floors)}), "
-          f"gap {gap:.3e}, gap/floor {gap / max(floor, 1e-12):.2f}")
-    assert moved > 1e-3 and floor < 1e-3  # a real update; the floor is rounding
-    assert gap <= 4 * max(floor, 1e-7), (gap, floor)
-    step2 = rows_t[1]
-    assert step2["critic/score/mean"] == rows_a[1]["critic/score/mean"]  # the same replayed trajectories
-    assert step2["training/off_policy/trajectory_staleness/max"] == 0
-    assert step2["thundersync/chunks"] >= 2  # GAE and whitening rows
-    assert step2["training/rollout_logprob_diff_max"] < 1e-4
-    assert 0.0 <= step2["actor/sao_masked_frac"] < 1.0 and "critic/vf_loss" in step2
+    for version in (2, 3):
+        a, t = runs.pushed(w_a, version), runs.pushed(w_t, version)
+        moved = runs.distance(a, runs.pushed(w_a, version - 1))
+        syncs = [a] + [runs.pushed(w, version) for w in others]
+        floors = [runs.distance(x, y) / moved for i, x in enumerate(syncs) for y in syncs[i + 1:]]
+        floor, gap = max(floors), runs.distance(t, a) / moved
+        print(f"SAO step {version}: update {moved:.3e}, floor {floor:.3e} ({', '.join(f'{f:.3e}' for f in floors)}), "
+              f"gap {gap:.3e}, gap/floor {gap / max(floor, 1e-12):.2f}")
+        assert moved > 1e-3 and floor < 1e-3  # a real update; the floor is rounding
+        assert gap <= 4 * max(floor, 1e-7), (version, gap, floor)
+    for step in rows_t[1:]:
+        assert step["training/off_policy/trajectory_staleness/max"] == 0
+        assert step["thundersync/chunks"] >= 2 and step["thundersync/critic_chunks"] >= 1  # actor and critic rows
+        assert 0.0 <= step["actor/sao_masked_frac"] < 1.0 and "critic/vf_loss" in step
+    assert [r["critic/score/mean"] for r in rows_t] == [r["critic/score/mean"] for r in rows_a]  # the same trajectories
+    # the recording's log-probs are those of the start weights, which step 2 still has (the warm-up moved no weight)
+    assert rows_t[1]["training/rollout_logprob_diff_max"] < 1e-4

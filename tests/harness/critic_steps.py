@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from thundersync_harness.engine_setup import GROUP_SIZE, TurnTraj, make_turn_trajectories
-from thundersync_harness.engine_steps import relative_gap
+from thundersync_harness.engine_steps import gap_rows, relative_gap, train
 from thundersync_harness.sao_steps import GAMMA, LAM, regrouped
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.sao_stream import trajectory_gae
@@ -177,19 +176,8 @@ def stream_critic_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: 
 
 
 def train_critic(wg, steps) -> tuple[list[torch.Tensor], list[dict]]:
-    """Reset the critic (verl's ``reset``: weights from the checkpoint, fresh optimizer), run each step, return dθ."""
-    wg.reset()
-    theta = wg.gather_flat_params()[0]
-    deltas, infos = [], []
-    for step in steps:
-        t0 = time.perf_counter()
-        info = step()
-        info["seconds"] = time.perf_counter() - t0
-        new = wg.gather_flat_params()[0]
-        deltas.append(new - theta)
-        infos.append(info)
-        theta = new
-    return deltas, infos
+    """``engine_steps.train`` for the critic (its reset: verl's ``reset``, weights from the checkpoint)."""
+    return train(wg, steps, reset="reset")
 
 
 def run_critic_equivalence(wg, pad_id: int, vocab: int, *, groups: int = 2, micro: int = 4, steps: int = 2,
@@ -206,13 +194,5 @@ def run_critic_equivalence(wg, pad_id: int, vocab: int, *, groups: int = 2, micr
                             scale_factor=float(sum(sum(t.mask) for t in b["trajs"]))) for b in batches[:1]],
     }
     out = {kind: train_critic(wg, fns) for kind, fns in runs.items()}
-    (da, info_a), (db, _), (ds, info_s) = out["sync_a"], out["sync_b"], out["stream"]
-    per_step = []
-    for a, b, s, ia, is_ in zip(da, db, ds, info_a, info_s):
-        gap, floor = relative_gap(s, a), relative_gap(b, a)
-        per_step.append({"gap": gap, "floor": floor, "gap_over_floor": gap / floor if floor > 0 else float("inf"),
-                         "update_norm": float(a.norm()), "grad_norm_sync": ia["grad_norm"],
-                         "grad_norm_stream": is_["grad_norm"], "chunks": is_["chunks"], "drift": is_["drift"],
-                         "seconds_stream": is_["seconds"], "seconds_sync": ia["seconds"]})
-    control = relative_gap(out["control"][0][0], da[0])
-    return {"steps": per_step, "rows": n_rows, "control_gap": control}
+    control = relative_gap(out["control"][0][0], out["sync_a"][0][0])
+    return {"steps": gap_rows(out, chunks="chunks", drift="drift"), "rows": n_rows, "control_gap": control}

@@ -231,9 +231,10 @@ def stream_opd_step(wg, trajs: list[TurnTraj], turns: dict, arrival: list[tuple[
 
 
 # ----- comparison ----------------------------------------------------------------------------
-def train(wg, steps) -> tuple[list[torch.Tensor], list[dict]]:
-    """Reset the actor, run each step function (one optimizer step each), return each dθ and info."""
-    wg.reset_actor()
+def train(wg, steps, reset: str = "reset_actor") -> tuple[list[torch.Tensor], list[dict]]:
+    """Reset the model (``reset``: the actor's ``reset_actor``, the critic's ``reset``), run each step function
+    (one optimizer step each), return each dθ and info."""
+    getattr(wg, reset)()
     theta = wg.gather_flat_params()[0]
     deltas, infos = [], []
     for step in steps:
@@ -245,6 +246,20 @@ def train(wg, steps) -> tuple[list[torch.Tensor], list[dict]]:
         infos.append(info)
         theta = new
     return deltas, infos
+
+
+def gap_rows(out: dict, **figures) -> list[dict]:
+    """Per step of ``out`` (``train`` results of sync_a, sync_b (verl regrouped) and stream): the stream's gap to
+    verl, the floor, gap/floor, update and grad norms, seconds; ``figures``: name -> the stream info's key."""
+    (da, info_a), (db, _), (ds, info_s) = out["sync_a"], out["sync_b"], out["stream"]
+    rows = []
+    for a, b, s, ia, is_ in zip(da, db, ds, info_a, info_s):
+        gap, floor = relative_gap(s, a), relative_gap(b, a)
+        rows.append({"gap": gap, "floor": floor, "gap_over_floor": gap / floor if floor > 0 else float("inf"),
+                     "update_norm": float(a.norm()), "grad_norm_sync": ia["grad_norm"],
+                     "grad_norm_stream": is_["grad_norm"], **{k: is_[v] for k, v in figures.items()},
+                     "seconds_stream": is_["seconds"], "seconds_sync": ia["seconds"]})
+    return rows
 
 
 def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from thundersync_harness.engine_setup import TurnTraj, make_turn_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import _old_log_probs, _verl_update, relative_gap, train
+from thundersync_harness.engine_steps import _old_log_probs, _verl_update, gap_rows, relative_gap, train
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.sao_stream import SAOStreamClient, SAOStreamPlanner, SAOTrajectory
 
@@ -163,12 +163,4 @@ def run_sao_equivalence(model_path, pad_id: int, vocab: int, *, groups: int = 2,
         "stream": [partial(stream_sao_step, wg, b, pad_id, train_batch_size=groups) for b in batches],
     }
     out = {kind: train(wg, fns) for kind, fns in runs.items()}
-    (da, info_a), (db, _), (ds, info_s) = out["sync_a"], out["sync_b"], out["stream"]
-    per_step = []
-    for a, b, s, ia, is_ in zip(da, db, ds, info_a, info_s):
-        gap, floor = relative_gap(s, a), relative_gap(b, a)
-        per_step.append({"gap": gap, "floor": floor, "gap_over_floor": gap / floor if floor > 0 else float("inf"),
-                         "update_norm": float(a.norm()), "grad_norm_sync": ia["grad_norm"],
-                         "grad_norm_stream": is_["grad_norm"], "chunks": is_["ops/chunks"],
-                         "seconds_stream": is_["seconds"], "seconds_sync": ia["seconds"]})
-    return {"steps": per_step, "rows": n_rows, "wg": wg}
+    return {"steps": gap_rows(out, chunks="ops/chunks"), "rows": n_rows, "wg": wg}

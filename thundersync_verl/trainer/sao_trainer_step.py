@@ -11,17 +11,21 @@ Why:
    ``next_ops``, ``finalize``): once the last trajectory is planned, its ``next_ops`` also returns the
    whitening fold (``FoldOp``: bucket x -mean), so the fold runs on the learner queue like GRPO's folds;
    ``finalize`` then hands the normaliser times inv_std to the one optimizer step.
-3. The critic's update is verl's own (``_update_critic``, ``critic.ppo_epochs`` passes) at the barrier, on
-   the Monte-Carlo returns verl's ``sao`` estimator writes with the advantages (the trainer calls verl's
-   ``_compute_advantage`` for its data metrics anyway). It is not streamed: a second critic epoch cannot
-   be, and one epoch's per-token math exists only in the core (``critic_token_coefficients``).
+3. The critic's update streams too (``CriticStream``, the worker in ``critic_stream.py``): once a trajectory has
+   its values and Monte-Carlo returns its value-loss coefficients c_t = V_t - G_t are final, so its critic
+   backward is sent at once (not waited for); the 1/N normaliser and the critic's optimizer step follow the
+   actor's step. That is verl's first critic epoch; with ``critic.ppo_epochs`` = E > 1 the trainer then runs
+   verl's own ``_update_critic`` with E - 1 epochs on the same batch (every epoch clips against the stored
+   step-start values, so that is verl's epochs 2..E; ``tests/trainer/test_critic_stream_engine_on_cpu.py``).
 4. ``trainer.critic_warmup`` steps train the critic only, as verl's sync step does: the batch is collected
    whole (``collect_batch``), valued, and the critic updated; the actor takes no optimizer step at all (a
    zero-gradient step would still move AdamW's weights by weight decay).
 5. What streaming SAO refuses (``validate_sao_config``, before any work): rollout.n != 1, no critic, a loss
    other than ``sao``, several optimizer steps per batch, KL loss or entropy bonus, rollout importance
    weights, ``learner_forward=separate`` (the band mask needs the rollout's log-probs in each chunk),
-   OPD. The worker re-checks the actor config (``sao_stream.sao_settings``).
+   OPD; for the critic: a strategy other than fsdp/fsdp2, ``critic.loss_agg_mode`` other than token-mean,
+   several critic mini-batches per batch. The workers re-check (``sao_stream.sao_settings``,
+   ``critic_stream.critic_settings``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 
 from thundersync_verl.core import StreamingConfigError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
+from thundersync_verl.trainer.critic_stream import (VERIFIED_STRATEGIES, CriticRow, CriticStreamClient,
+                                                    CriticStreamPlanner, critic_stream_meta)
 from thundersync_verl.trainer.sao_stream import NAME, SAOBackwardOp, SAOStreamPlanner, SAOTrajectory
 from thundersync_verl.trainer.stream_plan import FinalizeOp, FoldOp
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived, TrajectorySource
@@ -71,6 +77,12 @@ def validate_sao_config(config, ts) -> None:
          "the band mask is against the rollout's log-probs, as verl's sao loss sees them in bypass mode"),
         (ts.learner_forward == "fused", "thundersync.learner_forward=fused",
          "each chunk carries the rollout's log-probs for the band mask; fused takes them on arrival"),
+        (_get(config, "critic.strategy") in VERIFIED_STRATEGIES, "critic.strategy=fsdp2",
+         "the streamed critic update is verified on verl's FSDP critic engine only"),
+        (_get(config, "critic.loss_agg_mode", "token-mean") == "token-mean", "critic.loss_agg_mode=token-mean",
+         "the critic's deferred normaliser is the token mean"),
+        (int(_get(config, "critic.ppo_mini_batch_size", tbs)) == tbs, f"critic.ppo_mini_batch_size={tbs}",
+         "a later critic mini-batch would need values at weights that exist only after an earlier step"),
     ]
     bad = [(fix, why) for ok, fix, why in rules if not ok]
     if bad:
@@ -138,16 +150,53 @@ class SAOStepPlanner:
         return {"peak_open_groups": int(self.inner.whiten)}  # one whitening bucket for the whole batch
 
 
+class CriticStream:
+    """The critic's first epoch of the step, streamed (point 3): begin -> arrive ... send ... -> finalize."""
+
+    def __init__(self, config, critic_wg, *, pad_token_id: int, temperature: float, chunk_size: int):
+        self.meta = critic_stream_meta(config)
+        self.client = CriticStreamClient(critic_wg, pad_token_id=pad_token_id, temperature=temperature)
+        self.planner = CriticStreamPlanner(loss_agg_mode=config.critic.get("loss_agg_mode", "token-mean"),
+                                           max_chunk_size=chunk_size)
+        self.later_epochs = int(self.meta["critic_later_epochs"])
+
+    def begin(self, ids: list) -> None:
+        self.planner.begin_batch(ids)
+        self.client.begin_batch(self.meta)  # zeroes the critic's gradient: a failed earlier batch leaves nothing
+        self._sq_err, self.chunks = 0.0, 0
+
+    def arrive(self, traj: SAOTrajectory, returns) -> None:
+        row = CriticRow.of(traj, returns)
+        self.planner.arrive(row)
+        self._sq_err += sum((v - g) ** 2 for v, g, m in zip(row.values, row.returns, row.agent_mask) if m)
+
+    def send(self) -> None:
+        """The ready rows' critic backwards, sent without waiting (the actor's stream goes on meanwhile)."""
+        chunks = self.planner.next_chunks()
+        if chunks:
+            self.client.run(chunks, wait=False)
+            self.chunks += len(chunks)
+
+    def finalize(self) -> dict:
+        """Wait for the backwards, 1/N, the critic's optimizer step; verl's metric names."""
+        n_tokens = self.planner.num_tokens
+        out = self.client.finalize(self.planner.finalize())
+        return {"critic/vf_loss": 0.5 * self._sq_err / n_tokens, "critic/grad_norm": out.get("grad_norm", 0.0),
+                "critic/lr": out.get("lr", 0.0), "thundersync/critic_chunks": self.chunks}
+
+
 class SAOArrivals:
     """SAO: a landed trajectory, valued by the critic on arrival, is one ``SAOTrajectory`` (point 1)."""
 
-    def __init__(self, planner: SAOStepPlanner):
-        self.planner = planner
+    def __init__(self, planner: SAOStepPlanner, critic: CriticStream | None = None):
+        self.planner, self.critic = planner, critic
         self._keys: dict[str, str] = {}  # the planner's trajectory id (the prompt) -> the TransferQueue key
 
     def begin(self, ctx):
         ids = [f"{i:08d}" for i in range(len(ctx.uids))] if ctx.deterministic else list(ctx.uids)
         self.planner.begin_batch(ids)
+        if self.critic is not None:
+            self.critic.begin(ids)
         return None  # no turn source
 
     def admit_turn(self, turn, tag, state, t_seen: float) -> None:
@@ -160,9 +209,17 @@ class SAOArrivals:
                 f"trajectory {key}: SAO needs {missing} on arrival", "its GAE and band mask are computed then",
                 "run SAO with critic.enable=true and thundersync.learner_forward=fused"))
         self._keys[key.split("_")[0]] = key
-        self.planner.arrive(SAOTrajectory(
-            traj_id=key.split("_")[0], prompt=row["prompt"], response=row["response"], agent_mask=row["mask"],
-            rewards=row["scores"], values=row["values"], rollout_log_probs=row["rollout_lp"]))
+        traj = SAOTrajectory(traj_id=key.split("_")[0], prompt=row["prompt"], response=row["response"],
+                             agent_mask=row["mask"], rewards=row["scores"], values=row["values"],
+                             rollout_log_probs=row["rollout_lp"])
+        self.planner.arrive(traj)
+        if self.critic is not None:  # its Monte-Carlo returns: computed by the actor's planner with its GAE
+            self.critic.arrive(traj, self.planner.inner.returns[traj.traj_id])
+
+    def admitted(self) -> None:
+        """After a poll's arrivals: their critic backwards go out together."""
+        if self.critic is not None:
+            self.critic.send()
 
     def describe_op(self, op, state, t0: float) -> tuple[str, tuple, int]:
         if isinstance(op, SAOBackwardOp):

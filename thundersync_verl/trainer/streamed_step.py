@@ -285,6 +285,8 @@ class StreamedStep:
         self._old_log_probs(keys, tags, rows, tokens)
         for key, _ in arrivals.trajectories:  # the planner sees a row once everything it needs is on it
             self.algo.admit_trajectory(planned[key], rows[key], state, t_seen)
+        if hasattr(self.algo, "admitted"):  # SAO: the critic's backwards of these rows
+            self.algo.admitted()
 
     def _old_log_probs(self, keys: list, tags: list, rows: dict, tokens: int) -> None:
         """verl's old log-probs of landed rows: the rollout's (fused), or verl's forward at θ_k (separate)."""

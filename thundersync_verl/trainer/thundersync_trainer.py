@@ -49,8 +49,8 @@ from thundersync_verl.trainer import resume
 from thundersync_verl.trainer.memory_probe import MemoryProbe
 from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, validate_opd_config
-from thundersync_verl.trainer.sao_trainer_step import (SAOArrivals, collect_batch, planner_from_config, sao_enabled,
-                                                       validate_sao_config)
+from thundersync_verl.trainer.sao_trainer_step import (CriticStream, SAOArrivals, collect_batch, planner_from_config,
+                                                       sao_enabled, validate_sao_config)
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
 from thundersync_verl.trainer.stream_loss import IndependentTerms, exact_micro_batch_size
@@ -204,8 +204,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     def __init__(self, config):
         self.ts = validate_thundersync_config(config)
+        self.opd, self.sao = opd_enabled(config), sao_enabled(config)  # read by the setup hooks super() runs
         super().__init__(config)
-        self.opd, self.sao = opd_enabled(config), sao_enabled(config)
         self.planner = None  # one planner for the run, built once the learner exists (on_init_end)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(self.ts.run_dir, mode="thundersync", algo="opd" if self.opd else "grpo",
@@ -221,6 +221,10 @@ class ThunderSyncTrainer(api.PPOTrainer):
         from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
 
         self.role_worker_mapping[api.Role.Actor] = ray.remote(StreamingActorWorker)
+        if self.sao and api.Role.Critic in self.role_worker_mapping:  # SAO: the critic's update streams too
+            from thundersync_verl.trainer.critic_stream import StreamingCriticWorker
+
+            self.role_worker_mapping[api.Role.Critic] = ray.remote(StreamingCriticWorker)
 
     def _setup(self):
         super()._setup()
@@ -341,10 +345,12 @@ class ThunderSyncTrainer(api.PPOTrainer):
         metrics.update(self.run_state.metrics())
         batch = api.KVBatchMeta(partition_id="train", keys=state.keys, tags=state.tags)
         batch = self._compute_advantage(batch, {})  # verl's own advantages (SAO: and the returns), for verl's data metrics
-        if self.sao:  # verl's critic update on the Monte-Carlo returns, after the actor read the step-start values
+        if self.sao:  # the critic's streamed epoch steps after the actor's (nothing half-applied), then verl's later ones
             with api.marked_timer("update_critic", timing_raw, color="pink"):
                 t0 = time.time()
-                batch = self._update_critic(batch, metrics=metrics)
+                metrics.update(self._critic_stream.finalize())
+                if self._critic_stream.later_epochs:
+                    batch = va.update_critic_epochs(self, batch, metrics, self._critic_stream.later_epochs)
                 self.recorder.learner_op("critic_update", t0, time.time())
         return batch
 
@@ -386,7 +392,11 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def _step_algorithm(self):
         """What "landed" means for this algorithm: scored turns and trajectories (OPD) or trajectories."""
         if self.sao:
-            return SAOArrivals(self.planner)
+            if getattr(self, "_critic_stream", None) is None:
+                rollout = self.config.actor_rollout_ref.rollout
+                self._critic_stream = CriticStream(self.config, self.critic_wg, pad_token_id=self.tokenizer.pad_token_id,
+                                                   temperature=rollout.temperature, chunk_size=self.ts.chunk_size)
+            return SAOArrivals(self.planner, self._critic_stream)
         return OPDArrivals(self.planner) if self.opd else GRPOArrivals(self.planner)
 
     def _step_context(self) -> StepContext:
