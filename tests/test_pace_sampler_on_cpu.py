@@ -172,6 +172,28 @@ def test_config_errors_name_the_rule(tq):
                               max_off_policy_strategy="drop", sampler_kwargs={"pace": {"gain": 1.0}}, refill_fn=None)
 
 
+def test_measured_drift_is_refused_when_the_rollout_samples_at_another_temperature(tq):
+    """The servers score at temperature 1: at another rollout temperature the drift would compare other distributions."""
+    from types import SimpleNamespace
+
+    class Trainer:  # what verl hands the sampler as refill_fn: the trainer's bound method
+        def __init__(self, temperature):
+            self.config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(temperature=temperature)))
+
+        def _add_prompts_to_generate(self, n):
+            return None
+
+    def build(temperature, scorer):
+        return PaceReplayBufferAsync(trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=None,
+                                     max_off_policy_strategy="drop", sampler_kwargs={"pace": {"scorer": scorer}},
+                                     refill_fn=Trainer(temperature)._add_prompts_to_generate)
+
+    with pytest.raises(StreamingConfigError, match="temperature=0.7"):
+        build(0.7, "rollout_server")
+    assert build(1.0, "rollout_server").scorer_kind == "rollout_server"
+    assert build(0.7, "none").scorer_kind == "none"  # the count proxy reads no log-probs
+
+
 def test_verl_loads_the_sampler_from_its_config_keys():
     from verl.utils.import_utils import load_extern_type
 

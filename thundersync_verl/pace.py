@@ -123,6 +123,13 @@ class PaceReplayBufferAsync(FastPollReplayBufferAsync):
         super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
         (self.pace, self.per_turn, self.log_path, self.decide_every, self.scorer_kind, self.scorer_prefix,
          self.rescore) = pace_options(sampler_kwargs)
+        temperature = va.rollout_temperature_of(self.refill_fn)
+        if self.scorer_kind != "none" and temperature is not None and float(temperature) != 1.0:
+            raise StreamingConfigError(rule_message(
+                f"pace.scorer={self.scorer_kind} with actor_rollout_ref.rollout.temperature={temperature}",
+                "the servers' prompt log-probs are at temperature 1 and the rollout's at its own temperature, so the "
+                "measured drift would compare different distributions (pace_scorer.py point 4)",
+                "set pace.scorer=none (the version-count proxy), or sample at temperature 1"))
         self._scored_at: dict[str, int] = {}  # trajectory key -> learner version when it was last re-scored
         self.scorer: RolloutServerScorer | None = None  # built at the first measurement (the servers exist then)
         self.calibration = pc.DriftCalibration()

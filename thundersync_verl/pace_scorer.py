@@ -20,7 +20,8 @@ Why this module exists:
    trainer's sample path (the learner waits for it). Off by default (``pace.scorer=none``).
 4. The servers' prompt log-probs are at temperature 1 (vLLM's and hf_cpu's), the rollout's at the
    rollout temperature: the measured drift compares like with like only at temperature 1, the
-   default of ``actor_rollout_ref.rollout.temperature``.
+   default of ``actor_rollout_ref.rollout.temperature``; the sampler refuses another temperature at
+   construction when verl builds it from a trainer (``verl_adapter.rollout_temperature_of``).
 """
 
 from __future__ import annotations

@@ -580,3 +580,13 @@ def update_critic_epochs(trainer, batch, metrics: dict, epochs: int):
     finally:
         with open_dict(critic):
             critic.ppo_epochs = saved
+
+
+def rollout_temperature_of(refill_fn):
+    """``actor_rollout_ref.rollout.temperature`` of the trainer whose ``_add_prompts_to_generate`` verl hands a
+    custom sampler as ``refill_fn``; None when the sampler was built without a trainer."""
+    config = getattr(getattr(refill_fn, "__self__", None), "config", None)
+    try:
+        return config.actor_rollout_ref.rollout.temperature
+    except AttributeError:
+        return None
