@@ -16,10 +16,9 @@ Why:
    batch (one epoch, one mini-batch), policy loss ``sao``, a mode whose normaliser can be deferred, no KL or
    entropy term (the per-token path carries the policy term only). verl's generic streaming validator
    refuses ``loss_mode=sao`` (it accepts only losses linear at ratio 1); this one knows SAO's mask.
-4. Not streamed here: the critic's own update (``core/sao_stream.critic_token_coefficients`` has its
-   per-token math; no streaming critic worker exists yet) and the ThunderSync trainer's arrival loop
-   (it still refuses ``adv_estimator=sao``). ``tests/harness/sao_steps.py`` drives this module against
-   verl's ``update_actor`` on the FSDP2 engine.
+4. Not here: the critic's own streamed update (``critic_stream.py``) and the ThunderSync trainer's arrival
+   loop (``sao_trainer_step.py``: the critic's forward on arrival, this planner behind ``StreamedStep``).
+   ``tests/harness/sao_steps.py`` drives this module against verl's ``update_actor`` on the FSDP2 engine.
 5. Cost: with whitening every trajectory is backpropagated twice (its GAE row and its bucket row), where
    verl's update runs one pass over the batch; a trajectory's two backwards run while later ones are still
    generated. Without whitening (``whiten=False``) one backward. Rollout importance weights
