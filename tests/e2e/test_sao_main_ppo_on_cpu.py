@@ -10,7 +10,8 @@
    the actor's batch, then the critic's streamed first epoch steps and verl runs its second
    (``critic.ppo_epochs=2``). Step 3's values come from that critic, so step 3's actor update checks the
    streamed critic end to end. Each update equals Sync's within the spread of verl's own Sync runs with
-   other micro-batches (the drop-in test's floor), at staleness 0, with verl's critic metrics reported.
+   other micro-batches, or below rounding's measured range (the drop-in test's rule, ``within_floor``), at
+   staleness 0, with verl's critic metrics reported.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def test_thundersync_sao_update_equals_sync_within_the_floor_after_a_critic_warm
         print(f"SAO step {version}: update {moved:.3e}, floor {floor:.3e} ({', '.join(f'{f:.3e}' for f in floors)}), "
               f"gap {gap:.3e}, gap/floor {gap / max(floor, 1e-12):.2f}")
         assert moved > 1e-3 and floor < 1e-3  # a real update; the floor is rounding
-        assert gap <= 4 * max(floor, 1e-7), (version, gap, floor)
+        assert runs.within_floor(gap, floor), (version, gap, floor)
     for step in rows_t[1:]:
         assert step["training/off_policy/trajectory_staleness/max"] == 0
         assert step["thundersync/chunks"] >= 2 and step["thundersync/critic_chunks"] >= 1  # actor and critic rows

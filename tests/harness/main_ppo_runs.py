@@ -28,6 +28,15 @@ REPLAY = "+actor_rollout_ref.rollout.engine_kwargs.replay"
 NO_LATENCY = ["thundersync.env.tool_latency.scale=0", "thundersync.env.verifier_latency.scale=0",
               "thundersync.env.retry_prob=0"]
 WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
+# Update gaps (relative to the update) below this are rounding in every main_ppo comparison measured so far (3e-6 to
+# 4.5e-5, while the Sync-vs-Sync floor sample moved from 1.0e-6 to 3.2e-5 between invocations); a wrong coefficient,
+# a missing term or fold moves the update by 1e-3 or more. Used with the floor: gap <= max(4 x floor, UPDATE_ATOL).
+UPDATE_ATOL = 1e-4
+
+
+def within_floor(gap: float, floor: float) -> bool:
+    """The e2e equality rule: within 4x the Sync runs' own spread, or below rounding's measured range."""
+    return gap <= max(4 * floor, UPDATE_ATOL)
 
 
 def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
