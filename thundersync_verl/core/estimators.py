@@ -189,8 +189,8 @@ REFUSED = {
 # Estimators this package registers in verl that the group-wise stream planner does not take.
 PLUGIN_REFUSED = {
     "sao": "SAO's advantage is per token (GAE over the critic's values, whitened over the batch); it streams "
-           "through its own planner, not this group-wise one: the ThunderSync trainer selects it for "
-           "algorithm.adv_estimator=sao (trainer/sao_trainer_step.py)",
+           "through its own planner (trainer/sao_stream.py), not this group-wise one: the ThunderSync trainer "
+           "selects it for algorithm.adv_estimator=sao (trainer/sao_trainer_step.py)",
 }
 
 
