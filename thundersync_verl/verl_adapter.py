@@ -151,12 +151,17 @@ def actor_dp_size(worker_group) -> int:
     ranks that differ only in TP/PP/CP (Megatron) or sequence-parallel rank (FSDP Ulysses) get the same
     part. Cached in the group as verl caches it. A stand-in group without verl's query has one rank per part.
     """
+    return _mesh_dp_size(worker_group, "actor")
+
+
+def _mesh_dp_size(worker_group, mesh: str) -> int:
+    """max(dp rank) + 1 of ``mesh`` in ``worker_group``, cached in the group as verl caches it."""
     query = getattr(worker_group, "_query_dispatch_info", None)
     if query is None:
         return int(worker_group.world_size)
-    if "actor" not in worker_group._dispatch_info:
-        worker_group._dispatch_info["actor"] = query("actor")
-    return max(worker_group._dispatch_info["actor"]) + 1
+    if mesh not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh] = query(mesh)
+    return max(worker_group._dispatch_info[mesh]) + 1
 
 
 def to_no_padding(td):
@@ -509,12 +514,7 @@ def train_mesh_dispatch():
 
 def train_dp_size(worker_group) -> int:
     """How many parts verl cuts a batch into for the "train" mesh of a ``TrainingWorker`` group (the critic's)."""
-    query = getattr(worker_group, "_query_dispatch_info", None)
-    if query is None:
-        return int(worker_group.world_size)
-    if "train" not in worker_group._dispatch_info:
-        worker_group._dispatch_info["train"] = query("train")
-    return max(worker_group._dispatch_info["train"]) + 1
+    return _mesh_dp_size(worker_group, "train")
 
 
 def engine_owner_view(worker):

@@ -55,6 +55,16 @@ def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, di
     return rows
 
 
+def rollout_as_old_log_probs(tq, keys: list[str], partition_id: str = "train") -> dict[str, list[float]]:
+    """verl's ``old_log_probs`` field := the rollout's (verl's bypass mode) for ``keys``; returns the rollout
+    log-probs per key (one TransferQueue read serves both)."""
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rollout_log_probs"])
+    lps = {key: data["rollout_log_probs"][i].tolist() for i, key in enumerate(keys)}
+    data["old_log_probs"] = data.pop("rollout_log_probs")
+    tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=data)
+    return lps
+
+
 def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> dict:
     """Run one planner op on the learner and wait for it (errors surface here, before any step).
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from thundersync_verl.trainer.step_record import StepRecorder, first_rank
-from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows
+from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows, rollout_as_old_log_probs
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
 from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, StreamPlanner
 from thundersync_verl.trainer.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
@@ -292,7 +292,7 @@ class StreamedStep:
         """verl's old log-probs of landed rows: the rollout's (fused), or verl's forward at θ_k (separate)."""
         state = self.state
         if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
-            for key, lp in self._old_log_probs_from_rollout(keys).items():
+            for key, lp in rollout_as_old_log_probs(self.ctx.tq, keys).items():
                 rows[key]["rollout_lp"] = lp
         else:
             t0 = time.time()
@@ -308,18 +308,6 @@ class StreamedStep:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
         self.state.rows.update(fetch_rows(self.ctx.tq, keys))
         return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
-
-    def _old_log_probs_from_rollout(self, keys: list) -> dict[str, list[float]]:
-        """``learner_forward=fused``: verl's ``old_log_probs`` field := the rollout's (verl's bypass mode).
-
-        Returns the rollout log-probs per key (one TransferQueue read serves both).
-        """
-        tq = self.ctx.tq
-        data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
-        lps = {key: data["rollout_log_probs"][i].tolist() for i, key in enumerate(keys)}
-        data["old_log_probs"] = data.pop("rollout_log_probs")
-        tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
-        return lps
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
         state = self.state

@@ -52,7 +52,7 @@ from thundersync_verl.trainer.opd_trainer_step import OPDArrivals, opd_enabled, 
 from thundersync_verl.trainer.sao_trainer_step import (CriticStream, SAOArrivals, collect_batch, planner_from_config,
                                                        sao_enabled, validate_sao_config)
 from thundersync_verl.trainer.step_record import StepRecorder
-from thundersync_verl.trainer.stream_exec import OpPipeline
+from thundersync_verl.trainer.stream_exec import OpPipeline, rollout_as_old_log_probs
 from thundersync_verl.trainer.stream_loss import IndependentTerms, exact_micro_batch_size
 from thundersync_verl.trainer.stream_plan import StreamPlanner, settings_from_verl_config
 from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
@@ -359,9 +359,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         with api.marked_timer("gen", timing_raw, color="red"):
             keys, tags = collect_batch(api.tq, list(self._batch_uids), int(self.config.actor_rollout_ref.rollout.n),
                                        timeout_s=self.ts.trajectory_timeout_s, poll_s=self.ts.poll_s)
-        data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
-        data["old_log_probs"] = data.pop("rollout_log_probs")  # bypass mode, as on the streamed steps
-        api.tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
+        rollout_as_old_log_probs(api.tq, keys)  # bypass mode, as on the streamed steps
         self._critic_values(keys, tags)
         batch = self._compute_advantage(api.KVBatchMeta(partition_id="train", keys=keys, tags=tags), {})
         with api.marked_timer("update_critic", timing_raw, color="pink"):
