@@ -53,6 +53,29 @@ def test_drawer_hands_over_to_a_fresh_child_and_every_job_is_drawn(tmp_path, mon
     assert sorted(step for step, _ in TimelineFeed(tmp_path).new()) == [1, 2, 3, 4, 5]  # children finish in any order
 
 
+def test_drawer_child_yields_the_cpu_by_nice_and_by_autogroup(tmp_path):
+    """The child is in a session of its own: where the kernel groups sessions, nice alone does not make it yield
+    (timeline.py point 5), so its autogroup is niced too."""
+    import os
+    import time
+    from pathlib import Path
+
+    drawer = TimelineDrawer()
+    drawer.submit(TRAJECTORIES, OPS, 0.0, 3.0, tmp_path / "thundersync_step001.png", "step 1", step=1)
+    pid, deadline, state = drawer._proc.pid, time.time() + 30, {}
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    while time.time() < deadline:  # the child lowers its priority first thing; read it while it is alive
+        state = {"nice": os.getpriority(os.PRIO_PROCESS, pid),
+                 "autogroup": autogroup.read_text() if autogroup.exists() else None}
+        if state["nice"] == 19 and (state["autogroup"] is None or state["autogroup"].strip().endswith("nice 19")):
+            break
+        time.sleep(0.01)
+    drawer.close()
+    assert state["nice"] == 19, state
+    if Path("/proc/self/autogroup").exists():
+        assert state["autogroup"].strip().endswith("nice 19"), state
+
+
 def test_feed_of_a_run_without_drawings_is_empty(tmp_path):
     assert TimelineFeed(tmp_path / "timelines").new() == []
 
