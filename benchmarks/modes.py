@@ -83,7 +83,7 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     with LearnerPin(with_driver=pin_learner == "driver") as pin:
         per_step = run_verl(pin.prefix() + cmd, {**env, **pin.env()}, run_dir / "verl.log", steps)
     return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path,
-            "pin": pin.describe()}
+            "pin": pin.describe(), "core_load": pin.load}
 
 
 def summarise(mode: str, run: dict) -> dict:
@@ -222,6 +222,8 @@ def main(argv=None) -> dict:
                     help="--rollout emulated: the learner worker on one core, every other verl process on the other "
                          "(driver: verl's trainer loop on the learner's core too)")
     ap.add_argument("--no-exactness", action="store_true", help="--rollout emulated: skip the step-1 update gap runs")
+    ap.add_argument("--exactness-only", action="store_true",
+                    help="--rollout emulated: only the step-1 update gap runs (modes_emulated_exactness_<workload>.json)")
     ap.add_argument("--work-dir", default="runs/modes")
     ap.add_argument("--model", default=None, help="an HF model folder to use instead of the tiny student")
     ap.add_argument("--teacher", default=None, help="OPD: an HF teacher folder (the student's tokenizer) instead of the tiny teacher")

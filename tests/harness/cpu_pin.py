@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 
 LEARNER_TITLES = ("ray::WorkerDict",)  # verl's colocated actor/rollout/ref worker: the learner
@@ -47,6 +48,53 @@ def _pin(pid: int, cpus: set[int]) -> None:
             pass  # the thread ended
 
 
+def cpu_ticks() -> dict[int, tuple[int, int]]:
+    """Per CPU: (busy, total) clock ticks since boot, from ``/proc/stat`` (busy: all but idle and iowait)."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit():
+                name, *values = line.split()
+                v = [int(x) for x in values]
+                out[int(name[3:])] = (sum(v) - v[3] - v[4], sum(v))
+    return out
+
+
+class CoreLoad:
+    """Every CPU's busy ticks, sampled in the background: which side of the pinned run was the busy one.
+
+    ``busy_s(t0, t1)``: CPU seconds each core spent busy between two moments (nearest samples). It counts every
+    process on the core, other jobs on the machine included, so it is read beside the load average."""
+
+    def __init__(self, interval_s: float = 0.25):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "CoreLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            self.samples.append((time.time(), cpu_ticks()))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def busy_s(self, t0: float, t1: float) -> dict[int, float]:
+        if not self.samples:
+            return {}
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))[1]
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))[1]
+        hz = os.sysconf("SC_CLK_TCK")
+        return {cpu: (b[cpu][0] - a[cpu][0]) / hz for cpu in b if cpu in a}
+
+
 class LearnerPin:
     """Context for one verl run: ``prefix()`` goes before the command, ``env()`` into its environment."""
 
@@ -63,6 +111,7 @@ class LearnerPin:
         self.pinned: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.load = CoreLoad()  # the busy share of each side while the run goes
 
     def prefix(self) -> list[str]:
         return ["taskset", "-c", ",".join(map(str, sorted(self.rollout_cpus)))]
@@ -78,11 +127,13 @@ class LearnerPin:
 
     def __enter__(self) -> "LearnerPin":
         self._thread.start()
+        self.load.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.load.__exit__()
 
     def _loop(self) -> None:
         tag = self.tag.encode()
