@@ -23,14 +23,14 @@ import statistics
 import time
 from pathlib import Path
 
+from thundersync_harness.cpu_pin import cpu_ticks
 from thundersync_verl.envs import sandbox
 from thundersync_verl.results import add_results_dir_argument, write_result
 
 
 def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    return sum(values) - values[3] - values[4]  # all but idle and iowait
+    """The whole machine's busy clock ticks (every CPU's, all but idle and iowait)."""
+    return sum(busy for busy, _ in cpu_ticks().values())
 
 
 async def one_round(concurrency: int, spawn: str) -> tuple[float, float, float]:
