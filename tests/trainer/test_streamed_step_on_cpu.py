@@ -25,6 +25,7 @@ class _TQ:
     def __init__(self):
         self.records: dict[str, tuple[int, dict, dict]] = {}
         self.polls = 0
+        self.gets, self.puts = [], []  # (keys, fields) of each read and write: round trips to the controller
 
     def add(self, key: str, reward: float, visible_at: int, *, status: str = "success", is_prompt: bool = False):
         fields = {"prompts": torch.tensor([1, 2]), "responses": torch.tensor([3, 4, 5]),
@@ -37,9 +38,11 @@ class _TQ:
         return {partition: {k: t for k, (v, _, t) in self.records.items() if v <= self.polls}}
 
     def kv_batch_get(self, keys, partition_id, select_fields):
+        self.gets.append((list(keys), list(select_fields)))
         return {f: [self.records[k][1][f] for k in keys] for f in select_fields}
 
     def kv_batch_put(self, keys, partition_id, fields):
+        self.puts.append((list(keys), list(fields)))
         for f, values in fields.items():
             for k, v in zip(keys, values):
                 self.records[k][1][f] = v
@@ -126,6 +129,22 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
     assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
     assert state.rows["a_0_0"]["rollout_lp"] == [-0.5, -0.5, -0.5]  # fused: the chunk carries the rollout's
     assert torch.equal(tq.records["a_0_0"][1]["old_log_probs"], torch.tensor([-0.5, -0.5, -0.5]))
+
+
+def test_fused_step_reads_each_arrival_once_and_writes_old_log_probs_once():
+    """The TransferQueue serves the agent loops too: one read per landed trajectory (its row and its rollout
+    log-probs together) and ONE write of verl's old_log_probs for the whole batch, before the optimizer step."""
+    tq, learner = _TQ(), _Learner()
+    for uid, rewards in REWARDS.items():
+        for s, r in enumerate(rewards):
+            tq.add(f"{uid}_{s}_0", r, visible_at=1 + 2 * s + (uid == "b"))
+    _step(tq, learner, ["a", "b"], 3, coalesce=False).run()
+    row_reads = [keys for keys, fields in tq.gets if "responses" in fields]
+    assert all("rollout_log_probs" in fields for _, fields in tq.gets)
+    assert sorted(k for keys in row_reads for k in keys) == sorted(tq.records)  # each trajectory read once
+    assert len(tq.gets) == len(row_reads) + 1  # plus the one read for the write-back
+    assert tq.puts == [(list(tq.gets[-1][0]), ["old_log_probs"])] and sorted(tq.puts[0][0]) == sorted(tq.records)
+    assert len(row_reads) > 1  # the batch landed over several polls, and still one write
 
 
 SCHEDULES = {  # two timings of the same batch: poll at which each trajectory becomes visible
@@ -242,3 +261,18 @@ def test_a_finished_step_frees_its_rows_without_the_cycle_collector(deterministi
     finally:
         if enabled:
             gc.enable()
+
+
+def test_row_lists_splits_every_layout_verl_stores_a_field_in_like_indexing_row_by_row():
+    from thundersync_verl.trainer.stream_exec import row_lists
+
+    rows = [torch.tensor([0.5, -1.0, 2.0]), torch.tensor([3.0]), torch.tensor([-0.25, 4.0])]
+    expected = [r.tolist() for r in rows]
+    jagged = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    assert row_lists(jagged) == expected == [jagged[i].tolist() for i in range(3)]
+    tail = torch.nested.narrow(torch.arange(12.0).reshape(3, 4), 1, torch.tensor([1, 0, 2]), torch.tensor([2, 3, 1]),
+                               layout=torch.jagged)  # a view with holes: offsets alone would be wrong
+    assert row_lists(tail) == [[1.0, 2.0], [4.0, 5.0, 6.0], [10.0]]
+    assert row_lists(torch.nested.nested_tensor(rows)) == expected  # strided nested layout
+    assert row_lists(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert row_lists(rows) == expected  # a plain list of tensors

@@ -1,7 +1,11 @@
 """Driver side of a streamed step: trajectory rows from the TransferQueue, ops to the learner.
 
 1. Each trajectory is fetched from verl's TransferQueue once, when it lands (prompt, response,
-   response mask with tool-observation tokens masked out, reward), and cached until its backward.
+   response mask with tool-observation tokens masked out, reward; the rollout's log-probs with the fused
+   forward), and cached until its backward. The TransferQueue's controller and storage serve the agent
+   loops too, so the driver's round trips are host work taken from the rollout side: one read per arrival,
+   and verl's ``old_log_probs`` (bypass: the rollout's) written back once per step
+   (``rollout_as_old_log_probs``), not once per arrival.
 2. A ``BackwardOp`` becomes one chunk in verl's no-padding layout (``build_stream_chunk``), padded to the
    data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``. The size is
    the parts verl's actor-mesh dispatch cuts a batch into (``verl_adapter.actor_dp_size``), not the worker
@@ -23,6 +27,7 @@ import time
 from typing import Callable
 
 import ray
+import torch
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
@@ -35,34 +40,50 @@ from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
 
 
-def fetch_rows(tq, keys: list[str], partition_id: str = "train") -> dict[str, dict]:
-    """``{key: {prompt, response, mask, reward, scores, num_tokens, extra}}`` for finished trajectories."""
-    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=ROW_FIELDS)
+def fetch_rows(tq, keys: list[str], partition_id: str = "train", *, rollout_lp: bool = False) -> dict[str, dict]:
+    """``{key: {prompt, response, mask, reward, scores, num_tokens, extra}}`` for finished trajectories, in ONE
+    TransferQueue read; with ``rollout_lp`` each row also carries the rollout's log-probs (``rollout_lp``)."""
+    fields = ROW_FIELDS + (["rollout_log_probs"] if rollout_lp else [])
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=fields)
     extras = data["extra_fields"]
     extras = extras.tolist() if hasattr(extras, "tolist") else list(extras)
+    prompts, responses, masks, scores = (row_lists(data[f]) for f in ("prompts", "responses", "response_mask", "rm_scores"))
+    lps = row_lists(data["rollout_log_probs"]) if rollout_lp else None
     rows = {}
     for i, key in enumerate(keys):
-        mask = data["response_mask"][i]
         rows[key] = {
-            "prompt": data["prompts"][i].tolist(),
-            "response": data["responses"][i].tolist(),
-            "mask": mask.tolist(),
-            "reward": float(data["rm_scores"][i].sum()),
-            "scores": data["rm_scores"][i].tolist(),  # per response token (SAO's GAE reads them)
-            "num_tokens": int(mask.sum()),
+            "prompt": prompts[i],
+            "response": responses[i],
+            "mask": masks[i],
+            "reward": float(torch.tensor(scores[i], dtype=torch.float32).sum()),  # as verl sums the row
+            "scores": scores[i],  # per response token (SAO's GAE reads them)
+            "num_tokens": int(sum(masks[i])),
             "extra": getattr(extras[i], "data", extras[i]) or {},
         }
+        if rollout_lp:
+            rows[key]["rollout_lp"] = lps[i]
     return rows
 
 
-def rollout_as_old_log_probs(tq, keys: list[str], partition_id: str = "train") -> dict[str, list[float]]:
-    """verl's ``old_log_probs`` field := the rollout's (verl's bypass mode) for ``keys``; returns the rollout
-    log-probs per key (one TransferQueue read serves both)."""
+def row_lists(values) -> list[list]:
+    """Each row of a TransferQueue field as a Python list. verl stores per-token fields as jagged nested tensors;
+    one is split here by its offsets in one pass: indexing it row by row dispatches torch's nested-tensor ops per
+    row and field, which was the driver's largest cost per arrival."""
+    if isinstance(values, torch.Tensor):
+        if not values.is_nested:
+            return values.tolist()
+        if values.layout == torch.jagged and getattr(values, "_lengths", None) is None:
+            flat, offsets = values.values().tolist(), values.offsets().tolist()
+            return [flat[a:b] for a, b in zip(offsets, offsets[1:])]
+        return [row.tolist() for row in values.unbind(0)]
+    return [torch.as_tensor(row).tolist() for row in values]
+
+
+def rollout_as_old_log_probs(tq, keys: list[str], partition_id: str = "train") -> None:
+    """verl's ``old_log_probs`` field := the rollout's (verl's bypass mode) for ``keys``: one read, one write."""
     data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rollout_log_probs"])
-    lps = {key: data["rollout_log_probs"][i].tolist() for i, key in enumerate(keys)}
     data["old_log_probs"] = data.pop("rollout_log_probs")
     tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=data)
-    return lps
 
 
 def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, temperature: float) -> dict:

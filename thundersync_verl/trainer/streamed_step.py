@@ -179,6 +179,8 @@ class StreamedStep:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
             times = self.source.trajectories.arrival_time.values()
             self.state.rollout_makespan_s = max(times, default=self.state.t_start) - self.state.t_start
+            if ctx.fused_forward and self.state.keys:  # bypass: verl's old_log_probs are the rollout's, for
+                rollout_as_old_log_probs(ctx.tq, self.state.keys)  # verl's advantages; while the learner finishes
             self.pipe.drain()
             self.algo.check_complete(self.state)
             final = planner.finalize()
@@ -263,7 +265,7 @@ class StreamedStep:
             return
         keys = [k for k, _ in arrivals.trajectories]
         missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
-        state.rows.update(fetch_rows(self.ctx.tq, missing) if missing else {})
+        state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self.ctx.fused_forward) if missing else {})
         rows = {k: state.rows[k] for k in keys}
         gate = self.source.gate
         planned = {}
@@ -289,24 +291,22 @@ class StreamedStep:
             self.algo.admitted()
 
     def _old_log_probs(self, keys: list, tags: list, rows: dict, tokens: int) -> None:
-        """verl's old log-probs of landed rows: the rollout's (fused), or verl's forward at θ_k (separate)."""
-        state = self.state
+        """verl's old log-probs of landed rows: the rollout's (fused: on the rows already, ``fetch_rows``; verl's
+        field is written once per step, in ``run``), or verl's forward at θ_k (separate)."""
         if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
-            for key, lp in rollout_as_old_log_probs(self.ctx.tq, keys).items():
-                rows[key]["rollout_lp"] = lp
-        else:
-            t0 = time.time()
-            part = self.ctx.forward_at_theta_k(keys, tags)
-            self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
-            for name, value in part.items():
-                if name.endswith("_max"):
-                    state.forward_metrics[name] = max(state.forward_metrics.get(name, float("-inf")), value)
-                else:
-                    state.forward_metrics.setdefault(name, value)
+            return
+        t0 = time.time()
+        part = self.ctx.forward_at_theta_k(keys, tags)
+        self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+        for name, value in part.items():
+            if name.endswith("_max"):
+                self.state.forward_metrics[name] = max(self.state.forward_metrics.get(name, float("-inf")), value)
+            else:
+                self.state.forward_metrics.setdefault(name, value)
 
     def _row_content(self, keys: list) -> dict[str, tuple]:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
-        self.state.rows.update(fetch_rows(self.ctx.tq, keys))
+        self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self.ctx.fused_forward))
         return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:

@@ -4,8 +4,11 @@
    standalone rollout pool) push weights through a registered checkpoint engine; the
    built-in ones need NCCL/NIXL/RDMA. On a CPU machine the object store is the wire.
 2. The learner's rank 0 gathers full tensors (every rank iterates: FSDP2 ``full_tensor``
-   is a collective) and puts one versioned snapshot into a named mailbox actor; each
-   rollout worker awaits that version and yields the tensors to its server adapter.
+   is a collective), puts them into the object store once and hands the reference (boxed in a
+   list, so Ray does not resolve it) to a named mailbox actor; each rollout worker awaits that
+   version and fetches the tensors straight from the object store. The mailbox never holds the
+   tensors themselves: passed by value, they were deserialised into it and serialised out again on
+   every push, host work on the rollout side's cores (about 0.1 s per 1.9 M-parameter push).
 3. Full tensors, overwritten on the receiver: lossless, like verl's NCCL engine.
 4. A push that fails half-way (the sender dies or raises after part of the snapshot) must not leave the
    rollout on a mix of two versions: the mailbox records how many tensors the snapshot has, and a
@@ -38,34 +41,36 @@ class WeightChannel:
 
     def __init__(self) -> None:
         self.version = None
-        self.named: list = []
-        self.total = 0
+        self.box: list = []  # [ObjectRef of the snapshot's (name, tensor) list]: the tensors stay in the object store
+        self.count = self.total = 0
         self.changed = asyncio.Condition()
 
-    async def put(self, version, named: list, total: int | None = None) -> int:
-        """Publish ``named`` as ``version``; ``total``: the tensors of the whole snapshot (default: all sent)."""
+    async def put(self, version, box: list, count: int, total: int | None = None) -> int:
+        """Publish ``box`` (``[ref]`` to ``count`` named tensors) as ``version``; ``total``: the tensors of the whole
+        snapshot (default: ``count``)."""
         async with self.changed:
-            self.version, self.named = version, named
-            self.total = len(named) if total is None else int(total)
+            self.version, self.box, self.count = version, list(box), int(count)
+            self.total = self.count if total is None else int(total)
             self.changed.notify_all()
-        return len(named)
+        return self.count
 
     async def get(self, version, timeout_s: float = 600.0) -> list:
-        """The complete snapshot of ``version`` (any version when None), waiting up to ``timeout_s`` (point 4)."""
+        """``[ref]`` of the complete snapshot of ``version`` (any version when None), waiting up to ``timeout_s``
+        (point 4)."""
         def complete() -> bool:
-            return self.version is not None and (version is None or self.version == version) and len(self.named) == self.total
+            return self.version is not None and (version is None or self.version == version) and self.count == self.total
 
         async def _ready():
             async with self.changed:
                 await self.changed.wait_for(complete)
-                return self.named
+                return self.box
 
         try:
             return await asyncio.wait_for(_ready(), timeout_s)
         except asyncio.TimeoutError:
             if self.version is not None and (version is None or self.version == version):
                 raise IncompletePushError(rule_message(
-                    f"weight version {self.version} holds {len(self.named)} of {self.total} tensors after {timeout_s}s",
+                    f"weight version {self.version} holds {self.count} of {self.total} tensors after {timeout_s}s",
                     "the push failed half-way and was not repeated; loading it would leave the rollout on a mix of "
                     "two versions",
                     "nothing was loaded; check the learner's weight push (thundersync.weight_push_retries)")) from None
@@ -105,16 +110,17 @@ def make_engine_class():
         async def send_weights(self, weights, global_steps: int | None = None):
             named = [(name, t.detach().to("cpu").clone()) for name, t in weights]  # all ranks: collective
             if self.rank == 0 and faults.ACTIVE and faults.push_cut(global_steps):  # $THUNDERSYNC_FAULTS: push_fail
-                await channel_handle().put.remote(global_steps, named[: len(named) // 2], len(named))
+                half = named[: len(named) // 2]
+                await channel_handle().put.remote(global_steps, [ray.put(half)], len(half), len(named))
                 raise RuntimeError(f"weight push of version {global_steps} failed after {len(named) // 2} of "
                                    f"{len(named)} tensors (injected by {faults.ENV})")
             if self.rank == 0:
-                await channel_handle().put.remote(global_steps, named)
+                await channel_handle().put.remote(global_steps, [ray.put(named)], len(named))
             return {}
 
         async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator:
-            named = await channel_handle().get.remote(global_steps)
-            for name, tensor in named:
+            box = await channel_handle().get.remote(global_steps)
+            for name, tensor in await box[0]:
                 yield name, tensor
 
     CpuChannelCheckpointEngine.__name__ = CpuChannelCheckpointEngine.__qualname__ = "CpuChannelCheckpointEngine"
