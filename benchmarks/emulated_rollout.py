@@ -260,6 +260,28 @@ def host_cpu(run: dict) -> dict | None:
             "step_s": round((submits[last] - submits[first]) / steps, 3)}
 
 
+def streaming_bound(run: dict) -> float | None:
+    """The shortest step ANY zero-staleness stream could take on a Sync run's own timings: median over the steps
+    after the first of ``max_k(a_k + (n - k) * w)``, trajectory k's reward landing at ``a_k`` (its agent loop's end,
+    shifted so that the last lands at the end of Sync's ``gen``: one verifier latency for all) and every row from
+    k on still to back-propagate at Sync's own ``update_actor`` time per row ``w``. No overhead of streaming, no
+    optimizer step or weight push: Sync's step over it bounds every streamed speed-up from above."""
+    versions: dict[int, list] = {}
+    for raw in (json.loads(x) for x in open(run["traj_path"])):
+        versions.setdefault(int(raw.get("policy_version", 0)), []).append(raw)
+    bounds = []
+    for step in sorted(run["per_step"])[1:]:
+        trajs, m = versions.get(step - 1), run["per_step"][step]  # Sync's step s trains on version s-1
+        if not trajs or "timing_s/update_actor" not in m:
+            continue
+        s0 = min(t["t_submit"] for t in trajs)
+        done = sorted(t["t_done"] - s0 for t in trajs)
+        shift = m["timing_s/gen"] - done[-1]
+        w = m["timing_s/update_actor"] / len(done)
+        bounds.append(max(a + shift + (len(done) - k) * w for k, a in enumerate(done)))
+    return statistics.median(bounds) if bounds else None
+
+
 def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workload: str, rec: Path,
                time_scale: float, repeat: int, traces: Path) -> tuple[dict, dict]:
     """Every mode once, back to back; traces in the simulator's schema under ``traces`` (with ``meta.json``)."""
@@ -304,11 +326,15 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float) -> dict:
         out["sync_reference"] = ref
         out["sync_learner_wait_share"] = round(rows[ref]["wait_share"], 3)
         out["sync_learner_wait_share_by_config"] = {m: round(rows[m]["wait_share"], 3) for m in syncs}
+        bound = streaming_bound(runs[ref])
+        out["sync_streaming_bound_speedup"] = None if bound is None else round(rows[ref]["step_time_s"] / bound, 3)
     if syncs and "thundersync" in rows:
         ts = rows["thundersync"]["step_time_s"]
         out["speedup_vs_sync"] = round(rows[out["sync_reference"]]["step_time_s"] / ts, 3)
         out["speedup_vs_sync_by_config"] = {m: round(rows[m]["step_time_s"] / ts, 3) for m in syncs}
         out["thundersync_over_lower_bound"] = round(ts / modes.thundersync_lower_bound(runs["thundersync"]), 3)
+        if out.get("sync_streaming_bound_speedup"):
+            out["share_of_streaming_bound"] = round(out["speedup_vs_sync"] / out["sync_streaming_bound_speedup"], 3)
         out["reporting"] = reporting_cost(runs["thundersync"])
         out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
     return out
@@ -356,7 +382,8 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
         modes.print_table(rows, "grpo")
         repeats.append(headline(rows, runs, workload, time_scale))
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
-            "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound")}), flush=True)
+            "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound", "sync_streaming_bound_speedup",
+            "share_of_streaming_bound")}), flush=True)
     result = {"rollout": "emulated", "workload": workload, "steps": steps, "time_scale": time_scale,
               "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
               "learner_pinned": PIN["learner"], "recording": str(rec), "policy_model": str(inputs["student"]),
