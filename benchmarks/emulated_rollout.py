@@ -239,16 +239,21 @@ def reward_landing(run: dict, workload: str, time_scale: float) -> dict:
             "rest_mean_s": round(mean - (verifier if call_s is None else call_s), 3)}
 
 
+def by_version(traj_path: Path) -> dict[int, list[dict]]:
+    """A run's agent-loop trajectory records, grouped by the policy version that generated them."""
+    versions: dict[int, list[dict]] = {}
+    for raw in (json.loads(x) for x in open(traj_path)):
+        versions.setdefault(int(raw.get("policy_version", 0)), []).append(raw)
+    return versions
+
+
 def host_cpu(run: dict) -> dict | None:
     """CPU seconds per step on each side of the pinned run (``cpu_pin.CoreLoad``), over the steps after the first:
     from the first submit of the second version's trajectories to the first submit of the last version's."""
     load, pin = run.get("core_load"), run.get("pin")
     if load is None or not run["traj_path"].is_file():
         return None
-    submits: dict[int, float] = {}
-    for raw in (json.loads(x) for x in open(run["traj_path"])):
-        v = int(raw.get("policy_version", 0))
-        submits[v] = min(submits.get(v, math.inf), raw["t_submit"])
+    submits = {v: min(t["t_submit"] for t in trajs) for v, trajs in by_version(run["traj_path"]).items()}
     versions = sorted(submits)
     if len(versions) < 3:
         return None
@@ -266,9 +271,7 @@ def streaming_bound(run: dict) -> float | None:
     shifted so that the last lands at the end of Sync's ``gen``: one verifier latency for all) and every row from
     k on still to back-propagate at Sync's own ``update_actor`` time per row ``w``. No overhead of streaming, no
     optimizer step or weight push: Sync's step over it bounds every streamed speed-up from above."""
-    versions: dict[int, list] = {}
-    for raw in (json.loads(x) for x in open(run["traj_path"])):
-        versions.setdefault(int(raw.get("policy_version", 0)), []).append(raw)
+    versions = by_version(run["traj_path"])
     bounds = []
     for step in sorted(run["per_step"])[1:]:
         trajs, m = versions.get(step - 1), run["per_step"][step]  # Sync's step s trains on version s-1
