@@ -102,6 +102,34 @@ def test_same_destination_trajectories_share_a_chunk_up_to_max_size():
     assert planner.ready == []
 
 
+def test_a_capped_plan_leaves_the_other_rows_to_go_direct_once_their_group_closes():
+    """``max_backwards``: only the best-ranked chunks are planned; an open group's rows left over are planned
+    later, direct and in one chunk with the other rows, once their group has closed (no bucket, no fold)."""
+    planner = StreamPlanner(max_chunk_size=8)
+    planner.begin_batch({0: 2, 1: 2, 2: 2})
+    for gid in (0, 1):
+        planner.arrive(gid, 0, 1.0, num_tokens=3)
+        planner.arrive(gid, 1, 0.0, num_tokens=3)  # groups 0 and 1 closed
+    planner.arrive(2, 0, 1.0, num_tokens=3)  # group 2 open
+    ops = planner.next_ops(max_backwards=1)
+    assert [(op.dest, len(op.items)) for op in ops] == [("direct", 4)]  # closed groups first
+    assert planner.ready_count == 1 and planner.held_count == 0  # left by the cap, not by the memory budget
+    planner.arrive(2, 1, 0.0, num_tokens=3)
+    ops = planner.next_ops(max_backwards=1)
+    assert [(op.dest, len(op.items)) for op in ops] == [("direct", 2)] and planner.ready_count == 0
+    assert planner.memory()["peak_open_groups"] == 0  # group 2's early row never needed a bucket
+    planner.finalize()
+    uncapped = StreamPlanner(max_chunk_size=8)  # the control: planned at once, the open row takes a bucket
+    uncapped.begin_batch({0: 2, 1: 2, 2: 2})
+    for gid in (0, 1):
+        uncapped.arrive(gid, 0, 1.0, num_tokens=3)
+        uncapped.arrive(gid, 1, 0.0, num_tokens=3)
+    uncapped.arrive(2, 0, 1.0, num_tokens=3)
+    assert [op.dest for op in uncapped.next_ops()] == ["direct", bucket_key(2, 1.0)]
+    with pytest.raises(ValueError, match="max_backwards must be >= 0"):
+        uncapped.next_ops(max_backwards=-1)
+
+
 def test_memory_budget_makes_a_new_group_wait_until_one_closes():
     # grad_numel=1 float32 -> 4-byte buffers; batch buffer + 2 buckets (one binary group) = 12 bytes
     planner = StreamPlanner(grad_numel=1, budget_bytes=12, max_distinct_rewards=2)

@@ -90,6 +90,32 @@ def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: flo
 REWARDS = {"a": [1.0, 0.0, 1.0], "b": [0.0, 0.0, 1.0]}
 
 
+def _effective_coefficients(calls: list) -> list[float]:
+    """Each trajectory's coefficient as the learner applied it: a direct row carries A_i; a bucket row carries 1 and
+    its bucket is folded with A(r) when the group closes."""
+    effective, bucket_rows = [], {}
+    for call in calls:
+        if call[0] == "backward" and call[1] == "direct":
+            effective += call[2]
+        elif call[0] == "backward":
+            assert call[2] == [1.0] * len(call[2])
+            bucket_rows[call[1]] = bucket_rows.get(call[1], 0) + len(call[2])
+        elif call[0] == "fold":
+            for key, coef in call[1].items():
+                effective += [coef] * bucket_rows.pop(key)
+    assert bucket_rows == {}  # every bucket folded
+    return effective
+
+
+def _grpo_advantages(rewards: dict) -> list[float]:
+    """verl's GRPO advantage of every trajectory, sorted: (r - mean) / (unbiased std + eps) per group."""
+    expected = []
+    for values in rewards.values():
+        r = torch.tensor(values)
+        expected += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+    return sorted(expected)
+
+
 @pytest.mark.parametrize("coalesce,budget_buckets", [(True, None), (False, None), (True, 3)])
 def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce, budget_buckets):
     tq, learner = _TQ(), _Learner()
@@ -102,28 +128,14 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
     assert sorted(state.keys) == sorted(f"{u}_{s}_0" for u in REWARDS for s in range(3))
     # each trajectory's effective coefficient: a direct row carries A_i; a bucket row carries 1 and its
     # bucket is folded with A(r) when the group closes
-    effective, bucket_rows = [], {}
-    for call in learner.calls:
-        if call[0] == "backward" and call[1] == "direct":
-            effective += call[2]
-        elif call[0] == "backward":
-            assert call[2] == [1.0] * len(call[2])
-            bucket_rows[call[1]] = bucket_rows.get(call[1], 0) + len(call[2])
-        elif call[0] == "fold":
-            for key, coef in call[1].items():
-                effective += [coef] * bucket_rows.pop(key)
-    assert bucket_rows == {}  # every bucket folded
+    effective = _effective_coefficients(learner.calls)
     folds = sum(c[0] == "fold" for c in learner.calls)
     assert folds > 0  # open groups streamed into buckets
     if budget_buckets is not None:  # room for one open group's buckets: the other group's rows waited
         assert metrics["thundersync/budget_waits"] > 0
         assert learner.meta["memory_budget_bytes"] == 4 * budget_buckets
         assert step.planner.memory()["peak_bytes"] <= 4 * (budget_buckets + 1)
-    expected = []
-    for rewards in REWARDS.values():  # verl's GRPO advantage: (r - mean) / (unbiased std + eps)
-        r = torch.tensor(rewards)
-        expected += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
-    assert sorted(effective) == pytest.approx(sorted(expected), abs=1e-6)  # every trajectory once, right weight
+    assert sorted(effective) == pytest.approx(_grpo_advantages(REWARDS), abs=1e-6)  # every trajectory once, right weight
     assert learner.steps == [pytest.approx(1 / 6)]  # seq-mean-token-sum: one step, divided by the 6 sequences
     assert learner.calls[0] == ("begin", "seq-mean-token-sum")
     assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
@@ -203,6 +215,69 @@ def test_batch_order_gate_orders_a_groups_members_by_content_not_sample_index():
 
     assert released({"p_0_0": "b", "p_1_0": "c", "p_2_0": "a"}) == released({"p_0_0": "c", "p_1_0": "a", "p_2_0": "b"}) \
         == ["a", "b", "c"]
+
+
+class _BusyPipe:
+    """``OpPipeline``'s surface with queued calls that finish ``latency`` driver polls after they are sent (a busy
+    learner); each call then runs on the recording learner. Counts submits that found the pipeline full."""
+
+    def __init__(self, learner, on_done, *, depth: int = 2, latency: int = 6):
+        from collections import deque
+
+        self.learner, self.on_done, self.depth, self.latency = learner, on_done, depth, latency
+        self._inflight, self.max_in_flight, self.blocked_submits, self.polls_while_full = deque(), 0, 0, 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def submit(self, op, rows) -> None:
+        if len(self._inflight) >= self.depth:
+            self.blocked_submits += 1
+            self.collect(keep=self.depth - 1)
+        self._inflight.append([op, rows, self.latency])
+        self.max_in_flight = max(self.max_in_flight, len(self._inflight))
+
+    def collect(self, keep: int | None = None) -> None:
+        from thundersync_verl.trainer.stream_exec import execute_op
+
+        self.polls_while_full += len(self._inflight) >= self.depth
+        if self._inflight:
+            self._inflight[0][2] -= 1  # the head call computes while the driver polls
+        while self._inflight and (self._inflight[0][2] <= 0 or (keep is not None and len(self._inflight) > keep)):
+            op, rows, _ = self._inflight.popleft()
+            execute_op(self.learner, op, rows, pad_token_id=0, temperature=1.0)
+            self.on_done(op, {}, 0.0, 0.0)
+
+    def drain(self) -> None:
+        self.collect(keep=0)
+
+
+def test_a_busy_learner_gets_no_more_calls_than_it_has_slots_and_late_rows_share_chunks():
+    """Coalescing into a pipeline of depth 2: a plan fills the free slots only, so the driver never blocks on a full
+    pipeline (it polls on), and rows that land meanwhile join later chunks instead of queueing as small calls."""
+    tq, learner = _TQ(), _Learner()
+    rewards = {u: [1.0, 0.0] for u in "abcdef"}
+    tq.add("a_0_0", 1.0, visible_at=1)  # the learner's first call: one open-group row
+    for i, uid in enumerate("bcdef"):
+        tq.add(f"{uid}_0_0", 1.0, visible_at=2 + i)  # one row per poll while the learner is busy
+        tq.add(f"{uid}_1_0", 0.0, visible_at=4 + i)
+    tq.add("a_1_0", 0.0, visible_at=12)
+    pipes = []
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4)
+    ctx = StepContext(
+        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
+        make_pipeline=lambda on_done: pipes.append(_BusyPipe(learner, on_done)) or pipes[-1],
+        forward_at_theta_k=lambda keys, tags: {}, uids=list(rewards), n=2, timeout_s=30.0, poll_s=0.001,
+        coalesce=True, fused_forward=True)
+    StreamedStep(ctx, GRPOArrivals(planner)).run()
+    pipe = pipes[0]
+    assert pipe.blocked_submits == 0 and pipe.max_in_flight == 2  # filled, never over-filled
+    assert pipe.polls_while_full > 0  # the driver kept listing arrivals while the learner had its next call
+    assert sorted(_effective_coefficients(learner.calls)) == pytest.approx(_grpo_advantages(rewards), abs=1e-6)
+    backwards = [c for c in learner.calls if c[0] == "backward"]
+    assert len(backwards) <= 6  # 12 rows landing one or two a poll: the late ones shared chunks
+    assert learner.steps == [pytest.approx(1 / 12)]
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():

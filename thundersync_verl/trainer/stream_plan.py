@@ -133,6 +133,7 @@ class StreamPlanner:
         self._ready: list[Item] = []
         self._buckets: dict[Hashable, set[float]] = {}
         self._queued: list[FoldOp] = []
+        self.held_count = 0  # ready trajectories the memory budget held back at the last plan
 
     @classmethod
     def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":
@@ -192,6 +193,11 @@ class StreamPlanner:
         return [self._view.real_item(item) for item in self._ready]
 
     @property
+    def queued_folds(self) -> int:
+        """Folds of closed groups that the next ``next_ops`` returns (each one learner call)."""
+        return len(self._queued)
+
+    @property
     def ready_count(self) -> int:
         """How many arrived trajectories wait for their backward (the step's planner interface)."""
         return len(self._ready)
@@ -201,14 +207,28 @@ class StreamPlanner:
         new groups only while the memory budget allows (``wait`` holds the rest)."""
         return self._acc.rank_ready(self._ready)
 
-    def next_ops(self, max_chunk_size: int | None = None) -> list:
-        """Queued folds, then backward chunks for every ready trajectory that may run now."""
+    def next_ops(self, max_chunk_size: int | None = None, max_backwards: int | None = None) -> list:
+        """Queued folds, then backward chunks for every ready trajectory that may run now.
+
+        ``max_backwards`` plans only the best-ranked that many chunks (closed groups first; 0: the folds
+        alone); the other ready trajectories stay unplanned, so rows that land meanwhile can join them, and a
+        row whose group closes meanwhile goes direct, in one chunk with other groups' rows, instead of into its
+        own bucket. ``held_count`` is then the trajectories the memory budget held back, not those left by
+        the cap.
+        """
         ops: list = list(self._queued)
         self._queued = []
         chunks, waiting = self._acc.split_into_chunks(self._ready, max_chunk_size or self.max_chunk_size)
+        if max_backwards is not None:
+            if int(max_backwards) < 0:
+                raise ValueError(f"max_backwards must be >= 0 (chunks to plan besides the folds), got {max_backwards}")
+            chunks, later = chunks[:max_backwards], [item for chunk in chunks[max_backwards:] for item in chunk]
+        else:
+            later = []
         for chunk in chunks:
             ops.append(self._plan(chunk))
-        self._ready = list(waiting)
+        self._ready = later + list(waiting)
+        self.held_count = len(waiting)
         return ops
 
     def _plan(self, chunk: list[Item]) -> BackwardOp:

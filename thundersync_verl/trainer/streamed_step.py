@@ -169,9 +169,10 @@ class StreamedStep:
             while not self.source.done or planner.ready_count:
                 self._admit(self._wait())
                 if ctx.coalesce and not self._plan_now():
+                    if self.source.done and self.pipe.in_flight:  # nothing left to poll for: wait for a free slot
+                        self.pipe.collect(keep=self.pipe.in_flight - 1)
                     continue
-                ops = planner.next_ops()
-                self._held = planner.ready_count  # rows left: held back by the memory budget
+                ops = self._next_ops()
                 self.state.budget_waits += bool(self._held)
                 for op in ops:
                     self._submit(op)
@@ -227,7 +228,8 @@ class StreamedStep:
         self.pipe = self.ctx.make_pipeline(self._op_done)
 
     def _plan_now(self) -> bool:
-        """Plan while the learner is idle, for a full chunk, or at the end; else arrivals share the next chunk.
+        """Plan while the learner is idle, for a full chunk, or at the end, and only into a free pipeline slot;
+        else arrivals share the next chunk.
 
         Rows the last plan held back (their buckets did not fit the memory budget) can only run once
         something new lands (a group closing frees its buckets), so they alone never trigger a plan.
@@ -235,7 +237,24 @@ class StreamedStep:
         ready = self.planner.ready_count
         if ready == 0 or (ready <= self._held and not self.source.done):
             return False
+        if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
+            return False
         return self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done
+
+    def _next_ops(self) -> list:
+        """The planner's next ops. Coalescing, a GRPO plan fills the pipeline's free slots only (``next_ops``'s
+        ``max_backwards``): the driver goes back to polling instead of blocking on a full pipeline, and the rows
+        left over join later arrivals in larger chunks (fewer learner calls, each with its fixed cost). The
+        deterministic gate fixes every chunk's rows itself, so it plans all it released at once, as before."""
+        planner = self.planner
+        if not self.ctx.coalesce or self.ctx.deterministic or not hasattr(planner, "held_count"):
+            ops = planner.next_ops()
+            self._held = planner.ready_count  # rows left: held back by the memory budget
+            return ops
+        free = self.pipe.depth - self.pipe.in_flight  # >= 1 here (``_plan_now``); a fold takes a slot too
+        ops = planner.next_ops(max_backwards=max(0, free - planner.queued_folds))
+        self._held = planner.held_count
+        return ops
 
     def _wait(self) -> Arrivals:
         """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go.
