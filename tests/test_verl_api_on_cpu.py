@@ -54,15 +54,21 @@ def test_pinned_version_matches_installed_verl_and_setup_py():
 def test_every_verl_name_the_package_reaches_resolves():
     sources, _ = _project()
     reaches = verl_reaches(sources)
-    from_adapter = [r for r in reaches if r.where.startswith("thundersync_verl/verl_adapter.py")]
+    from_adapter = [r for r in reaches if r.where.startswith("thundersync_verl/verl_adapter/")]
     assert len(from_adapter) >= 20, f"the adapter scan found only {[r.name for r in from_adapter]}: the derivation is broken"
     missing = unresolved(reaches)
     assert not missing, f"verl {va.VERL_VERSION} lacks {len(missing)} name(s) thundersync_verl uses:\n" + "\n".join(missing)
 
 
 def test_every_zero_argument_adapter_getter_runs():
-    getters = [n.name for n in ast.parse(inspect.getsource(va)).body
-               if isinstance(n, ast.FunctionDef) and not (n.args.args or n.args.kwonlyargs or n.args.vararg or n.args.kwarg)]
+    import importlib
+    import pkgutil
+
+    assert sorted(va.MODULES) == sorted(m.name for m in pkgutil.iter_modules(va.__path__)), "va.MODULES misses a module"
+    sources = [inspect.getsource(importlib.import_module(f"{va.__name__}.{m}")) for m in va.MODULES]
+    getters = [n.name for src in sources for n in ast.parse(src).body
+               if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+               and not (n.args.args or n.args.kwonlyargs or n.args.vararg or n.args.kwarg)]
     assert getters, "no zero-argument getters found in the adapter"
     for name in getters:
         assert getattr(va, name)() is not None, f"verl_adapter.{name}() returned None"

@@ -1,0 +1,21 @@
+"""The one place that reaches into verl internals.
+
+1. Everything thundersync_verl needs from verl beyond its documented config is
+   imported here, so a verl upgrade touches this package (and ``tests/test_verl_api_on_cpu.py``
+   imports every symbol it reaches against the pinned version).
+2. Imports are lazy: ``thundersync_verl.core`` and the simulator never import verl,
+   and importing this package is cheap.
+3. Callers use one namespace (``from thundersync_verl import verl_adapter as va``); the reaches live in
+   three modules by who needs them: ``plugins`` (verl's registries and base classes), ``learner`` (the
+   streaming worker's engine and data reaches) and ``trainer`` (the V1 trainer, OPD, SAO, the recipe check,
+   the streamed critic).
+"""
+
+from __future__ import annotations
+
+from thundersync_verl.verl_adapter.learner import *  # noqa: F401,F403
+from thundersync_verl.verl_adapter.plugins import *  # noqa: F401,F403
+from thundersync_verl.verl_adapter.trainer import *  # noqa: F401,F403
+
+VERL_VERSION = "0.9.1"
+MODULES = ("plugins", "learner", "trainer")  # the adapter's modules (tests read each one's source)

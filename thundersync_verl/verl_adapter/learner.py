@@ -1,0 +1,196 @@
+"""What the streaming learner (``trainer/streaming_worker.py``) and its chunks reach in verl: the Tinker-style
+actor worker, engines, TensorDict / DataProto fields, the actor's loss, Megatron's model chunks."""
+
+from __future__ import annotations
+
+# -- streaming learner ---------------------------------------------------------------
+# The streaming worker (``thundersync_verl.trainer.streaming_worker``) builds on verl's
+# Tinker-style split API; every verl internal it touches is reached through these functions.
+def tinker_actor_worker_base():
+    """verl's actor worker with split forward_backward / optimizer_step primitives."""
+    from verl.workers.engine_workers_tinker import TinkerActorRolloutRefWorker
+
+    return TinkerActorRolloutRefWorker
+
+
+def worker_register_api():
+    """``(register, Dispatch, actor_mesh_dispatch)``: verl's seams for registered worker methods."""
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+
+    return register, Dispatch, make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
+
+
+def actor_dp_size(worker_group) -> int:
+    """How many parts verl cuts a batch into when it dispatches it to the actor mesh of ``worker_group``.
+
+    verl's ``make_nd_compute_dataproto_dispatch_fn("actor")`` chunks a batch into max(dp rank) + 1 parts;
+    ranks that differ only in TP/PP/CP (Megatron) or sequence-parallel rank (FSDP Ulysses) get the same
+    part. Cached in the group as verl caches it. A stand-in group without verl's query has one rank per part.
+    """
+    return _mesh_dp_size(worker_group, "actor")
+
+
+def _mesh_dp_size(worker_group, mesh: str) -> int:
+    """max(dp rank) + 1 of ``mesh`` in ``worker_group``, cached in the group as verl caches it."""
+    query = getattr(worker_group, "_query_dispatch_info", None)
+    if query is None:
+        return int(worker_group.world_size)
+    if mesh not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh] = query(mesh)
+    return max(worker_group._dispatch_info[mesh]) + 1
+
+
+def to_no_padding(td):
+    """Left/right-padded batch -> verl's no-padding layout (nested input_ids, loss_mask)."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    return left_right_2_no_padding(td)
+
+
+def response_log_probs(model_output, data):
+    """The engine's per-token log-probs of a micro-batch as a padded [B, T_response] tensor."""
+    return unpad_response(model_output["log_probs"], data)
+
+
+def padded_fields(data, *keys):
+    """``keys`` of a (micro-)batch TensorDict as plain padded tensors."""
+    return data.select(*keys).to_padded_tensor()
+
+
+def worker_result_refs(result) -> list:
+    """The object refs behind a non-blocking (``blocking=False``) worker-group call, one per rank.
+
+    verl hands back the list itself, or wraps mesh-dispatched results in a ``DataProtoFuture``.
+    """
+    futures = getattr(result, "futures", None)
+    refs = list(futures) if futures is not None else result
+    if not isinstance(refs, list) or not refs:
+        raise TypeError(f"expected the object refs of a non-blocking worker call, got {type(result).__name__}")
+    return refs
+
+
+def non_tensor(data, key: str, default=None):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def assign_non_tensor(data, **values) -> None:
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, **values)
+
+
+def actor_engine(worker):
+    """The FSDP engine inside an ActorRolloutRefWorker's actor TrainingWorker."""
+    return worker.actor.engine
+
+
+def actor_loss_fn(worker):
+    return worker.actor.loss_fn
+
+
+def set_actor_loss_fn(worker, loss_fn) -> None:
+    worker.actor.set_loss_fn(loss_fn)
+
+
+def actor_parameters(engine) -> list:
+    """The engine's (possibly FSDP2-sharded DTensor) parameters, in a fixed order."""
+    return list(engine.module.parameters())
+
+
+def local_view(tensor):
+    """The local shard of a DTensor (the tensor itself when not distributed)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_tensor(tensor):
+    """The full (all-gathered) value of a DTensor; a collective on every rank."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def reset_actor(worker) -> None:
+    """Rebuild the actor from its checkpoint path: fresh weights, optimizer and LR scheduler."""
+    worker.actor.reset()
+
+
+def dp_group_of(engine):
+    return engine.get_data_parallel_group()
+
+
+def precision_dtype(name: str):
+    """The torch dtype verl's engine maps ``model_dtype`` / mixed-precision names to (raises if none)."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    return PrecisionType.to_dtype(name)
+
+
+def compose_ppo_config(overrides: list[str]):
+    """verl's own ``ppo_trainer.yaml``, composed with hydra overrides (the trainer's config tree)."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def data_proto_cls():
+    from verl import DataProto
+
+    return DataProto
+
+
+def grpo_compute_advantage(data, *, adv_estimator: str, norm_adv_by_std_in_grpo: bool = True):
+    """verl's trainer-side ``compute_advantage`` (needs token_level_rewards, response_mask, uid)."""
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    return compute_advantage(data, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+
+
+def policy_loss_fn(loss_mode: str):
+    """verl's registered policy loss (``actor.policy_loss.loss_mode``): the PPO ratio, clip and ``agg_loss``."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    return get_policy_loss_fn(loss_mode)
+
+
+def td_get(data, key: str, default=None):
+    """A value of a TensorDict returned by a worker group, unwrapped to plain Python/tensors."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get(data, key, default)
+
+
+def unpad_response(tensor, data):
+    """A no-padding per-token output (e.g. log_probs) as a padded [B, T_response] tensor."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(tensor, data)
+
+
+def actor_micro_batch_size(worker):
+    """``(use_dynamic_bsz, micro_batch_size_per_gpu)`` of the actor's training engine config."""
+    cfg = worker.actor.engine_config
+    return bool(cfg.use_dynamic_bsz), cfg.micro_batch_size_per_gpu
+
+
+def actor_strategy(worker) -> str:
+    """The actor engine's key (``fsdp``, ``fsdp2``, ``megatron``...): what ``model_engine`` selects."""
+    return str(worker.actor.engine_config.strategy)
+
+
+def megatron_chunks(engine) -> list:
+    """The model chunks of verl's Megatron engine (DDP-wrapped; one per virtual pipeline stage)."""
+    return list(engine.module)
+
+
+def megatron_streaming_blockers(engine) -> dict:
+    """The Megatron engine settings a streamed step must check: ``{name: value}``."""
+    cfg = engine.engine_config
+    return {"param_offload": bool(engine.is_param_offload_enabled),
+            "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_model_parallel_size,
+            "use_megatron_fsdp": bool(getattr(cfg, "use_megatron_fsdp", False)),
+            "calculate_per_token_loss": bool(getattr(engine.tf_config, "calculate_per_token_loss", False))}
