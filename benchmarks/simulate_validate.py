@@ -242,6 +242,27 @@ def _largest_gap(r: dict) -> str:
             f"predicted per step){terms}")
 
 
+def backward_s_per_token(trace, warmup_steps: int = 1) -> float:
+    """A run's learner seconds per trained token over its steady steps (backward records)."""
+    recs = [r for r in trace.learner if r["op"] == "backward" and r["step"] > warmup_steps]
+    tokens = sum(r["tokens"] for r in recs)
+    return sum(r["t1"] - r["t0"] for r in recs) / tokens if tokens else float("nan")
+
+
+def identical_work_drift(files: list[Path]) -> float | None:
+    """How far apart two runs of the SAME learner work are on this machine: verl's Sync and its bypass mode train the
+    same trajectories with the same ``update_actor``, so their cost per token differs only by the machine's state
+    while each ran (other jobs, frequency). Relative difference of the two (None without both traces). No
+    prediction from one run can be expected closer to another than this; it is read after the predictions and never
+    enters one."""
+    by_stem = {p.stem: p for p in files}
+    pair = [by_stem.get(f"grpo_{m}") for m in ("sync", "sync_bypass")]
+    if None in pair:
+        return None
+    a, b = (backward_s_per_token(load_trace(p)) for p in pair)
+    return round(max(a, b) / min(a, b) - 1.0, 4)
+
+
 def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
     families, per_target, fits = {}, {}, {}
@@ -260,17 +281,23 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
                           "fits": {_short(main): "every other trace", _short(other): _short(main)},
                           "max_abs_rel_err": _max_err(rows),
                           "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
+                          "identical_work_drift": identical_work_drift(files),
                           "predicted_through_unmeasured_terms": {_short(r["file"]): sorted(r["unmeasured"])
                                                                  for r in rows if r["unmeasured"]},
                           "beyond_10_percent": {_short(r["file"]): _largest_gap(r) for r in rows
                                                 if abs(r["rel_err"]) > 0.10}}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
+        if families[name]["identical_work_drift"] is not None:
+            print(f"  {name}: Sync and Sync (bypass), the same learner work, cost "
+                  f"{100 * families[name]['identical_work_drift']:.1f}% apart per token between the two runs")
     if not per_target:
         raise SystemExit(f"no family's traces under {results}: run `{PRODUCER} --rollout emulated` first")
     measured = [f["max_abs_rel_err_measured_terms"] for f in families.values()]
+    drifts = [f["identical_work_drift"] for f in families.values() if f["identical_work_drift"] is not None]
     return {"settings": vars(settings), "fit_per_family": families, "fit_costs": fits,
             "max_abs_rel_err_out_of_sample": max(f["max_abs_rel_err"] for f in families.values()),
             "max_abs_rel_err_measured_terms": max((m for m in measured if m is not None), default=None),
+            "max_identical_work_drift": max(drifts, default=None),
             "per_target": per_target}
 
 

@@ -46,3 +46,17 @@ def test_transferred_keeps_the_targets_configuration_and_takes_the_fits_system_c
     assert (got.slots, got.partial_rollout, got.turn_latency_s) == (64, True, None)
     assert (got.reward_timing, got.landing_s, got.step_gap_s, got.contention, got.rollout_contention) == (
         False, 0.3, 0.01, 1.2, 1.0)
+
+
+def test_identical_work_drift_is_the_gap_between_two_runs_of_the_same_learner_work(grpo_traces, tmp_path):
+    """Sync and its bypass run train the same rows: their per-token learner cost differs by the machine alone."""
+    import json
+
+    validate, grpo = grpo_traces
+    sync = [json.loads(line) for line in (grpo / "grpo_sync.jsonl").read_text().splitlines() if line.strip()]
+    slowed = [dict(r, t1=r["t0"] + 1.25 * (r["t1"] - r["t0"])) if r["kind"] == "learner" else r for r in sync]
+    for name, recs in (("grpo_sync.jsonl", sync), ("grpo_sync_bypass.jsonl", slowed)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    files = sorted(tmp_path.glob("grpo_*.jsonl"))
+    assert validate["identical_work_drift"](files) == pytest.approx(0.25, abs=1e-3)
+    assert validate["identical_work_drift"](files[:1]) is None  # no pair: nothing to compare
