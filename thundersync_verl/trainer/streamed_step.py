@@ -261,7 +261,9 @@ class StreamedStep:
 
         Each empty poll doubles the pause, from ``poll_s`` up to ``max(poll_s, POLL_CAP_S)``: a listing is
         an RPC to the TransferQueue controller, and at a fixed 10 ms the driver and the controller took a
-        quarter of a host core away from the agent loops and the verifier that produce the arrivals.
+        quarter of a host core away from the agent loops and the verifier that produce the arrivals. A pause
+        ends early when the learner's oldest call finishes (``OpPipeline.wait``), so a learner that runs dry
+        gets its next chunk at once, not up to a pause later.
         """
         pause = self.ctx.poll_s
         while True:
@@ -273,7 +275,7 @@ class StreamedStep:
                 return arrivals
             if time.time() - self.state.t_start > self.ctx.timeout_s:
                 raise self.source.never_arrived()
-            time.sleep(pause)
+            self.pipe.wait(pause)  # wakes early when the learner's oldest call finishes
             pause = min(2 * pause, max(self.ctx.poll_s, POLL_CAP_S))
 
     def _admit(self, arrivals: Arrivals) -> None:
