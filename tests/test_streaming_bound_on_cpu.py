@@ -56,3 +56,29 @@ def test_the_verifier_shift_and_the_median_over_steps(bench, tmp_path):
     run = sync_run(tmp_path, {2: ([1.0, 2.0], 2.5, 0.2), 3: ([1.0, 1.0], 1.0, 4.0), 4: ([0.5, 3.0], 3.0, 1.0)})
     assert bench.streaming_bound(run) == pytest.approx(3.5)  # median of 2.6, 5.0, 3.5
     assert bench.streaming_bound({"per_step": {1: {}}, "traj_path": run["traj_path"]}) is None
+
+
+def thundersync_run(tmp_path: Path, landed: list[float], chunks: list[tuple[float, int]]) -> dict:
+    """A ThunderSync trace of step 2 (step 1 is left out): rewards seen at ``landed`` s, backward chunks of
+    ``(seconds, rows)``, a 0.1 s optimizer step and a 0.2 s weight push."""
+    recs = [{"kind": "step", "step": s, "t_start": 100.0 * s, "t_end": 100.0 * s + 9} for s in (1, 2)]
+    recs += [{"kind": "trajectory", "step": 2, "t_reward": 200.0 + t} for t in landed]
+    recs += [{"kind": "learner", "step": 2, "op": "backward", "t0": 200.0, "t1": 200.0 + sec, "rows": rows}
+             for sec, rows in chunks]
+    recs += [{"kind": "learner", "step": 2, "op": "optimizer", "t0": 209.0, "t1": 209.1}]
+    (tmp_path / "grpo_thundersync.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return {"run_dir": tmp_path, "per_step": {1: {}, 2: {"timing_s/update_weights": 0.2}}}
+
+
+def test_the_schedule_bound_adds_the_learner_work_still_to_come_at_each_arrival(bench, tmp_path):
+    """Rewards at 1, 2 and 2.5 s; the cheapest backward 0.5 s a row (a 2-row chunk of 1 s). The rollout bound is
+    the last landing plus one row (3.0 s); from the first landing the three rows need 1 + 1.5 = 2.5 s, and from the
+    second, 2 + 1.0 = 3.0 s: the schedule bound is 3.0 + 0.1 + 0.2. Rows landing early and fast make the learner's
+    work the bound."""
+    modes = bench.modes
+    run = thundersync_run(tmp_path, [1.0, 2.0, 2.5], [(0.7, 1), (1.0, 2)])
+    assert modes.thundersync_lower_bound(run) == pytest.approx(2.5 + 0.5 + 0.3)
+    assert modes.thundersync_lower_bound(run, learner_work=True) == pytest.approx(3.0 + 0.3)
+    crowded = thundersync_run(tmp_path, [0.5, 2.4, 2.5], [(0.7, 1), (1.6, 2)])  # 0.7 s a row at best
+    assert modes.thundersync_lower_bound(crowded) == pytest.approx(2.5 + 0.7 + 0.3)
+    assert modes.thundersync_lower_bound(crowded, learner_work=True) == pytest.approx(2.4 + 2 * 0.7 + 0.3)
