@@ -8,6 +8,8 @@ building, the timeout and the failure paths (no optimizer step on part of a batc
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -139,6 +141,7 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
     assert learner.steps == [pytest.approx(1 / 6)]  # seq-mean-token-sum: one step, divided by the 6 sequences
     assert learner.calls[0] == ("begin", "seq-mean-token-sum")
     assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
+    assert metrics["thundersync/listings"] == tq.polls > 0  # every controller listing the driver made is counted
     assert state.rows["a_0_0"]["rollout_lp"] == [-0.5, -0.5, -0.5]  # fused: the chunk carries the rollout's
     assert torch.equal(tq.records["a_0_0"][1]["old_log_probs"], torch.tensor([-0.5, -0.5, -0.5]))
 
@@ -242,15 +245,16 @@ class _BusyPipe:
         from thundersync_verl.trainer.stream_exec import execute_op
 
         self.polls_while_full += len(self._inflight) >= self.depth
-        if self._inflight:
-            self._inflight[0][2] -= 1  # the head call computes while the driver polls
         while self._inflight and (self._inflight[0][2] <= 0 or (keep is not None and len(self._inflight) > keep)):
             op, rows, _ = self._inflight.popleft()
             execute_op(self.learner, op, rows, pad_token_id=0, temperature=1.0)
             self.on_done(op, {}, 0.0, 0.0)
 
     def wait(self, timeout_s: float) -> None:
-        return None  # time here is counted in polls
+        """The driver's pause: the head call computes meanwhile (one unit of ``latency`` per pause)."""
+        if self._inflight:
+            self._inflight[0][2] -= 1
+        time.sleep(timeout_s)
 
     def drain(self) -> None:
         self.collect(keep=0)

@@ -88,6 +88,7 @@ class StepState:
     kl_sum: float = 0.0  # OPD: log pi - log p_teacher summed over scored tokens, from the backwards
     kl_tokens: float = 0.0
     rollout_makespan_s: float = 0.0
+    listings: int = 0  # TransferQueue listings (controller RPCs on the host's cores) the driver made for the batch
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
     peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
@@ -154,6 +155,7 @@ class StreamedStep:
         self.source = ArrivalSource(trajectories, turns, gate)
         self.pipe = ctx.make_pipeline(self._op_done)
         self._held = 0  # ready rows the last plan could not place
+        self._pause, self._next_listing = ctx.poll_s, 0.0  # the TransferQueue listing schedule (``_wait``)
 
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
@@ -178,6 +180,7 @@ class StreamedStep:
                     self._submit(op)
                 if not ops and self.source.done:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
+            self.state.listings = self.source.trajectories.listings
             times = self.source.trajectories.arrival_time.values()
             self.state.rollout_makespan_s = max(times, default=self.state.t_start) - self.state.t_start
             if ctx.fused_forward and self.state.keys:  # bypass: verl's old_log_probs are the rollout's, for
@@ -207,6 +210,7 @@ class StreamedStep:
         metrics["thundersync/peak_bucket_bytes"] = max(state.peak_bucket_bytes, first.get(
             "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
         metrics["thundersync/budget_waits"] = state.budget_waits
+        metrics["thundersync/listings"] = state.listings
         metrics.update(self.algo.metrics(self.state, self.ctx))
         return metrics
 
@@ -263,20 +267,23 @@ class StreamedStep:
         an RPC to the TransferQueue controller, and at a fixed 10 ms the driver and the controller took a
         quarter of a host core away from the agent loops and the verifier that produce the arrivals. A pause
         ends early when the learner's oldest call finishes (``OpPipeline.wait``), so a learner that runs dry
-        gets its next chunk at once, not up to a pause later.
+        gets its next chunk at once, not up to a pause later; that wake-up plans from the rows already seen
+        and lists nothing: listings keep their own schedule, which only an arrival resets (with the
+        deterministic gate every pass lists, as a listing is also when the gate hands on its next block).
         """
-        pause = self.ctx.poll_s
         while True:
             self.pipe.collect()
             if self.ctx.coalesce and self._plan_now():
                 return Arrivals()
-            arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: one block at a time
-            if arrivals or self.source.done:
-                return arrivals
-            if time.time() - self.state.t_start > self.ctx.timeout_s:
-                raise self.source.never_arrived()
-            self.pipe.wait(pause)  # wakes early when the learner's oldest call finishes
-            pause = min(2 * pause, max(self.ctx.poll_s, POLL_CAP_S))
+            if time.time() >= self._next_listing or self.source.done or self.source.gate is not None:
+                arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
+                self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
+                self._next_listing = time.time() + self._pause
+                if arrivals or self.source.done:
+                    return arrivals
+                if time.time() - self.state.t_start > self.ctx.timeout_s:
+                    raise self.source.never_arrived()
+            self.pipe.wait(max(0.0, self._next_listing - time.time()))  # wakes early when a learner call finishes
 
     def _admit(self, arrivals: Arrivals) -> None:
         t_seen, state = time.time(), self.state

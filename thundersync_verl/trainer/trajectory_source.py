@@ -39,12 +39,14 @@ class TrajectorySource:
         self.timeout_s = timeout_s
         self.seen: dict[str, dict] = {}
         self.arrival_time: dict[str, float] = {}
+        self.listings = 0  # kv_list calls made (each one a controller RPC)
 
     @property
     def done(self) -> bool:
         return len(self.seen) >= self.expected
 
     def _snapshot(self) -> dict:
+        self.listings += 1
         listing = self.kv_list(self.partition) or {}
         return listing.get(self.partition, listing) if isinstance(listing, dict) else {}
 
