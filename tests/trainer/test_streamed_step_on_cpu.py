@@ -8,15 +8,13 @@ building, the timeout and the failure paths (no optimizer step on part of a batc
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from thundersync_verl.trainer.step_record import StepRecorder
 from thundersync_verl.trainer.stream_exec import OpPipeline
 from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY
-from thundersync_verl.trainer.stream_plan import StreamPlanner
+from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
 from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived
 
@@ -222,7 +220,7 @@ def test_batch_order_gate_orders_a_groups_members_by_content_not_sample_index():
 
 class _BusyPipe:
     """``OpPipeline``'s surface with queued calls that finish ``latency`` driver polls after they are sent (a busy
-    learner); each call then runs on the recording learner. Counts submits that found the pipeline full."""
+    learner); each call then runs on the recording learner. Counts backward submits that found the pipeline full."""
 
     def __init__(self, learner, on_done, *, depth: int = 2, latency: int = 6):
         from collections import deque
@@ -236,7 +234,7 @@ class _BusyPipe:
 
     def submit(self, op, rows) -> None:
         if len(self._inflight) >= self.depth:
-            self.blocked_submits += 1
+            self.blocked_submits += not isinstance(op, FoldOp)  # a fold (no rows, no compute) may wait for a slot
             self.collect(keep=self.depth - 1)
         self._inflight.append([op, rows, self.latency])
         self.max_in_flight = max(self.max_in_flight, len(self._inflight))
@@ -245,16 +243,12 @@ class _BusyPipe:
         from thundersync_verl.trainer.stream_exec import execute_op
 
         self.polls_while_full += len(self._inflight) >= self.depth
+        if self._inflight:
+            self._inflight[0][2] -= 1  # the head call computes while the driver polls
         while self._inflight and (self._inflight[0][2] <= 0 or (keep is not None and len(self._inflight) > keep)):
             op, rows, _ = self._inflight.popleft()
             execute_op(self.learner, op, rows, pad_token_id=0, temperature=1.0)
             self.on_done(op, {}, 0.0, 0.0)
-
-    def wait(self, timeout_s: float) -> None:
-        """The driver's pause: the head call computes meanwhile (one unit of ``latency`` per pause)."""
-        if self._inflight:
-            self._inflight[0][2] -= 1
-        time.sleep(timeout_s)
 
     def drain(self) -> None:
         self.collect(keep=0)
@@ -279,7 +273,7 @@ def test_a_busy_learner_gets_no_more_calls_than_it_has_slots_and_late_rows_share
         coalesce=True, fused_forward=True)
     StreamedStep(ctx, GRPOArrivals(planner)).run()
     pipe = pipes[0]
-    assert pipe.blocked_submits == 0 and pipe.max_in_flight == 2  # filled, never over-filled
+    assert pipe.blocked_submits == 0 and pipe.max_in_flight >= 2  # filled, never waiting to queue a backward
     assert pipe.polls_while_full > 0  # the driver kept listing arrivals while the learner had its next call
     assert sorted(_effective_coefficients(learner.calls)) == pytest.approx(_grpo_advantages(rewards), abs=1e-6)
     backwards = [c for c in learner.calls if c[0] == "backward"]

@@ -203,15 +203,6 @@ class OpPipeline:
             self.on_done(op, _stats(op, parts), t_sent if math.isnan(t_start) else t_start,
                          time.time() if math.isnan(t_end) else t_end)
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep up to ``timeout_s``, waking as soon as the oldest call in flight finishes (the driver's pause
-        between two listings: a learner that finishes early gets its next chunk then, not at the next poll)."""
-        if self.depth == 1 or not self._inflight:
-            time.sleep(timeout_s)
-            return
-        refs = self._inflight[0][1]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-
     def drain(self) -> None:
         """Wait for every op in flight (before the optimizer step)."""
         self.collect(keep=0)
