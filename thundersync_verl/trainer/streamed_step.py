@@ -255,8 +255,9 @@ class StreamedStep:
             ops = planner.next_ops()
             self._held = planner.ready_count  # rows left: held back by the memory budget
             return ops
-        free = self.pipe.depth - self.pipe.in_flight  # >= 1 here (``_plan_now``); a fold takes a slot too (folds are
-        # never held back: with more folds than free slots, the driver waits for the head call before queueing the rest)
+        # >= 1 free slot here (``_plan_now``). A fold takes a slot too, and folds are never held back: with more folds
+        # than free slots, the driver waits for the head call before queueing the rest.
+        free = self.pipe.depth - self.pipe.in_flight
         ops = planner.next_ops(max_backwards=max(0, free - planner.queued_folds))
         self._held = planner.held_count
         return ops
@@ -285,7 +286,7 @@ class StreamedStep:
                     return arrivals
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
                     raise self.source.never_arrived()
-            time.sleep(min(max(0.0, self._next_listing - time.time()), self._pause))
+            time.sleep(max(0.0, self._next_listing - time.time()))
 
     def _admit(self, arrivals: Arrivals) -> None:
         t_seen, state = time.time(), self.state
