@@ -232,7 +232,7 @@ class _BusyPipe:
     def in_flight(self) -> int:
         return len(self._inflight)
 
-    def submit(self, op, rows) -> None:
+    def submit(self, op, rows, tokens=None) -> None:
         if len(self._inflight) >= self.depth:
             self.blocked_submits += not isinstance(op, FoldOp)  # a fold (no rows, no compute) may wait for a slot
             self.collect(keep=self.depth - 1)
@@ -279,6 +279,100 @@ def test_a_busy_learner_gets_no_more_calls_than_it_has_slots_and_late_rows_share
     backwards = [c for c in learner.calls if c[0] == "backward"]
     assert len(backwards) <= 6  # 12 rows landing one or two a poll: the late ones shared chunks
     assert learner.steps == [pytest.approx(1 / 12)]
+
+
+class _ClockedTQ(_TQ):
+    """A record is listed from ``visible_at`` seconds after the first listing on (real time)."""
+
+    def kv_list(self, partition):
+        import time
+
+        self.polls += 1
+        self.t0 = getattr(self, "t0", None) or time.time()
+        now = time.time() - self.t0
+        return {partition: {k: t for k, (v, _, t) in self.records.items() if v <= now}}
+
+
+class _ClockedPipe(_BusyPipe):
+    """A learner that computes in real time: a call starts once the learner is free and ends ``per_row`` seconds a
+    row later (a fold: 5 ms). ``learner_idle_at`` knows when; ``cost.lead_s`` is the time a plan takes to reach it.
+    ``queued_ahead``: backwards submitted while the previous call still ran and rows were still to land."""
+
+    class _Cost:
+        lead_s = 0.03
+
+    def __init__(self, learner, on_done, tq: _ClockedTQ, *, per_row: float, knows_its_queue: bool):
+        super().__init__(learner, on_done)
+        self.tq, self.done = tq, []
+        self.per_row, self.cost, self.free_at, self.queued_ahead, self.backwards = per_row, self._Cost(), 0.0, 0, 0
+        if knows_its_queue:
+            self.learner_idle_at = lambda: max([self.free_at] + [c[2] for c in self._inflight])
+
+    def submit(self, op, rows, tokens=None) -> None:
+        import time
+
+        now = time.time()
+        end_prev = max([self.free_at] + [c[2] for c in self._inflight])
+        if not isinstance(op, FoldOp):
+            self.backwards += 1
+            landing = now - self.tq.t0 < max(v for v, _, _ in self.tq.records.values())
+            self.queued_ahead += self.backwards > 1 and end_prev > now and landing
+        seconds = 0.005 if isinstance(op, FoldOp) else self.per_row * len(op.items)
+        self._inflight.append([op, rows, max(end_prev, now) + seconds])
+        self.max_in_flight = max(self.max_in_flight, len(self._inflight))
+
+    def collect(self, keep: int | None = None) -> None:
+        import time
+
+        while self._inflight:
+            op, rows, end = self._inflight[0]
+            if end > time.time():
+                if keep is None or len(self._inflight) <= keep:
+                    return
+                time.sleep(end - time.time())
+            self._inflight.popleft()
+            self.free_at = end
+            self.done.append((op, rows))
+            self.on_done(op, {}, end - 0.01, end)
+
+    def drain(self) -> None:
+        """The ops run on the recording learner once all are done (building the first chunk warms torch up for
+        seconds, which would stall the clock)."""
+        from thundersync_verl.trainer.stream_exec import execute_op
+
+        self.collect(keep=0)
+        for op, rows in self.done:
+            execute_op(self.learner, op, rows, pad_token_id=0, temperature=1.0)
+        self.done = []
+
+
+def _clocked_step(knows_its_queue: bool):
+    tq, learner = _ClockedTQ(), _Learner()
+    rewards = {u: [1.0, 0.0, 0.0, 1.0] for u in "abc"}
+    for i, (uid, s) in enumerate((u, s) for s in range(4) for u in rewards):
+        tq.add(f"{uid}_{s}_0", rewards[uid][s], visible_at=0.03 * i)  # 12 rows over 0.36 s; the learner needs 0.72 s
+    pipes = []
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=16)
+    ctx = StepContext(
+        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
+        make_pipeline=lambda on_done: pipes.append(
+            _ClockedPipe(learner, on_done, tq, per_row=0.06, knows_its_queue=knows_its_queue)) or pipes[-1],
+        forward_at_theta_k=lambda keys, tags: {}, uids=list(rewards), n=4, timeout_s=30.0, poll_s=0.002,
+        coalesce=True, fused_forward=True)
+    step = StreamedStep(ctx, GRPOArrivals(planner))
+    out, state = step.run()
+    assert sorted(_effective_coefficients(learner.calls)) == pytest.approx(_grpo_advantages(rewards), abs=1e-6)
+    return pipes[0], step.metrics(out)["thundersync/planned_ahead"]
+
+
+def test_the_next_call_is_queued_before_the_learner_goes_idle():
+    """Rows landing faster than the learner computes: with the expected end of the queued calls known, the driver
+    plans each next call just before the learner finishes the last one; without it (no estimate yet), it plans
+    while the learner computes only to fill both slots of an idle learner. Same advantages either way."""
+    ahead, ahead_planned = _clocked_step(knows_its_queue=True)
+    blind, blind_planned = _clocked_step(knows_its_queue=False)
+    assert ahead.queued_ahead >= 4 and ahead_planned >= 4  # 6 calls while rows land (0.36 s at 0.06 s a row)
+    assert blind_planned == 0 and blind.queued_ahead <= ahead.queued_ahead - 2
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():

@@ -17,6 +17,9 @@
    calls, numbered per batch): with one blocking call at a time the learner sat idle while the driver
    admitted arrivals, built the next chunk and verl dispatched it. Results come back in order; the first
    failure is raised after the calls already sent have finished, so nothing of the batch is left running.
+5. The pipeline times every call it hands back into a ``CallCost`` (``core/call_cost.py``, shared by a run's
+   steps), so ``learner_idle_at`` can say when the learner will have finished what is queued: the driver
+   plans the next call just before then (``streamed_step``), not after.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import ray
 import torch
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.core.call_cost import CallCost, queue_end
 from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp
 from thundersync_verl.trainer.opd_stream import OPDStreamClient, TurnBackwardOp
@@ -158,27 +162,44 @@ class OpPipeline:
     """
 
     def __init__(self, worker_group, *, pad_token_id: int, temperature: float,
-                 on_done: Callable[[object, dict, float, float], None], depth: int = 2):
+                 on_done: Callable[[object, dict, float, float], None], depth: int = 2, cost: CallCost | None = None):
         if depth < 1:
             raise ValueError(f"OpPipeline depth must be >= 1 (ops in flight), got {depth}")
         self.wg, self.pad_token_id, self.temperature = worker_group, pad_token_id, temperature
         self.on_done, self.depth = on_done, depth
+        self.cost = cost if cost is not None else CallCost()
         self._inflight: collections.deque = collections.deque()
         self._seq = 0
+        self._free_at = 0.0  # the worker's end time of the last call handed back
 
-    def submit(self, op, rows: dict) -> None:
-        """Queue ``op``; returns once at most ``depth`` ops are in flight."""
+    def submit(self, op, rows: dict, tokens: int | None = None) -> None:
+        """Queue ``op``; returns once at most ``depth`` ops are in flight. ``tokens``: the op's prompt and response
+        tokens (its cost); None leaves the op out of the duration model, and ``learner_idle_at`` unknown while
+        it is queued."""
+        t_begin = time.time()
         if self.depth == 1:
-            t0 = time.time()
             stats = execute_op(self.wg, op, rows, pad_token_id=self.pad_token_id, temperature=self.temperature)
-            self.on_done(op, stats, t0, time.time())
+            self.on_done(op, stats, t_begin, time.time())
             return
         method, args = _request(self.wg, op, rows, pad_token_id=self.pad_token_id, temperature=self.temperature,
                                 queued=True, seq=self._seq)
         refs = va.worker_result_refs(getattr(self.wg, method)(*args))
         self._seq += 1
-        self._inflight.append((op, refs, time.time()))
+        idle = not self._inflight  # the learner may be idle: this call's start measures the lead
+        self._inflight.append((op, refs, time.time(), t_begin, tokens, idle))
         self.collect(keep=self.depth)
+
+    def learner_idle_at(self) -> float | None:
+        """When the learner is expected to have finished every call in flight (now, with none); None while a
+        queued call's duration cannot be predicted yet."""
+        if not self._inflight:
+            return time.time()
+        queued = []
+        for op, _, _, t_begin, tokens, _ in self._inflight:
+            if tokens is None:
+                return None
+            queued.append((_kind(op), tokens, t_begin))
+        return queue_end(self.cost, self._free_at, queued)
 
     @property
     def in_flight(self) -> int:
@@ -188,7 +209,7 @@ class OpPipeline:
     def collect(self, keep: int | None = None) -> None:
         """Hand back every finished op at the head; with ``keep``, wait until at most ``keep`` are in flight."""
         while self._inflight:
-            op, refs, t_sent = self._inflight[0]
+            op, refs, t_sent, t_begin, tokens, idle = self._inflight[0]
             must_wait = keep is not None and len(self._inflight) > keep
             if not must_wait and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
                 return
@@ -200,8 +221,14 @@ class OpPipeline:
             self._inflight.popleft()
             t_start = _stat(parts, "ts_t_start", min)
             t_end = _stat(parts, "ts_t_end", max)
-            self.on_done(op, _stats(op, parts), t_sent if math.isnan(t_start) else t_start,
-                         time.time() if math.isnan(t_end) else t_end)
+            t_start = t_sent if math.isnan(t_start) else t_start
+            t_end = time.time() if math.isnan(t_end) else t_end
+            if tokens is not None:
+                self.cost.observe(_kind(op), tokens, t_end - t_start)
+                if idle and t_start >= self._free_at:
+                    self.cost.observe_lead(t_start - t_begin)
+            self._free_at = max(self._free_at, t_end)
+            self.on_done(op, _stats(op, parts), t_start, t_end)
 
     def drain(self) -> None:
         """Wait for every op in flight (before the optimizer step)."""
@@ -209,10 +236,14 @@ class OpPipeline:
 
     def _abandon(self) -> None:
         """After a failure: let the calls already sent finish (each refuses: the batch failed), drop them."""
-        refs = [r for _, op_refs, _ in self._inflight for r in op_refs]
+        refs = [r for _, op_refs, *_ in self._inflight for r in op_refs]
         self._inflight.clear()
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=60)
+
+
+def _kind(op) -> str:
+    return "fold" if isinstance(op, FoldOp) else "backward"
 
 
 def _wait(result):

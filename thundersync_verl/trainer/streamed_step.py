@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 from thundersync_verl.trainer.step_record import StepRecorder, first_rank
 from thundersync_verl.trainer.stream_exec import OpPipeline, fetch_rows, rollout_as_old_log_probs
 from thundersync_verl.trainer.minibatch_plan import PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, StreamPlanner
+from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, FoldOp, StreamPlanner
 from thundersync_verl.trainer.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
 
 
@@ -90,6 +90,7 @@ class StepState:
     rollout_makespan_s: float = 0.0
     listings: int = 0  # TransferQueue listings (controller RPCs on the host's cores) the driver made for the batch
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
+    planned_ahead: int = 0  # plans made while the learner still computed, timed to reach it as it goes idle
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
     peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
     sums: dict = field(default_factory=dict)  # other per-op counts summed over the step (SAO: masked / scored tokens)
@@ -156,6 +157,10 @@ class StreamedStep:
         self.pipe = ctx.make_pipeline(self._op_done)
         self._held = 0  # ready rows the last plan could not place
         self._pause, self._next_listing = ctx.poll_s, 0.0  # the TransferQueue listing schedule (``_wait``)
+        # free-slot, just-in-time planning (``_next_ops``, ``_plan_at``): coalescing GRPO without the batch-order gate
+        self._capped = ctx.coalesce and not ctx.deterministic and hasattr(self.planner, "held_count")
+        self._ahead = False  # the last ``_plan_now`` said yes only because the learner is about to go idle
+        self._listed_for: float | None = None  # the plan moment the last just-in-time listing was made for
 
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
@@ -176,6 +181,7 @@ class StreamedStep:
                     continue
                 ops = self._next_ops()
                 self.state.budget_waits += bool(self._held)
+                self.state.planned_ahead += bool(ctx.coalesce and self._ahead and ops)
                 for op in ops:
                     self._submit(op)
                 if not ops and self.source.done:
@@ -211,6 +217,7 @@ class StreamedStep:
             "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
         metrics["thundersync/budget_waits"] = state.budget_waits
         metrics["thundersync/listings"] = state.listings
+        metrics["thundersync/planned_ahead"] = state.planned_ahead
         metrics.update(self.algo.metrics(self.state, self.ctx))
         return metrics
 
@@ -218,7 +225,7 @@ class StreamedStep:
     def _submit(self, op) -> None:
         """Queue ``op`` on the learner; a mini-batch's ``StepOp`` steps in order, then opens the next mini-batch."""
         if not isinstance(op, StepOp):
-            self.pipe.submit(op, self.state.rows)
+            self.pipe.submit(op, self.state.rows, tokens=self._op_tokens(op))
             return
         self.pipe.drain()  # every backward of this mini-batch is in the gradient
         t0 = time.time()
@@ -232,18 +239,32 @@ class StreamedStep:
         self.pipe = self.ctx.make_pipeline(self._op_done)
 
     def _plan_now(self) -> bool:
-        """Plan while the learner is idle, for a full chunk, or at the end, and only into a free pipeline slot;
-        else arrivals share the next chunk.
+        """Plan while the learner is idle, for a full chunk, at the end, or just in time for the learner to go
+        on without a gap (``_plan_at``), and only into a free pipeline slot; else arrivals share the next chunk.
 
         Rows the last plan held back (their buckets did not fit the memory budget) can only run once
         something new lands (a group closing frees its buckets), so they alone never trigger a plan.
         """
-        ready = self.planner.ready_count
+        ready, self._ahead = self.planner.ready_count, False
         if ready == 0 or (ready <= self._held and not self.source.done):
             return False
         if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
             return False
-        return self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done
+        if self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done:
+            return True
+        plan_at = self._plan_at()
+        self._ahead = plan_at is not None and time.time() >= plan_at
+        return self._ahead
+
+    def _plan_at(self) -> float | None:
+        """When to plan the next call so that it reaches the learner as the learner finishes the calls in flight
+        (``core/call_cost.py``): the expected end of the queue minus the lead from a plan to the learner. None
+        without an estimate yet, and outside the free-slot planning (``_next_ops``)."""
+        if not self._capped:
+            return None
+        idle_at = getattr(self.pipe, "learner_idle_at", lambda: None)()
+        lead = getattr(getattr(self.pipe, "cost", None), "lead_s", None)
+        return None if idle_at is None or lead is None else idle_at - lead
 
     def _next_ops(self) -> list:
         """The planner's next ops. Coalescing, a GRPO plan fills the pipeline's free slots only (``next_ops``'s
@@ -251,7 +272,7 @@ class StreamedStep:
         left over join later arrivals in larger chunks (fewer learner calls, each with its fixed cost). The
         deterministic gate fixes every chunk's rows itself, so it plans all it released at once, as before."""
         planner = self.planner
-        if not self.ctx.coalesce or self.ctx.deterministic or not hasattr(planner, "held_count"):
+        if not self._capped:
             ops = planner.next_ops()
             self._held = planner.ready_count  # rows left: held back by the memory budget
             return ops
@@ -270,7 +291,8 @@ class StreamedStep:
         quarter of a host core away from the agent loops and the verifier that produce the arrivals. Listings
         keep that schedule across plans: only an arrival resets the pause, so a plan that a finished learner
         call triggers adds no listing (with the deterministic gate every pass lists, as a listing is also when
-        the gate hands on its next block). Waking the driver the moment a learner call finished (``ray.wait``
+        the gate hands on its next block). The one listing added is at each moment to plan ahead (``_plan_at``),
+        so that the next call takes every row that landed until then. Waking the driver the moment a learner call finished (``ray.wait``
         on the call instead of the pause) showed no gain in paired runs on the emulated device (within their
         noise), so the pause stays a plain sleep.
         """
@@ -278,7 +300,14 @@ class StreamedStep:
             self.pipe.collect()
             if self.ctx.coalesce and self._plan_now():
                 return Arrivals()
-            if time.time() >= self._next_listing or self.source.done or self.source.gate is not None:
+            plan_at = self._plan_at() if self.pipe.in_flight else None
+            # the moment to plan ahead came and a slot is free: one listing first, so the call takes all that landed
+            just_in_time = (plan_at is not None and plan_at != self._listed_for and time.time() >= plan_at
+                            and self.pipe.in_flight < self.pipe.depth)
+            if (time.time() >= self._next_listing or just_in_time or self.source.done
+                    or self.source.gate is not None):
+                if just_in_time:
+                    self._listed_for = plan_at
                 arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
                 self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
                 self._next_listing = time.time() + self._pause
@@ -286,7 +315,10 @@ class StreamedStep:
                     return arrivals
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
                     raise self.source.never_arrived()
-            time.sleep(max(0.0, self._next_listing - time.time()))
+            wake = self._next_listing
+            if plan_at is not None and (plan_at != self._listed_for or self.planner.ready_count > self._held):
+                wake = min(wake, max(plan_at, time.time() + self.ctx.poll_s))  # past it, the head call is late
+            time.sleep(max(0.0, wake - time.time()))
 
     def _admit(self, arrivals: Arrivals) -> None:
         t_seen, state = time.time(), self.state
@@ -339,6 +371,15 @@ class StreamedStep:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
         self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self.ctx.fused_forward))
         return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
+
+    def _op_tokens(self, op) -> int | None:
+        """A GRPO op's prompt and response tokens (its cost for ``CallCost``; a fold has none); None for others."""
+        if isinstance(op, FoldOp):
+            return 0
+        if isinstance(op, (BackwardOp, PPOBackwardOp)):
+            rows = self.state.rows
+            return sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for _, k in op.items)
+        return None
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
         state = self.state

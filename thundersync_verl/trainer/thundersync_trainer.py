@@ -44,6 +44,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.agent.turn_teacher import attach_teacher_clients
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core import StreamingConfigError
+from thundersync_verl.core.call_cost import CallCost
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer import resume
 from thundersync_verl.trainer.memory_probe import MemoryProbe
@@ -214,6 +215,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.run_state = resume.RunState()  # counters kept across restarts (trainer/resume.py)
         self.timeline_feed = TimelineFeed(self.recorder.run_dir / "timelines") if self.recorder.run_dir else None
         self.memory_probe = MemoryProbe.from_env()  # off unless THUNDERSYNC_MEMORY_PROBE names a file
+        self.call_cost = CallCost()  # the learner calls' durations, learnt over the run (core/call_cost.py)
 
     # -- setup -----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
@@ -403,7 +405,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
             worker_group=self.actor_rollout_wg, tq=api.tq, recorder=self.recorder,
             make_pipeline=lambda on_done: OpPipeline(
                 self.actor_rollout_wg, pad_token_id=self.tokenizer.pad_token_id, temperature=rollout.temperature,
-                on_done=on_done, depth=ts.pipeline_depth),
+                on_done=on_done, depth=ts.pipeline_depth, cost=self.call_cost),
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
             fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
