@@ -57,6 +57,15 @@ def test_the_lead_is_a_moving_average_of_idle_starts():
     assert model.lead_s == pytest.approx(0.03)
 
 
+def test_the_margin_adds_the_recent_prediction_error_to_the_lead():
+    model = CallCost(decay=1.0, lead_decay=0.5)
+    model.observe_lead(0.02)
+    model.observe("backward", 100, 0.1)
+    assert model.margin_s == pytest.approx(0.02)  # nothing was predicted yet: no error
+    model.observe("backward", 100, 0.14)  # predicted 0.1: 0.04 off
+    assert model.margin_s == pytest.approx(0.02 + 0.5 * 0.04)
+
+
 def test_the_queue_ends_after_each_call_in_turn_and_no_call_starts_before_it_reached_the_learner():
     model = CallCost()
     model.observe("backward", 100, 0.1)

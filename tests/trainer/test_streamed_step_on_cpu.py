@@ -232,7 +232,7 @@ class _BusyPipe:
     def in_flight(self) -> int:
         return len(self._inflight)
 
-    def submit(self, op, rows, tokens=None) -> None:
+    def submit(self, op, rows, tokens=None, t_plan=None) -> None:
         if len(self._inflight) >= self.depth:
             self.blocked_submits += not isinstance(op, FoldOp)  # a fold (no rows, no compute) may wait for a slot
             self.collect(keep=self.depth - 1)
@@ -299,7 +299,7 @@ class _ClockedPipe(_BusyPipe):
     ``queued_ahead``: backwards submitted while the previous call still ran and rows were still to land."""
 
     class _Cost:
-        lead_s = 0.03
+        lead_s = margin_s = 0.03
 
     def __init__(self, learner, on_done, tq: _ClockedTQ, *, per_row: float, knows_its_queue: bool):
         super().__init__(learner, on_done)
@@ -308,7 +308,7 @@ class _ClockedPipe(_BusyPipe):
         if knows_its_queue:
             self.learner_idle_at = lambda: max([self.free_at] + [c[2] for c in self._inflight])
 
-    def submit(self, op, rows, tokens=None) -> None:
+    def submit(self, op, rows, tokens=None, t_plan=None) -> None:
         import time
 
         now = time.time()

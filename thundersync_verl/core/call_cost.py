@@ -12,9 +12,10 @@ Why:
    rows into calls gives the same batch gradient.
 3. A call's duration is ``fixed + per_token * tokens`` for backwards (least squares over recent calls, each
    older call weighing ``decay`` times less: the machine's speed drifts) and a mean for folds (no tokens).
-   The lead is the time from the start of a submit to the worker starting the call, measured on calls that
-   found the learner idle. Nothing is predicted before the first observations: the driver then plans as
-   it would without a model.
+   The lead is the time from the start of a plan (the listing it reads) to the worker starting the call,
+   measured on calls that found the learner idle; the margin is the recent mean error of the predictions,
+   as planning a little early costs less than a gap. Nothing is predicted before the first observations:
+   the driver then plans as it would without a model.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class CallCost:
     lead_decay: float = 0.8
     _lines: dict = field(default_factory=dict)  # kind -> _Decayed
     _lead: float | None = None
+    _error: float = 0.0  # decayed mean |predicted - measured| seconds of a call
 
     def __post_init__(self) -> None:
         for name in ("decay", "lead_decay"):
@@ -69,10 +71,13 @@ class CallCost:
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         """One finished call of ``kind`` ("backward", "fold") with ``tokens`` tokens took ``seconds`` on the learner."""
         if seconds >= 0.0 and tokens >= 0:
+            predicted = self.predict(kind, tokens)
+            if predicted is not None:
+                self._error = self.lead_decay * self._error + (1 - self.lead_decay) * abs(predicted - seconds)
             self._lines.setdefault(kind, _Decayed()).add(float(tokens), float(seconds), self.decay)
 
     def observe_lead(self, seconds: float) -> None:
-        """A call that found the learner idle started ``seconds`` after its submit began."""
+        """A call that found the learner idle started ``seconds`` after its plan began."""
         if seconds >= 0.0:
             self._lead = seconds if self._lead is None else self.lead_decay * self._lead + (1 - self.lead_decay) * seconds
 
@@ -84,6 +89,11 @@ class CallCost:
     @property
     def lead_s(self) -> float | None:
         return self._lead
+
+    @property
+    def margin_s(self) -> float:
+        """How much earlier than the expected end to plan: the lead plus the recent mean prediction error."""
+        return (self._lead or 0.0) + self._error
 
 
 def queue_end(model: CallCost, learner_free_at: float, queued: list[tuple[str, int, float]]) -> float | None:

@@ -172,11 +172,11 @@ class OpPipeline:
         self._seq = 0
         self._free_at = 0.0  # the worker's end time of the last call handed back
 
-    def submit(self, op, rows: dict, tokens: int | None = None) -> None:
+    def submit(self, op, rows: dict, tokens: int | None = None, t_plan: float | None = None) -> None:
         """Queue ``op``; returns once at most ``depth`` ops are in flight. ``tokens``: the op's prompt and response
         tokens (its cost); None leaves the op out of the duration model, and ``learner_idle_at`` unknown while
-        it is queued."""
-        t_begin = time.time()
+        it is queued. ``t_plan``: when the plan that made it began (its listing), for the lead; default now."""
+        t_begin = time.time() if t_plan is None else min(t_plan, time.time())
         if self.depth == 1:
             stats = execute_op(self.wg, op, rows, pad_token_id=self.pad_token_id, temperature=self.temperature)
             self.on_done(op, stats, t_begin, time.time())

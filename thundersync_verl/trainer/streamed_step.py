@@ -161,6 +161,7 @@ class StreamedStep:
         self._capped = ctx.coalesce and not ctx.deterministic and hasattr(self.planner, "held_count")
         self._ahead = False  # the last ``_plan_now`` said yes only because the learner is about to go idle
         self._listed_for: float | None = None  # the plan moment the last just-in-time listing was made for
+        self._t_listing: float | None = None  # when the last listing began
 
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
@@ -184,6 +185,7 @@ class StreamedStep:
                 self.state.planned_ahead += bool(ctx.coalesce and self._ahead and ops)
                 for op in ops:
                     self._submit(op)
+                self._t_listing = None  # a plan without a listing of its own begins at its submit
                 if not ops and self.source.done:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
             self.state.listings = self.source.trajectories.listings
@@ -225,7 +227,7 @@ class StreamedStep:
     def _submit(self, op) -> None:
         """Queue ``op`` on the learner; a mini-batch's ``StepOp`` steps in order, then opens the next mini-batch."""
         if not isinstance(op, StepOp):
-            self.pipe.submit(op, self.state.rows, tokens=self._op_tokens(op))
+            self.pipe.submit(op, self.state.rows, tokens=self._op_tokens(op), t_plan=self._t_listing)
             return
         self.pipe.drain()  # every backward of this mini-batch is in the gradient
         t0 = time.time()
@@ -263,8 +265,10 @@ class StreamedStep:
         if not self._capped:
             return None
         idle_at = getattr(self.pipe, "learner_idle_at", lambda: None)()
-        lead = getattr(getattr(self.pipe, "cost", None), "lead_s", None)
-        return None if idle_at is None or lead is None else idle_at - lead
+        cost = getattr(self.pipe, "cost", None)
+        if idle_at is None or getattr(cost, "lead_s", None) is None:
+            return None
+        return idle_at - cost.margin_s
 
     def _next_ops(self) -> list:
         """The planner's next ops. Coalescing, a GRPO plan fills the pipeline's free slots only (``next_ops``'s
@@ -308,6 +312,7 @@ class StreamedStep:
                     or self.source.gate is not None):
                 if just_in_time:
                     self._listed_for = plan_at
+                self._t_listing = time.time()  # a plan that follows begins here (the pipeline's lead)
                 arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
                 self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
                 self._next_listing = time.time() + self._pause
