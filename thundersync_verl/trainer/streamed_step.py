@@ -187,7 +187,7 @@ class StreamedStep:
                     continue
                 ops = self._next_ops()
                 self.state.budget_waits += bool(self._held)
-                self.state.planned_ahead += bool(ctx.coalesce and self._ahead and ops)
+                self.state.planned_ahead += bool(self._ahead and ops)
                 for op in ops:
                     self._submit(op)
                 self._t_listing = None  # a plan without a listing of its own begins at its submit
@@ -301,9 +301,9 @@ class StreamedStep:
         keep that schedule across plans: only an arrival resets the pause, so a plan that a finished learner
         call triggers adds no listing (with the deterministic gate every pass lists, as a listing is also when
         the gate hands on its next block). The one listing added is at each moment to plan ahead (``_plan_at``),
-        so that the next call takes every row that landed until then. Waking the driver the moment a learner call finished (``ray.wait``
-        on the call instead of the pause) showed no gain in paired runs on the emulated device (within their
-        noise), so the pause stays a plain sleep.
+        so that the next call takes every row that landed until then. Waking the driver the moment a learner
+        call finished (``ray.wait`` on the call instead of the pause) showed no gain in paired runs on the
+        emulated device (within their noise), so the pause stays a plain sleep.
         """
         while True:
             self.pipe.collect()
@@ -387,8 +387,7 @@ class StreamedStep:
         if isinstance(op, FoldOp):
             return 0
         if isinstance(op, (BackwardOp, PPOBackwardOp)):
-            rows = self.state.rows
-            return sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for _, k in op.items)
+            return items_tokens(self.state.rows, op.items)
         return None
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
@@ -402,6 +401,11 @@ class StreamedStep:
                 state.sums[key] = state.sums.get(key, 0.0) + stats[key]
         kind, items, tokens = self.algo.describe_op(op, state, t0)
         self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens)
+
+
+def items_tokens(rows: dict, items) -> int:
+    """Prompt and response tokens of a GRPO op's ``(group, key)`` items."""
+    return sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for _, k in items)
 
 
 class GRPOArrivals:
@@ -423,8 +427,8 @@ class GRPOArrivals:
 
     def describe_op(self, op, state: StepState, t0: float) -> tuple[str, tuple, int]:
         items = getattr(op, "items", ())
-        tokens = sum(len(state.rows[k]["prompt"]) + len(state.rows[k]["response"]) for _, k in items)
-        return ("backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"), items, tokens
+        kind = "backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"
+        return kind, items, items_tokens(state.rows, items)
 
     def check_complete(self, state: StepState) -> None:
         return None  # the planner's finalize refuses an incomplete batch
