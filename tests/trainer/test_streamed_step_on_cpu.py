@@ -299,7 +299,7 @@ class _ClockedPipe(_BusyPipe):
     ``queued_ahead``: backwards submitted while the previous call still ran and rows were still to land."""
 
     class _Cost:
-        lead_s = margin_s = 0.03
+        lead_s = margin_s = 0.06
 
     def __init__(self, learner, on_done, tq: _ClockedTQ, *, per_row: float, knows_its_queue: bool):
         super().__init__(learner, on_done)
@@ -350,13 +350,13 @@ def _clocked_step(knows_its_queue: bool):
     tq, learner = _ClockedTQ(), _Learner()
     rewards = {u: [1.0, 0.0, 0.0, 1.0] for u in "abc"}
     for i, (uid, s) in enumerate((u, s) for s in range(4) for u in rewards):
-        tq.add(f"{uid}_{s}_0", rewards[uid][s], visible_at=0.03 * i)  # 12 rows over 0.36 s; the learner needs 0.72 s
+        tq.add(f"{uid}_{s}_0", rewards[uid][s], visible_at=0.06 * i)  # 12 rows over 0.72 s; the learner needs 1.44 s
     pipes = []
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=16)
     ctx = StepContext(
         worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
         make_pipeline=lambda on_done: pipes.append(
-            _ClockedPipe(learner, on_done, tq, per_row=0.06, knows_its_queue=knows_its_queue)) or pipes[-1],
+            _ClockedPipe(learner, on_done, tq, per_row=0.12, knows_its_queue=knows_its_queue)) or pipes[-1],
         forward_at_theta_k=lambda keys, tags: {}, uids=list(rewards), n=4, timeout_s=30.0, poll_s=0.002,
         coalesce=True, fused_forward=True)
     step = StreamedStep(ctx, GRPOArrivals(planner))
@@ -371,7 +371,7 @@ def test_the_next_call_is_queued_before_the_learner_goes_idle():
     while the learner computes only to fill both slots of an idle learner. Same advantages either way."""
     ahead, ahead_planned = _clocked_step(knows_its_queue=True)
     blind, blind_planned = _clocked_step(knows_its_queue=False)
-    assert ahead.queued_ahead >= 4 and ahead_planned >= 4  # 6 calls while rows land (0.36 s at 0.06 s a row)
+    assert ahead.queued_ahead >= 4 and ahead_planned >= 4  # 6 calls while rows land (0.72 s at 0.12 s a row)
     assert blind_planned == 0 and blind.queued_ahead <= ahead.queued_ahead - 2
 
 
