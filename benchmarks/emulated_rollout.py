@@ -20,13 +20,21 @@ Why:
 4. Sync runs twice: as configured (verl's old-log-prob forward on the learner) and in verl's bypass
    mode (``algorithm.rollout_correction.bypass_mode``: the rollout's log-probs are the old ones, legal
    when training is on-policy, as here). The speed-up is claimed against the faster one.
-5. Same trajectories, same update: short extra runs (1 step, SGD at lr 1 so the update is the clipped
-   gradient itself, no sleeping) keep the pushed weights (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``): the
-   relative gap of ThunderSync's step-1 update to that of Sync in bypass mode (the update ThunderSync's
-   fused forward computes: the rollout's log-probs are the old ones) is divided by the noise floor, the
-   largest gap among verl's own bypass runs at micro-batch sizes 1, 2 and 4 (other summation orders of
-   the same update; the drop-in test's floor). An earlier floor, one regrouping of Sync with its own
-   old-log-prob forward, measured a third of the gap between verl's two Sync configurations.
+5. Same trajectories, same update: short extra runs (1 step, no sleeping) keep the pushed weights
+   (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``). Their optimizer is SGD at lr 1e4, so the update is the clipped
+   gradient times 1e4: at lr 1 a weight's update is often below its float32 spacing, and the gap between
+   two runs counted the weights whose rounding flipped, not how far their gradients differ (measured: 3.7e-6
+   at lr 1 against 1.25e-6 at lr 1e4, for the same pair of runs). The relative gap of ThunderSync's step-1
+   update to that of Sync in bypass mode (the Sync the speed-up is claimed against) is divided by the noise
+   floor: the largest gap among verl's own Sync runs that compute the same update in exact arithmetic, in
+   bypass mode and with its own old-log-prob forward, at micro-batch sizes 1, 2 and 4. Two more runs in
+   verl's ``token-sum`` mode give ``step1_update_gap_token_sum``. There each row's loss coefficient is its
+   advantage itself, while in ``token-mean`` verl rounds advantage / token count per row, and ThunderSync
+   applies the one scale to the summed gradient at the barrier (``stream_loss.py`` point 2). Measured on the
+   recorded workload: ThunderSync equals verl's Sync bit for bit in token-sum. In token-mean, ThunderSync is
+   1.3e-6 from every Sync run, in any micro-batch size or row order (verl's ``actor.shuffle``), while those
+   runs are within 2e-7 of each other when run in the same log-prob mode. The per-row roundings are common
+   to all of them.
 6. What the emulation leaves out: the engine's own host work (scheduling, detokenising, the KV-cache
    manager: its CPU time is not spent, its service time is), the contention a real engine's host
    threads would add, and the weight load on the rollout side (the push runs, the replay server
@@ -159,14 +167,15 @@ def reward_log_overrides(path: Path) -> list[str]:
 
 
 # ----- step-1 update gap (point 5) ----------------------------------------------------------------
-# ThunderSync's fused forward takes the rollout's log-probs as the old ones: verl's bypass mode. Its update is
-# compared with Sync in bypass mode; the floor is the largest gap among verl's own bypass runs at micro-batch sizes
-# 1, 2 and 4 (the drop-in test's definition: the spread of Sync among itself). Sync with its own old-log-prob
-# forward is another update (the PPO ratio's denominator comes from another forward) and is reported beside it.
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
-EXACT_RUNS = {"sync_bypass": [], "sync_bypass_micro2": [MICRO + "2"], "sync_bypass_micro4": [MICRO + "4"],
-              "thundersync": [], "sync": []}
-SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1.0"]
+TOKEN_SUM = ["actor_rollout_ref.actor.loss_agg_mode=token-sum"]
+# name -> (mode, overrides); every "sync*" run of the token-mean config is a member of the floor
+EXACT_RUNS = {"sync_bypass": ("sync_bypass", []), "sync_bypass_micro2": ("sync_bypass", [MICRO + "2"]),
+              "sync_bypass_micro4": ("sync_bypass", [MICRO + "4"]), "sync": ("sync", []),
+              "sync_micro2": ("sync", [MICRO + "2"]), "sync_micro4": ("sync", [MICRO + "4"]),
+              "thundersync": ("thundersync", []),
+              "token_sum_sync": ("sync", TOKEN_SUM), "token_sum_thundersync": ("thundersync", TOKEN_SUM)}
+SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1e4"]
 
 
 def step1_update_gap(inputs: dict, work: Path, workload: str, rec: Path) -> dict:
@@ -174,8 +183,7 @@ def step1_update_gap(inputs: dict, work: Path, workload: str, rec: Path) -> dict
     import torch
 
     deltas = {}
-    for name, extra in EXACT_RUNS.items():
-        mode = "sync_bypass" if name.startswith("sync_bypass") else name
+    for name, (mode, extra) in EXACT_RUNS.items():
         wdir = work / "emulated" / "exact" / name
         for old in wdir.glob("weights_v*.pt"):
             old.unlink()
@@ -183,17 +191,28 @@ def step1_update_gap(inputs: dict, work: Path, workload: str, rec: Path) -> dict
                    extra=SGD + extra, env={"THUNDERSYNC_REPLAY_WEIGHTS_DIR": str(wdir)}, pin=False)
         w0, w1 = (torch.load(wdir / f"weights_v{v}.pt") for v in (0, 1))
         deltas[name] = torch.cat([(w1[k].double() - w0[k].double()).flatten() for k in sorted(w0)])
-    ref = deltas["sync_bypass"]
-    rel = lambda a, b: float((deltas[a] - deltas[b]).norm() / ref.norm())  # noqa: E731
-    syncs = [k for k in EXACT_RUNS if k.startswith("sync_bypass")]
+    return update_gaps(deltas)
+
+
+def update_gaps(deltas: dict) -> dict:
+    """The step-1 figures from each run's update (a flat float64 tensor per ``EXACT_RUNS`` name)."""
+    norm = deltas["sync_bypass"].norm()
+    rel = lambda a, b: float((deltas[a] - deltas[b]).norm() / norm)  # noqa: E731
+    syncs = [k for k in EXACT_RUNS if k.startswith("sync")]
     spread = {f"{a}-{b}": rel(a, b) for i, a in enumerate(syncs) for b in syncs[i + 1:]}
     floor, gap = max(spread.values()), rel("thundersync", "sync_bypass")
+    bypass_floor = max(v for k, v in spread.items() if k.count("sync_bypass") == 2)
+    sum_norm = deltas["token_sum_sync"].norm()
     return {"step1_update_gap": gap, "step1_update_floor": floor,
             "step1_update_gap_over_floor": gap / floor if floor > 0 else float("inf"),
             "step1_update_floor_pairs": spread,
             "step1_update_gap_vs_sync_own_old_log_probs": rel("thundersync", "sync"),
             "step1_update_gap_bypass_vs_sync": rel("sync_bypass", "sync"),
-            "step1_update_norm": float(ref.norm())}
+            "step1_update_floor_bypass_only": bypass_floor,
+            "step1_update_gap_over_bypass_only_floor": gap / bypass_floor if bypass_floor > 0 else float("inf"),
+            "step1_update_gap_token_sum": float((deltas["token_sum_thundersync"] - deltas["token_sum_sync"]).norm()
+                                                / sum_norm),
+            "step1_update_norm": float(norm)}
 
 
 # ----- the comparison ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""benchmarks/emulated_rollout.py ``streaming_bound``: the shortest streamed step a Sync run's own timings allow (no Ray)."""
+"""benchmarks/emulated_rollout.py: ``streaming_bound`` (the shortest streamed step a Sync run's own timings allow) and the
+step-1 update figures (``update_gaps``), with no Ray."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ def test_the_schedule_bound_adds_the_learner_work_still_to_come_at_each_arrival(
     crowded = thundersync_run(tmp_path, [0.5, 2.4, 2.5], [(0.7, 1), (1.6, 2)])  # 0.7 s a row at best
     assert modes.thundersync_lower_bound(crowded) == pytest.approx(2.5 + 0.7 + 0.3)
     assert modes.thundersync_lower_bound(crowded, learner_work=True) == pytest.approx(2.4 + 2 * 0.7 + 0.3)
+
+
+def _unit(n: int, i: int):
+    import torch
+
+    e = torch.zeros(n, dtype=torch.float64)
+    e[i] = 1.0
+    return e
+
+
+def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(bench):
+    """Every run's update is one vector; Sync at micro-batch 4 with its own old-log-prob forward sits 3e-6 off the
+    others and ThunderSync 6e-6 off: the floor is the widest Sync pair (3e-6), ThunderSync's gap 6e-6, so 2.0. The
+    bypass runs alone agree exactly (their floor 0, ratio inf), and the token-sum pair is measured apart."""
+    import torch
+
+    base = torch.linspace(-1.0, 1.0, 64, dtype=torch.float64)
+    deltas = {name: base.clone() for name in bench.EXACT_RUNS}
+    deltas["sync_micro4"] = base + 3e-6 * _unit(64, 0)
+    deltas["thundersync"] = base + 6e-6 * _unit(64, 1)
+    deltas["token_sum_sync"] = 10.0 * base
+    deltas["token_sum_thundersync"] = 10.0 * base + 5e-6 * _unit(64, 2)
+    out = bench.update_gaps(deltas)
+    norm = float(base.norm())
+    assert out["step1_update_floor"] == pytest.approx(3e-6 / norm)
+    assert out["step1_update_gap"] == pytest.approx(6e-6 / norm)
+    assert out["step1_update_gap_over_floor"] == pytest.approx(2.0)
+    assert out["step1_update_gap_vs_sync_own_old_log_probs"] == pytest.approx(6e-6 / norm)
+    assert out["step1_update_floor_bypass_only"] == 0.0
+    assert out["step1_update_gap_over_bypass_only_floor"] == float("inf")
+    assert out["step1_update_gap_token_sum"] == pytest.approx(5e-6 / (10.0 * norm))
+    assert all(name.startswith("sync") for pair in out["step1_update_floor_pairs"] for name in pair.split("-"))
+    assert len(out["step1_update_floor_pairs"]) == 15  # the six token-mean Sync runs, pairwise; ThunderSync is not one
