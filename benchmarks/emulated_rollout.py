@@ -34,7 +34,8 @@ Why:
    recorded workload: ThunderSync equals verl's Sync bit for bit in token-sum. In token-mean, ThunderSync is
    1.3e-6 from every Sync run, in any micro-batch size or row order (verl's ``actor.shuffle``), while those
    runs are within 2e-7 of each other when run in the same log-prob mode. The per-row roundings are common
-   to all of them.
+   to all of them. ``step1_direction_gap_to_token_sum`` compares directions with verl's token-sum Sync, whose
+   coefficients are exact: ThunderSync's token-mean update is 4.9e-8 from it, verl's token-mean Sync 1.25e-6.
 6. What the emulation leaves out: the engine's own host work (scheduling, detokenising, the KV-cache
    manager: its CPU time is not spent, its service time is), the contention a real engine's host
    threads would add, and the weight load on the rollout side (the push runs, the replay server
@@ -212,7 +213,15 @@ def update_gaps(deltas: dict) -> dict:
             "step1_update_gap_over_bypass_only_floor": gap / bypass_floor if bypass_floor > 0 else float("inf"),
             "step1_update_gap_token_sum": float((deltas["token_sum_thundersync"] - deltas["token_sum_sync"]).norm()
                                                 / sum_norm),
+            # token-sum's coefficients are the advantages themselves: its update's direction is the exact one
+            "step1_direction_gap_to_token_sum": {name: direction_gap(deltas[name], deltas["token_sum_sync"])
+                                                 for name in ("thundersync", "sync", "sync_bypass")},
             "step1_update_norm": float(norm)}
+
+
+def direction_gap(a, b) -> float:
+    """|a/|a| - b/|b||: how far two updates point apart, whatever their lengths (a clipped token-sum step is longer)."""
+    return float((a / a.norm() - b / b.norm()).norm())
 
 
 # ----- the comparison ------------------------------------------------------------------------------

@@ -116,3 +116,8 @@ def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(bench):
     assert out["step1_update_gap_token_sum"] == pytest.approx(5e-6 / (10.0 * norm))
     assert all(name.startswith("sync") for pair in out["step1_update_floor_pairs"] for name in pair.split("-"))
     assert len(out["step1_update_floor_pairs"]) == 15  # the six token-mean Sync runs, pairwise; ThunderSync is not one
+    # directions against token-sum Sync (10x longer, same direction as every run but ThunderSync's 6e-6 step aside)
+    directions = out["step1_direction_gap_to_token_sum"]
+    assert directions["sync"] == pytest.approx(0.0, abs=1e-15)
+    step, unit = 6e-6 * _unit(64, 1), base / norm
+    assert directions["thundersync"] == pytest.approx(float((step - (step @ unit) * unit).norm()) / norm, rel=1e-3)
