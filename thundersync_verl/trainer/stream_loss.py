@@ -8,7 +8,11 @@ Why:
    the ``loss_agg_mode`` (1, or 1/|o_i| for seq-mean-token-mean), both fixed when the chunk runs.
 2. NO per-call normalisation: verl's engine overwrites ``batch_num_tokens`` with the token count
    of THIS call, which is not the batch's; the batch scalar c_batch is applied once, at the
-   barrier (``StreamingActorWorker.finalize_step``).
+   barrier (``StreamingActorWorker.finalize_step``). In token-mean, verl instead rounds each
+   row's coefficient A_i * (1/N) inside its loss. When a group's rows nearly cancel, those
+   roundings show: on the emulated recorded workload verl's step-1 update points 1.25e-6 away
+   from the exact direction (verl's own token-sum run, whose coefficients are the advantages
+   themselves), and this one 5.4e-8 (``benchmarks/emulated_rollout.py`` point 5).
 3. FSDP averages gradients over data-parallel ranks at every backward. The loss is multiplied by
    ``dp_size`` so the reduced gradient is the SUM over all ranks' rows, exactly as verl's
    ``agg_loss`` does with its ``* dp_size`` factor; only the division by the batch count is
