@@ -55,7 +55,7 @@ from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, for
 from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
-from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, landing_samples, shared_cores_for,
+from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, landing_samples,
                                            transfer_costs, unmeasured_terms)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
@@ -136,8 +136,7 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
     fit_trace, fit_calib, fit_path = fit
     trace = load_trace(path)
     sim_mode, own = replay_calibration(trace)
-    calib = shared_cores_for(transferred(own, fit_calib, landing_latency(fit_trace, fit_calib)), sim_mode,
-                             rollout_on_own_device(fit_path))
+    calib = transferred(own, fit_calib, landing_latency(fit_trace, fit_calib))
     calib = replace(calib, landing_samples=landing_samples(fit_trace, barrier=sim_mode in ("sync", "async"),
                                                            learner_idle=sim_mode == "sync"
                                                            and not rollout_on_own_device(fit_path)))
@@ -149,8 +148,7 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
-    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(),
-                                  rollout_on_own_device(fit_path))
+    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity())
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
             "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
             "measured_rel_se": step_time_rel_se(trace),

@@ -60,3 +60,31 @@ def test_identical_work_drift_is_the_gap_between_two_runs_of_the_same_learner_wo
     files = sorted(tmp_path.glob("grpo_*.jsonl"))
     assert validate["identical_work_drift"](files) == pytest.approx(0.25, abs=1e-3)
     assert validate["identical_work_drift"](files[:1]) is None  # no pair: nothing to compare
+
+
+def test_the_fits_learner_slowdown_reaches_one_step_off_async_on_its_own_rollout_device(grpo_traces, tmp_path):
+    """On the emulated device the rollout side's work on the other core slows the learner's (shared caches and
+    memory), so a target whose learner trains while its rollouts run is dealt the fit run's slowdown whatever its
+    trainer (sim/transfer.py, point 4); Sync's learner never overlaps its rollouts and is not."""
+    from dataclasses import replace
+
+    from thundersync_verl.sim.trace import load_trace, replay_calibration
+
+    validate, grpo = grpo_traces
+    for path in grpo.glob("grpo_*.jsonl"):
+        shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "meta.json").write_text('{"workload": "recorded"}')  # what modes.py --rollout emulated writes
+    fit_path = tmp_path / "grpo_thundersync.jsonl"
+    assert validate["rollout_on_own_device"](fit_path)
+    trace = load_trace(fit_path)
+    calib = replay_calibration(trace)[1]
+    settings = validate["RunSettings"]()
+
+    def predicted(target: str, slowdown: float) -> float:
+        fit = (trace, replace(calib, contention=slowdown, contention_ops=9), fit_path)
+        return validate["predict_file"](tmp_path / target, fit, settings)["predicted_s"]
+
+    # a higher slowdown also lowers the alone costs the fit's records give (each is divided by its stretch), which
+    # Sync, never overlapped, shows alone; Async pays them stretched again while its rollouts run
+    ratio = {s: predicted("grpo_async.jsonl", s) / predicted("grpo_sync.jsonl", s) for s in (1.0, 1.5)}
+    assert ratio[1.5] > 1.08 * ratio[1.0], ratio  # measured 1.13; dealt none, 1.05

@@ -10,7 +10,7 @@ from thundersync_verl.sim.calibrate import Calibration
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import Trace, TraceSource
 from thundersync_verl.sim.transfer import (FORWARD_FLOP_SHARE, FORWARD_HOST_SHARE, CallCosts, fit_call_costs,
-                                           landing_samples, nonnegative_least_squares, shared_cores_for,
+                                           landing_samples, nonnegative_least_squares,
                                            transfer_costs, unmeasured_terms)
 
 CALL, ROW, TOKEN = 0.02, 0.015, 3e-4  # the learner every synthetic run here has
@@ -143,15 +143,6 @@ def test_record_costs_without_a_micro_batch_keep_one_call_per_record():
     assert got.s_per_row == 0.0 and got.chunk_overhead_s == pytest.approx(2 * line.call_s)
 
 
-def test_shared_core_slowdowns_apply_by_what_shares_the_learners_cores():
-    fit = _calib(contention=1.3, rollout_contention=1.2)
-    for mode in ("sync", "async"):
-        assert shared_cores_for(fit, mode, rollout_on_own_device=True).contention == 1.0
-    for mode in ("thundersync", "fully_async"):
-        assert shared_cores_for(fit, mode, rollout_on_own_device=True).contention == 1.3
-    assert shared_cores_for(fit, "sync", rollout_on_own_device=False).rollout_contention == 1.2
-
-
 def test_a_barrier_is_dealt_the_landings_of_a_steps_last_group():
     trajs = [_traj(1, f"g{i // 4}", i, 0.0, 1.0 + i, 1.0 + i + 0.1 * (i + 1)) for i in range(8)]
     trace = Trace("t", trajs, [], [_step("thundersync", 1, 0.0, 10.0)])
@@ -183,23 +174,22 @@ def test_a_rows_host_work_adds_to_every_sequence():
 
 def test_a_batch_fit_names_what_a_streamed_target_runs_that_it_never_measured():
     batch = (batch_run(), _calib(reward_timing=False, landing_s=0.6))
-    got = unmeasured_terms(batch, streamed_run(), "thundersync", "trajectory", rollout_on_own_device=True)
+    got = unmeasured_terms(batch, streamed_run(), "thundersync", "trajectory")
     assert set(got) == {"learner_calls", "learner_slowdown", "landing_under_load"}
     assert "0.600 s" in got["landing_under_load"]
-    as_batch = unmeasured_terms(batch, batch_run(), "sync", "batch", rollout_on_own_device=True)
+    as_batch = unmeasured_terms(batch, batch_run(), "sync", "batch")
     assert as_batch == {}  # a barrier target runs one call per step, alone, landing at its barrier
 
 
 def test_a_streamed_fit_measures_every_term_of_a_batch_target_but_fully_asyncs_updates():
     streamed = (streamed_run(), _calib(contention=2.0, contention_ops=12))
     for mode in ("sync", "async"):
-        assert unmeasured_terms(streamed, batch_run(mode), mode, "batch", rollout_on_own_device=False) == {}
-    assert set(unmeasured_terms(streamed, batch_run("fully_async"), "fully_async", "mini_batch",
-                                rollout_on_own_device=False)) == {"update_bookkeeping"}
+        assert unmeasured_terms(streamed, batch_run(mode), mode, "batch") == {}
+    assert set(unmeasured_terms(streamed, batch_run("fully_async"), "fully_async", "mini_batch")) == \
+        {"update_bookkeeping"}
     quiet = (streamed_run(), _calib(contention=1.0, contention_ops=0))  # no op overlapped its rollouts
-    assert set(unmeasured_terms(quiet, batch_run("async"), "async", "batch", rollout_on_own_device=False)) == \
-        {"learner_slowdown"}
-    assert unmeasured_terms(quiet, batch_run("async"), "async", "batch", rollout_on_own_device=True) == {}
+    assert set(unmeasured_terms(quiet, batch_run("async"), "async", "batch")) == {"learner_slowdown"}
+    assert unmeasured_terms(quiet, batch_run("sync"), "sync", "batch") == {}  # Sync's learner never overlaps
 
 
 def test_a_turn_streamed_opd_target_needs_a_fit_that_measured_turn_latency():
@@ -207,9 +197,9 @@ def test_a_turn_streamed_opd_target_needs_a_fit_that_measured_turn_latency():
     opd.trajectories = [{**r, "algo": "opd"} for r in opd.trajectories]
     opd.steps = [{**s, "algo": "opd"} for s in opd.steps]
     fit = (streamed_run(), _calib(contention=2.0, contention_ops=12))
-    assert "turn_latency" in unmeasured_terms(fit, opd, "thundersync", "turn", rollout_on_own_device=False)
+    assert "turn_latency" in unmeasured_terms(fit, opd, "thundersync", "turn")
     timed = (streamed_run(), _calib(contention=2.0, contention_ops=12, turn_latency_s=0.5))
-    assert unmeasured_terms(timed, opd, "thundersync", "turn", rollout_on_own_device=False) == {}
+    assert unmeasured_terms(timed, opd, "thundersync", "turn") == {}
 
 
 def _half_contended_run(bias: float) -> Trace:

@@ -26,13 +26,17 @@ Why this module exists:
    the per-row host work (the forward's dispatches, not the backward's) and a third of the
    per-token compute (forward 2 P FLOPs of the 6 P of a forward and backward, hardware.py).
    A fit run that records the forward itself (`forward` records) gives it directly instead.
-4. How much the learner slows while rollouts run is a property of what shares the learner's
-   cores: with the rollout engine on the same cores (the shared-core runs) it is the engine's
-   decoding and applies to every mode; with the rollout on its own (emulated) device the
-   engine costs no CPU, and what slowed the fit run's learner was its own driver taking
-   arrivals in on the learner's core, which only a trainer that takes trajectories in one at a
-   time while it trains does (ThunderSync, Fully Async's trainer fed by its rollouter's queue),
-   not Sync nor one-step-off Async, whose driver waits for a whole batch (`shared_cores_for`).
+4. How much the learner slows while rollouts run applies to every mode whose learner overlaps its
+   rollouts (all but Sync): with the rollout engine on the same cores (the shared-core runs) it is the
+   engine's decoding; with the rollout on its own (emulated) device the engine costs no CPU, but the
+   rollout SIDE (agent loops, tools, verifier, TransferQueue) still runs on the other core, and what it
+   does there slows the learner's core through the caches and memory they share. Measured on the
+   recorded workload (driver pinned with the learner): during one-step-off Async's learner ops the
+   driver used 0.02 of the learner's core and the learner 0.96-0.99 of it, as in Sync's, yet Async's
+   ops took 13-17% longer per token than Sync's in the run just before it; a learner-like Adam loop
+   pinned to one core ran 4% slower with a Python loop on the other core and 8% slower with memory
+   churn there (8 interleaved pairs). So one-step-off Async, whose learner trains while its next batch
+   rolls out, is dealt the fit run's slowdown as ThunderSync and Fully Async are.
 5. Driver work between steps (the step gap) is the trainer's own bookkeeping: it transfers
    between runs of the same trainer, and is zero where the fit run's trainer differs (the fit
    does not measure another trainer's bookkeeping).
@@ -67,7 +71,7 @@ Why this module exists:
      0.013 to 0.020 s each, 0.3 to 1.0 s of a 4 to 15 s step) and pays none of them;
    - learner slowdown while the rollout runs: a Sync run's learner never overlaps its rollouts
      (no op to fit it from, slowdown 1), while a streamed target's does (shared cores: 2.68x measured
-     on the ThunderSync runs; emulated device, the driver's arrivals: 1.10 to 1.11x);
+     on the ThunderSync runs; emulated device, the other core's rollout side: 1.07 to 1.10x);
    - landing under load: a run without reward timing gives one latency, fitted at its barrier (the
      batch's last rewards, when few trajectories still run); a streaming target lands each trajectory
      while up to a batch still runs, and the recorded landings grow with the load (emulated recorded
@@ -232,13 +236,6 @@ def _landings_with_learner_idle(trace: Trace) -> tuple[float, ...] | None:
     return tuple(keep) if len(keep) >= group else None
 
 
-def shared_cores_for(fit: Calibration, target_mode: str, rollout_on_own_device: bool) -> Calibration:
-    """The fit run's shared-core slowdowns as they apply to the target (module docstring, point 4)."""
-    if rollout_on_own_device and target_mode not in STREAMING_DRIVERS:
-        return replace(fit, contention=1.0, rollout_contention=1.0)
-    return fit
-
-
 def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_bypass: bool, gran: str,
                    micro_batch: int | None, token_scale: float = 1.0) -> LearnerCosts:
     """The fit run's learner costs for the target's configuration.
@@ -272,8 +269,7 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
                    prefix_recompute=split and records_recompute_prefix(target))
 
 
-def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str,
-                     rollout_on_own_device: bool) -> dict[str, str]:
+def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str) -> dict[str, str]:
     """term -> why: what the target's configuration exercises that the fit run did not measure (point 8).
 
     Reads the fit run's records and calibration and the target's mode, granularity and configuration only.
@@ -285,8 +281,7 @@ def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode:
     if streamed and _one_call_per_step(trace):
         out["learner_calls"] = (f"the fit run ({fit_mode}) writes one learner update per step, so a call's overhead "
                                 "cannot be told from its rows' host work; the streamed target's calls are priced 0 each")
-    overlaps = target_mode in STREAMING_DRIVERS or (target_mode == "async" and not rollout_on_own_device)
-    if overlaps and calib.contention_ops == 0:
+    if target_mode != "sync" and calib.contention_ops == 0:  # its learner overlaps its rollouts (point 4)
         out["learner_slowdown"] = (f"no learner op of the fit run ({fit_mode}) ran while its rollouts did, so the "
                                    f"target's learner, which does, runs at its alone speed (slowdown 1)")
     if target_mode in STREAMING_DRIVERS and not calib.reward_timing:
