@@ -37,15 +37,6 @@ def recording(tmp_path_factory, tiny_random_lm):
     return work, runs.record(work, tiny_random_lm, steps=1)
 
 
-def _update(start: dict, weights):
-    pushed = runs.pushed(weights, 1)
-    return {k: pushed[k].double() - start[k].double() for k in pushed.keys() & start.keys()}
-
-
-def _norm(update: dict) -> float:
-    return sum(float(v.norm() ** 2) for v in update.values()) ** 0.5
-
-
 def _rel(a: dict, b: dict, norm: float) -> float:
     return runs.distance(a, b) / norm
 
@@ -57,8 +48,8 @@ def test_thundersync_update_equals_sync_within_sums_order_in_token_sum(recording
     _, w_s2 = runs.replayed(work, tiny_random_lm, rec, "sum_sync_micro2", "sync", SGD + TOKEN_SUM + [f"{MICRO}=2"])
     rows_t, w_t = runs.replayed(work, tiny_random_lm, rec, "sum_thundersync", "thundersync", SGD + TOKEN_SUM)
     start = runs.start_weights(tiny_random_lm)
-    sync, sync2, ts = (_update(start, w) for w in (w_s, w_s2, w_t))
-    norm = _norm(sync)
+    sync, sync2, ts = (runs.update(start, w) for w in (w_s, w_s2, w_t))
+    norm = runs.norm(sync)
     floor, gap = _rel(sync, sync2, norm), _rel(ts, sync, norm)
     print(f"token-sum at lr 1e4: update {norm:.3e}, floor (micro 16 vs 2) {floor:.3e}, gap {gap:.3e}")
     assert norm > 1.0  # a real step: lr 1e4 times a clipped gradient
@@ -68,8 +59,8 @@ def test_thundersync_update_equals_sync_within_sums_order_in_token_sum(recording
 
     _, w_m = runs.replayed(work, tiny_random_lm, rec, "mean_sync", "sync", SGD + [f"{MICRO}=16"])
     _, w_mt = runs.replayed(work, tiny_random_lm, rec, "mean_thundersync", "thundersync", SGD)
-    mean_sync, mean_ts = _update(start, w_m), _update(start, w_mt)
-    mean_norm = _norm(mean_sync)
+    mean_sync, mean_ts = runs.update(start, w_m), runs.update(start, w_mt)
+    mean_norm = runs.norm(mean_sync)
     mean_gap = _rel(mean_ts, mean_sync, mean_norm)
     print(f"token-mean at lr 1e4: update {mean_norm:.3e}, gap {mean_gap:.3e} (per-row rounding of A / N in verl)")
     assert runs.within_floor(mean_gap, floor), (mean_gap, floor)  # the token-sum floor: the same sums' spread

@@ -104,3 +104,14 @@ def distance(a: dict, b: dict) -> float:
     keys = a.keys() & b.keys()
     assert keys, "the two weight sets share no parameter name"
     return sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in keys) ** 0.5
+
+
+def update(start: dict, weights: Path, version: int = 1) -> dict[str, torch.Tensor]:
+    """The step's parameter update in fp64: the push after step ``version`` minus ``start``."""
+    pushed_ = pushed(weights, version)
+    return {k: pushed_[k].double() - start[k].double() for k in pushed_.keys() & start.keys()}
+
+
+def norm(weights: dict) -> float:
+    """||weights|| over every parameter, in fp64."""
+    return sum(float(v.double().norm() ** 2) for v in weights.values()) ** 0.5
