@@ -71,7 +71,8 @@ Why:
    favour); ``gap``, ``floor`` and the other keys are that seed's. The worst seed is reported beside it
    (``gap_over_floor_worst``, ``gap_over_floor_per_seed``; ``per_seed`` keeps every seed's result), and the
    printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten; a single run
-   with ``--seed N`` (N != 0) writes <name>_seedN.
+   with ``--seed N`` (N != 0) writes <name>_seedN. When a seed's comparison fails, the seeds compared before it
+   are written to <name>_seeds_partial (with ``failed_seed`` and ``seeds_not_run``) before the error is raised.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -241,19 +242,33 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in args.seeds:
         args.seed = seed
         print(f"\n=== seed {seed} ({args.seeds.index(seed) + 1} of {len(args.seeds)}) ===", flush=True)
-        compare(parser, args)
+        try:
+            compare(parser, args)
+        except BaseException as exc:  # keep the seeds already compared (minutes each), then fail as before
+            if args.per_seed:
+                failed = {"seed": seed, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                report_seeds(args, time.time() - t0, failed=failed)
+            raise
     return report_seeds(args, time.time() - t0)
 
 
-def report_seeds(args, seconds: float) -> dict:
-    """Point 12: the per-seed worst steps, their median (the verdict) and the worst beside it; JSON <name>_seeds."""
+def report_seeds(args, seconds: float, failed: dict | None = None) -> dict:
+    """Point 12: the per-seed worst steps, their median (the verdict) and the worst beside it; JSON <name>_seeds.
+    ``failed``: the seed whose comparison raised; the seeds before it are written to <name>_seeds_partial, with the
+    seeds never run named, so a complete <name>_seeds is never overwritten by fewer seeds."""
     result = aggregate_seeds([r for _, r in args.per_seed])
-    name = args.per_seed[0][0] + "_seeds"
+    name = args.per_seed[0][0] + ("_seeds" if failed is None else "_seeds_partial")
+    if failed is not None:
+        done = {r["seed"] for _, r in args.per_seed}
+        result.update(failed_seed=failed, seeds_not_run=[s for s in args.seeds if s not in done and s != failed["seed"]])
+        print(f"\nseed {failed['seed']} failed ({failed['error']}); the {len(done)} seed(s) compared before it are "
+              f"saved as {name}.json", flush=True)
     median, worst = result["gap_over_floor"], result["gap_over_floor_worst"]
     print(f"\nseeds {', '.join(map(str, result['seeds']))}: worst-step gap/floor "
           + ", ".join(f"{r:.2f}" for r in result["gap_over_floor_per_seed"])
           + f"; median {median:.2f} (seed {result['median_seed']}) -> {'PASS' if median <= 2.0 else 'FAIL'}, "
-          + f"worst seed {worst:.2f}{'' if worst <= 2.0 else ' (above 2)'}; {seconds:.0f} s")
+          + f"worst seed {worst:.2f}{'' if worst <= 2.0 else ' (above 2)'}; {seconds:.0f} s"
+          + ("" if failed is None else f" (PARTIAL: {len(result['seeds'])} of {len(args.seeds)} seeds)"))
     result["seconds"] = round(seconds, 1)
     write_result(name, result, args.results_dir)
     return result

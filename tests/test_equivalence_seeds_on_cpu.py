@@ -96,3 +96,22 @@ def test_one_seed_in_seeds_is_the_plain_single_seed_run(bench, monkeypatch, tmp_
     monkeypatch.setattr(bench, "compare", lambda parser, args: bench.report(args, fake_runs(1.5), 1.0))
     result = bench.main(["--quick", "--seeds", "4", "--results-dir", str(tmp_path)])
     assert [p.name for p in tmp_path.iterdir()] == ["equivalence_seed4.json"] and "seeds" not in result  # as --seed 4
+
+
+def test_a_failing_seed_keeps_the_seeds_compared_before_it(bench, monkeypatch, tmp_path, capsys):
+    ratios = {0: 1.2, 1: 1.6}
+
+    def compare(parser, args):
+        if args.seed == 2:
+            raise RuntimeError("the engine's worker died")
+        return bench.report(args, fake_runs(ratios[args.seed]), 1.0)
+
+    monkeypatch.setattr(bench, "compare", compare)
+    with pytest.raises(RuntimeError, match="worker died"):
+        bench.main(["--quick", "--seeds", "0,1,2,3", "--results-dir", str(tmp_path)])
+    assert [p.name for p in tmp_path.iterdir()] == ["equivalence_seeds_partial.json"]  # never a complete-looking file
+    saved = json.loads((tmp_path / "equivalence_seeds_partial.json").read_text())
+    assert saved["seeds"] == [0, 1] and saved["gap_over_floor_per_seed"] == pytest.approx([1.2, 1.6])
+    assert saved["failed_seed"] == {"seed": 2, "error": "RuntimeError: the engine's worker died"}
+    assert saved["seeds_not_run"] == [3]
+    assert "PARTIAL: 2 of 4 seeds" in capsys.readouterr().out
