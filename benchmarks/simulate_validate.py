@@ -35,8 +35,12 @@ Why:
    it records no per-trajectory landing nor OPD turn latency). Each target lists those terms under
    ``unmeasured``; each family and the result give ``max_abs_rel_err`` over every prediction and
    ``max_abs_rel_err_measured_terms`` over the predictions whose every term the fit run measured.
+7. Repeated --fit (runs of the same configuration, e.g. two ThunderSync runs an hour apart): each fit predicts the
+   same targets, and ``fit_to_fit_spread`` gives per target how far the predictions land apart (max / min - 1).
+   The fits differ only in the machine's state while each ran, so no single prediction can be trusted closer than
+   that (``simulate_validate_out_of_sample_fits.json``).
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
-     python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE] [--targets DIR ...]
+     python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE ...] [--targets DIR ...]
 """
 
 from __future__ import annotations
@@ -261,6 +265,25 @@ def identical_work_drift(files: list[Path]) -> float | None:
     return round(max(a, b) / min(a, b) - 1.0, 4)
 
 
+def fit_to_fit(fits: list[Path], target_dirs: list[Path], settings: RunSettings) -> dict:
+    """Point 7: every fit predicts the same targets (none of the fits); the spread of their predictions per target."""
+    own = {p.resolve() for p in fits}
+    targets = [p for d in target_dirs for p in find_traces(d) if p.resolve() not in own]
+    if not targets:
+        raise SystemExit(f"no target traces besides the fits in {[str(d) for d in target_dirs]}")
+    per_fit = {str(f): out_of_sample(f, [], settings, only=targets) for f in fits}
+    spread = {}
+    for t in targets:
+        preds = [next(r["predicted_s"] for r in out["rows"] if r["file"] == str(t)) for out in per_fit.values()]
+        spread[str(t)] = round(max(preds) / min(preds) - 1.0, 4)
+    print("Fit to fit: the same targets predicted from each fit run, max / min - 1 per target: "
+          + ", ".join(f"{_short(t)} {100 * v:.1f}%" for t, v in spread.items()))
+    return {"fits": [str(f) for f in fits], "targets": [str(t) for t in targets],
+            "per_fit": {f: {"max_abs_rel_err_out_of_sample": o["max_abs_rel_err_out_of_sample"],
+                            "fit_costs": o["fit_costs"], "per_target": o["per_target"]} for f, o in per_fit.items()},
+            "fit_to_fit_spread": spread, "max_fit_to_fit_spread": max(spread.values())}
+
+
 def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
     families, per_target, fits = {}, {}, {}
@@ -349,8 +372,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="same replay (it is already fast); kept for uniformity")
     ap.add_argument("--self-test", action="store_true", help="validate synthetic traces instead (no result file)")
     ap.add_argument("--out-of-sample", action="store_true", help="fit on one trace (--fit), predict the others")
-    ap.add_argument("--fit", default=None, help="--out-of-sample: one trace to fit on instead of the families' fits "
-                    "(point 5); its predictions of --targets are written instead")
+    ap.add_argument("--fit", action="append", default=None, help="--out-of-sample: one trace to fit on instead of "
+                    "the families' fits (point 5); its predictions of --targets are written instead. Repeated: each "
+                    "fit predicts the same targets, and how far apart they land is written (point 7)")
     ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample with --fit: folders of traces to "
                     "predict (default: the fit trace's folder)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="--out-of-sample: the runs' learner micro-batch "
@@ -367,12 +391,16 @@ def main(argv=None) -> int:
             write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, settings),
                          args.results_dir)
             return 0
-        fit = Path(args.fit)
-        if not fit.is_file():
-            print(f"No fit trace {fit}: run `{PRODUCER} --rollout emulated` first.", file=sys.stderr)
+        fits = [Path(f) for f in args.fit]
+        missing = [str(f) for f in fits if not f.is_file()]
+        if missing:
+            print(f"No fit trace {', '.join(missing)}: run `{PRODUCER} --rollout emulated` first.", file=sys.stderr)
             return 2
-        dirs = [Path(d) for d in args.targets] if args.targets else [fit.parent]
-        out = out_of_sample(fit, dirs, settings)
+        dirs = [Path(d) for d in args.targets] if args.targets else [fits[0].parent]
+        if len(fits) > 1:
+            write_result(f"{SCRIPT}_out_of_sample_fits", fit_to_fit(fits, dirs, settings), args.results_dir)
+            return 0
+        out = out_of_sample(fits[0], dirs, settings)
         out.pop("rows")
         write_result(f"{SCRIPT}_out_of_sample", out, args.results_dir)
         return 0

@@ -88,3 +88,27 @@ def test_the_fits_learner_slowdown_reaches_one_step_off_async_on_its_own_rollout
     # Sync, never overlapped, shows alone; Async pays them stretched again while its rollouts run
     ratio = {s: predicted("grpo_async.jsonl", s) / predicted("grpo_sync.jsonl", s) for s in (1.0, 1.5)}
     assert ratio[1.5] > 1.08 * ratio[1.0], ratio  # measured 1.13; dealt none, 1.05
+
+
+def test_two_fits_of_the_same_run_predict_the_same_targets_and_a_slower_machine_spreads_them(grpo_traces, tmp_path):
+    """Point 7: fits that differ only in the machine's speed while they ran predict the same targets apart."""
+    import json
+
+    validate, grpo = grpo_traces
+    fit = [json.loads(line) for line in (grpo / "grpo_thundersync.jsonl").read_text().splitlines() if line.strip()]
+    slowed = [dict(r, t1=r["t0"] + 1.3 * (r["t1"] - r["t0"])) if r["kind"] == "learner" else r for r in fit]
+    for name, recs in (("same", fit), ("twin", fit), ("slow", slowed)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "grpo_thundersync.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    settings = validate["RunSettings"]()
+    fits = lambda *names: [tmp_path / n / "grpo_thundersync.jsonl" for n in names]  # noqa: E731
+    twins = validate["fit_to_fit"](fits("same", "twin"), [grpo], settings)
+    assert sorted(Path(t).name for t in twins["targets"]) == [  # the folder's own ThunderSync run is not a fit
+        "grpo_async.jsonl", "grpo_fully_async.jsonl", "grpo_sync.jsonl", "grpo_thundersync.jsonl"]
+    assert twins["max_fit_to_fit_spread"] == 0.0
+    in_folder = validate["fit_to_fit"]([grpo / "grpo_thundersync.jsonl", *fits("twin")], [grpo], settings)
+    assert "grpo_thundersync.jsonl" not in {Path(t).name for t in in_folder["targets"]}  # a fit is never a target
+    assert in_folder["max_fit_to_fit_spread"] == 0.0
+    apart = validate["fit_to_fit"](fits("same", "slow"), [grpo], settings)
+    assert all(v > 0.05 for v in apart["fit_to_fit_spread"].values()), apart["fit_to_fit_spread"]
+    assert apart["max_fit_to_fit_spread"] == max(apart["fit_to_fit_spread"].values())
