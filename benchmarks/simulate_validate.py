@@ -39,8 +39,13 @@ Why:
    same targets, and ``fit_to_fit_spread`` gives per target how far the predictions land apart (max / min - 1).
    The fits differ only in the machine's state while each ran, so no single prediction can be trusted closer than
    that (``simulate_validate_out_of_sample_fits.json``).
+8. --paired DIR ...: each folder holds one ``modes.py --rollout emulated --modes MODE,thundersync`` run, the two
+   modes recorded back to back; its ThunderSync run predicts MODE and, where MODE is a Sync, MODE predicts the
+   ThunderSync run. Every prediction is still of another run (another mode) from costs fitted on one run, without
+   refitting; what the pairing removes is the machine's drift between a fit and its target (point 7), which no
+   model of the system can know (``simulate_validate_out_of_sample_paired.json``).
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
-     python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE ...] [--targets DIR ...]
+     python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE ...] [--targets DIR ...] [--paired DIR ...]
 """
 
 from __future__ import annotations
@@ -284,6 +289,25 @@ def fit_to_fit(fits: list[Path], target_dirs: list[Path], settings: RunSettings)
             "fit_to_fit_spread": spread, "max_fit_to_fit_spread": max(spread.values())}
 
 
+def paired(dirs: list[Path], settings: RunSettings) -> dict:
+    """Point 8: in each folder one ``modes.py`` run of a mode and ThunderSync, back to back; the ThunderSync run
+    predicts the other mode, and a Sync run predicts the ThunderSync run (as in the families)."""
+    rows = []
+    for d in dirs:
+        ts, traces = d / "grpo_thundersync.jsonl", find_traces(d)
+        others = [p for p in traces if p != ts]
+        if ts not in traces or not others:
+            raise SystemExit(f"{d}: --paired needs grpo_thundersync.jsonl and one other mode's trace "
+                             "(`python benchmarks/modes.py --rollout emulated --modes MODE,thundersync`)")
+        rows += out_of_sample(ts, [], settings, only=others)["rows"]
+        syncs = [p for p in others if p.stem in ("grpo_sync", "grpo_sync_bypass")]
+        if syncs:
+            rows += out_of_sample(syncs[0], [], settings, only=[ts])["rows"]
+    return {"folders": [str(d) for d in dirs], "max_abs_rel_err_out_of_sample_paired": _max_err(rows),
+            "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
+            "per_target": {_short(r["file"]) + " <- " + Path(r["fit"]).stem: _target_entry(r) for r in rows}}
+
+
 def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
     """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
     families, per_target, fits = {}, {}, {}
@@ -375,6 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fit", action="append", default=None, help="--out-of-sample: one trace to fit on instead of "
                     "the families' fits (point 5); its predictions of --targets are written instead. Repeated: each "
                     "fit predicts the same targets, and how far apart they land is written (point 7)")
+    ap.add_argument("--paired", nargs="+", default=None, metavar="DIR", help="--out-of-sample: folders of one "
+                    "two-mode run each (a mode and thundersync, back to back); each predicted from the other (point 8)")
     ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample with --fit: folders of traces to "
                     "predict (default: the fit trace's folder)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="--out-of-sample: the runs' learner micro-batch "
@@ -387,6 +413,10 @@ def main(argv=None) -> int:
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
         settings = RunSettings(args.micro_batch_size, args.fully_async_mini_batch or None)
+        if args.paired:
+            write_result(f"{SCRIPT}_out_of_sample_paired", paired([Path(d) for d in args.paired], settings),
+                         args.results_dir)
+            return 0
         if args.fit is None:
             write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, settings),
                          args.results_dir)

@@ -112,3 +112,22 @@ def test_two_fits_of_the_same_run_predict_the_same_targets_and_a_slower_machine_
     apart = validate["fit_to_fit"](fits("same", "slow"), [grpo], settings)
     assert all(v > 0.05 for v in apart["fit_to_fit_spread"].values()), apart["fit_to_fit_spread"]
     assert apart["max_fit_to_fit_spread"] == max(apart["fit_to_fit_spread"].values())
+
+
+def test_paired_runs_predict_each_other_and_a_folder_without_thundersync_is_refused(grpo_traces, tmp_path):
+    """Point 8: each folder's ThunderSync run predicts its other mode; a Sync partner predicts the ThunderSync run."""
+    validate, grpo = grpo_traces
+    for folder, mode in (("with_async", "async"), ("with_sync", "sync")):
+        (tmp_path / folder).mkdir()
+        for name in (f"grpo_{mode}.jsonl", "grpo_thundersync.jsonl"):
+            shutil.copy(grpo / name, tmp_path / folder / name)
+    settings = validate["RunSettings"]()
+    out = validate["paired"]([tmp_path / "with_async", tmp_path / "with_sync"], settings)
+    names = {k.split("/", 1)[1] for k in out["per_target"]}
+    assert names == {"with_async/grpo_async.jsonl <- grpo_thundersync", "with_sync/grpo_sync.jsonl <- grpo_thundersync",
+                     "with_sync/grpo_thundersync.jsonl <- grpo_sync"}  # Async never predicts ThunderSync; Sync does
+    assert out["max_abs_rel_err_out_of_sample_paired"] < 0.02  # one cost model wrote every synthetic trace
+    (tmp_path / "alone").mkdir()
+    shutil.copy(grpo / "grpo_sync.jsonl", tmp_path / "alone" / "grpo_sync.jsonl")
+    with pytest.raises(SystemExit, match="needs grpo_thundersync.jsonl"):
+        validate["paired"]([tmp_path / "alone"], settings)
