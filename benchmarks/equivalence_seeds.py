@@ -39,7 +39,8 @@ def report_seeds(args, seconds: float, failed: dict | None = None) -> dict:
     name = args.per_seed[0][0] + ("_seeds" if failed is None else "_seeds_partial")
     if failed is not None:
         done = {r["seed"] for _, r in args.per_seed}
-        result.update(failed_seed=failed, seeds_not_run=[s for s in args.seeds if s not in done and s != failed["seed"]])
+        not_run = [s for s in args.seeds if s not in done and s != failed["seed"]]
+        result.update(failed_seed=failed, seeds_not_run=not_run)
         print(f"\nseed {failed['seed']} failed ({failed['error']}); the {len(done)} seed(s) compared before it are "
               f"saved as {name}.json", flush=True)
     median, worst = result["gap_over_floor"], result["gap_over_floor_worst"]
