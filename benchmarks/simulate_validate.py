@@ -410,6 +410,10 @@ def main(argv=None) -> int:
                     "update per recorded backward")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)
+    if (args.fit or args.paired or args.targets) and not args.out_of_sample:
+        ap.error("--fit, --paired and --targets belong to --out-of-sample: add it")
+    if args.paired and (args.fit or args.targets):
+        ap.error("--paired predicts each folder's runs from each other: drop --fit and --targets, or --paired")
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
         settings = RunSettings(args.micro_batch_size, args.fully_async_mini_batch or None)
