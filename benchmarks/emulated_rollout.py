@@ -34,8 +34,9 @@ Why:
    recorded workload: in token-sum ThunderSync equals verl's Sync bit for bit in one run and is within 2.8e-8
    and 7.4e-8 of it in two benchmark runs. In token-mean, ThunderSync is 1.3e-6 from every Sync run, in any
    micro-batch size or row order (verl's ``actor.shuffle``), while those runs are within 2e-7 of each other
-   when run in the same log-prob mode. The per-row roundings are common to all of them. ``step1_direction_gap_to_token_sum`` compares directions with verl's token-sum Sync, whose
-   coefficients are exact: ThunderSync's token-mean update is 4.9-5.4e-8 from it, verl's token-mean Sync 1.25e-6.
+   when run in the same log-prob mode. The per-row roundings are common to all of them.
+   ``step1_direction_gap_to_token_sum`` compares directions with verl's token-sum Sync, whose coefficients are
+   exact: ThunderSync's token-mean update is 4.9-5.4e-8 from it, verl's token-mean Sync 1.25e-6.
 6. What the emulation leaves out: the engine's own host work (scheduling, detokenising, the KV-cache
    manager: its CPU time is not spent, its service time is), the contention a real engine's host
    threads would add, and the weight load on the rollout side (the push runs, the replay server

@@ -27,7 +27,7 @@ Why:
    trajectories' turns, tokens, tool times) and its configuration (mode, slots, micro-batch size, Fully
    Async's mini-batches, whether its learner runs a separate old-log-prob forward, the policy's size);
    everything the system costs is the fit run's (sim/transfer.py: learner calls, the old-log-prob
-   forward, which shared-core slowdowns apply, step gap, landings). Printed per target: measured vs
+   forward, the learner's slowdown beside the rollouts, step gap, landings). Printed per target: measured vs
    predicted step time and the per-step breakdown of point 2. --fit TRACE predicts --targets from one
    trace instead.
 6. A prediction can rest on a term its fit run never measured (sim/transfer.py, point 8: a batch

@@ -39,6 +39,18 @@ def within_floor(gap: float, floor: float) -> bool:
     return gap <= max(4 * floor, UPDATE_ATOL)
 
 
+# SGD at lr 1e4: the pushed update is 1e4 x the clipped gradient, far above the weights' float32 spacing, so a gap
+# between two runs measures their gradients, not weights whose rounding flipped (emulated_rollout.py point 5).
+RESOLVING_SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1e4"]
+TOKEN_SUM = ["actor_rollout_ref.actor.loss_agg_mode=token-sum"]  # each row's coefficients exact, no per-row rounding
+TOKEN_SUM_ATOL = 1e-6  # a gap this small is rounding whatever the floor sample (a wrong term moves it 1e-3 or more)
+
+
+def within_sums_order(gap: float, floor: float) -> bool:
+    """The token-sum rule at lr 1e4: within 2x the Sync runs' own spread (another order of the same sums), or 1e-6."""
+    return gap <= max(2 * floor, TOKEN_SUM_ATOL)
+
+
 def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
              env_extra: dict | None = None, timeout: int = 900, recipe: str = "grpo") -> list[dict]:
     """One ``main_ppo`` of a CPU recipe (``grpo``, or ``sao`` from its own folder) under ``work/name``;
