@@ -64,8 +64,8 @@ from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, for
 from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
                                         replay_calibration, replay_config)
-from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, landing_samples,
-                                           transfer_costs, unmeasured_terms)
+from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, fit_fused_forward, forward_call_costs,
+                                           landing_samples, record_rows, transfer_costs, unmeasured_terms)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -157,11 +157,29 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
-    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity())
+    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(), is_bypass(path))
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
             "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
+            "old_log_prob_forward": None if is_bypass(path) else forward_check(fit, trace, settings,
+                                                                               token_scale(fit_path, path)),
             "measured_rel_se": step_time_rel_se(trace),
             "measured_split": measured_split(trace), "predicted_split": simulated_split(res)}
+
+
+def forward_check(fit, trace, settings: RunSettings, scale: float) -> dict | None:
+    """The target's own old-log-prob forward records against the fit's forward costs applied to them, per steady
+    step (read after the prediction, never an input to it; sim/transfer.py, point 9); None without such records."""
+    fit_trace, fit_calib, fit_path = fit
+    recs = [r for r in trace.learner if r["op"] == "forward" and r["step"] > 1]
+    train = fit_call_costs(fit_trace, "backward", fit_calib.contention, settings.micro_batch)
+    if not recs or train is None or settings.micro_batch is None:
+        return None
+    fwd, source = forward_call_costs((fit_trace, fit_calib, is_bypass(fit_path)), train, settings.micro_batch)
+    rows = record_rows(trace, recs, settings.micro_batch)
+    predicted = sum(fwd.call_s + fwd.row_s * n + fwd.token_s * scale * r["tokens"] for r, n in zip(recs, rows))
+    steps = len({r["step"] for r in recs})
+    return {"priced_by": source, "measured_s_per_step": round(sum(r["t1"] - r["t0"] for r in recs) / steps, 3),
+            "predicted_s_per_step": round(predicted / steps, 3)}
 
 
 def _short(path) -> str:
@@ -178,6 +196,10 @@ def print_out_of_sample(rows: list[dict]) -> None:
     for r in rows:
         if r["unmeasured"]:
             print(f"  {_short(r['file'])}: not measured by its fit: {', '.join(r['unmeasured'])}")
+        fwd = r.get("old_log_prob_forward")
+        if fwd:
+            print(f"  {_short(r['file'])}: old-log-prob forward {fwd['measured_s_per_step']:.2f} s measured, "
+                  f"{fwd['predicted_s_per_step']:.2f} s priced per step ({fwd['priced_by']})")
 
 
 def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:
@@ -189,7 +211,7 @@ def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:
 def _target_entry(r: dict) -> dict:
     return {"fit": _short(r["fit"]), "measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
             "rel_err": round(r["rel_err"], 4), "measured_rel_se": round(r["measured_rel_se"], 4),
-            "unmeasured": r["unmeasured"],
+            "unmeasured": r["unmeasured"], "old_log_prob_forward": r.get("old_log_prob_forward"),
             "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
             "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
 
@@ -199,6 +221,8 @@ def fit_summary(fit_path: Path, settings: RunSettings) -> tuple[tuple, dict]:
     trace = load_trace(fit_path)
     calib = replay_calibration(trace)[1]
     calls = {op: fit_call_costs(trace, op, calib.contention, settings.micro_batch) for op in ("backward", "forward")}
+    if calls["backward"] is not None:
+        calls["fused_forward"] = fit_fused_forward(trace, calls["backward"], calib.contention, settings.micro_batch)
     return (trace, calib, fit_path), {
         "calls_s": {op: {k: round(v, 6) for k, v in vars(c).items()} for op, c in calls.items() if c is not None},
         "calibration": calib.summary(), "landing_s": round(landing_latency(trace, calib), 4),

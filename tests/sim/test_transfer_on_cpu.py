@@ -10,10 +10,11 @@ from thundersync_verl.sim.calibrate import Calibration
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import Trace, TraceSource
 from thundersync_verl.sim.transfer import (FORWARD_FLOP_SHARE, FORWARD_HOST_SHARE, CallCosts, fit_call_costs,
-                                           landing_samples, nonnegative_least_squares,
+                                           fit_fused_forward, landing_samples, nonnegative_least_squares,
                                            transfer_costs, unmeasured_terms)
 
 CALL, ROW, TOKEN = 0.02, 0.015, 3e-4  # the learner every synthetic run here has
+FWD_ROW, FWD_TOKEN = 0.009, 1.4e-4  # of which its forwards (what a streamed call times inside itself)
 
 
 def _traj(step: int, group: str, k: int, t_submit: float, t_done: float, t_reward: float, tokens: int = 40) -> dict:
@@ -112,6 +113,33 @@ def test_the_old_log_prob_forward_is_added_only_where_the_target_runs_one():
     assert streamed.s_per_token == pytest.approx(TOKEN)  # ThunderSync takes its old log-probs from its own forward
 
 
+def timed_streamed_run() -> Trace:
+    """streamed_run whose calls also report their forwards' seconds (``forward_s``)."""
+    trace = streamed_run()
+    trace.learner = [{**r, "forward_s": FWD_ROW * r["rows"] + FWD_TOKEN * r["tokens"]} if r["op"] == "backward"
+                     else r for r in trace.learner]
+    return trace
+
+
+def test_forwards_timed_inside_streamed_calls_price_a_separate_forward():
+    fit = (timed_streamed_run(), _calib(), False)
+    fused = fit_fused_forward(fit[0], CallCosts(CALL, ROW, TOKEN), 1.0, micro_batch=1)
+    assert (fused.call_s, fused.row_s, fused.token_s) == pytest.approx((CALL, FWD_ROW, FWD_TOKEN), rel=1e-6)
+    plain = transfer_costs(fit, batch_run(), target_bypass=True, gran="batch", micro_batch=1)
+    with_fwd = transfer_costs(fit, batch_run(), target_bypass=False, gran="batch", micro_batch=1)
+    assert with_fwd.s_per_row == pytest.approx(plain.s_per_row + FWD_ROW)  # not the rule's ROW * FORWARD_HOST_SHARE
+    assert with_fwd.s_per_token == pytest.approx(plain.s_per_token + FWD_TOKEN)
+    assert fit_fused_forward(streamed_run(), CallCosts(CALL, ROW, TOKEN), 1.0, micro_batch=1) is None
+
+
+def test_a_fit_that_measures_no_forward_names_the_rule_it_prices_one_by():
+    got = unmeasured_terms((streamed_run(), _calib(contention=2.0, contention_ops=12)), batch_run(), "sync", "batch")
+    assert set(got) == {"old_log_prob_forward"}
+    timed = (timed_streamed_run(), _calib(contention=2.0, contention_ops=12))
+    assert unmeasured_terms(timed, batch_run(), "sync", "batch") == {}
+    assert unmeasured_terms(timed, batch_run(forward=False), "sync", "batch") == {}  # bypass: no forward to price
+
+
 def test_a_fit_that_records_the_forward_prices_it_from_its_records():
     fit = (batch_run(), _calib(), False)
     got = transfer_costs(fit, batch_run(), target_bypass=False, gran="batch", micro_batch=1)
@@ -182,12 +210,12 @@ def test_a_batch_fit_names_what_a_streamed_target_runs_that_it_never_measured():
 
 
 def test_a_streamed_fit_measures_every_term_of_a_batch_target_but_fully_asyncs_updates():
-    streamed = (streamed_run(), _calib(contention=2.0, contention_ops=12))
+    streamed = (timed_streamed_run(), _calib(contention=2.0, contention_ops=12))
     for mode in ("sync", "async"):
         assert unmeasured_terms(streamed, batch_run(mode), mode, "batch") == {}
     assert set(unmeasured_terms(streamed, batch_run("fully_async"), "fully_async", "mini_batch")) == \
         {"update_bookkeeping"}
-    quiet = (streamed_run(), _calib(contention=1.0, contention_ops=0))  # no op overlapped its rollouts
+    quiet = (timed_streamed_run(), _calib(contention=1.0, contention_ops=0))  # no op overlapped its rollouts
     assert set(unmeasured_terms(quiet, batch_run("async"), "async", "batch")) == {"learner_slowdown"}
     assert unmeasured_terms(quiet, batch_run("sync"), "sync", "batch") == {}  # Sync's learner never overlaps
 

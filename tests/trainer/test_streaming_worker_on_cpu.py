@@ -71,6 +71,24 @@ def test_a_call_that_arrives_before_its_predecessor_waits_for_it(harness):
     assert wg.finalize_step(0.25)[0]["grad_norm"] > 0
 
 
+def test_a_streamed_call_reports_its_forwards_seconds_inside_its_own(harness):
+    # the simulator prices a separate old-log-prob forward from these (forward_clock.py, sim/transfer.py)
+    import ray
+
+    from thundersync_verl import verl_adapter as va
+    from thundersync_verl.trainer.stream_loss import SEQ_KEY
+
+    wg, pad = harness["wg"], harness["pad"]
+    wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
+    chunk = _bucket_chunk(pad)
+    va.assign_non_tensor(chunk, **{SEQ_KEY: 0})
+    [row] = ray.get(va.worker_result_refs(wg.stream_backward_queued(chunk)), timeout=60)
+    forward, span = float(row["ts_forward_s"]), float(row["ts_t_end"]) - float(row["ts_t_start"])
+    assert 0.0 < forward < span  # the model's forward, not the call's backward and bookkeeping
+    ray.get(va.worker_result_refs(wg.stream_fold_queued({"g=0|r=1.0": 0.5}, 1)), timeout=60)
+    assert wg.finalize_step(0.25)[0]["grad_norm"] > 0
+
+
 def test_a_reused_ticket_is_refused_with_the_rule(harness):
     import ray
 

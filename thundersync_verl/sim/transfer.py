@@ -25,7 +25,10 @@ Why this module exists:
    forward) is one more call over the same rows without gradients: the call overhead, half
    the per-row host work (the forward's dispatches, not the backward's) and a third of the
    per-token compute (forward 2 P FLOPs of the 6 P of a forward and backward, hardware.py).
-   A fit run that records the forward itself (`forward` records) gives it directly instead.
+   A fit run that records the forward itself (`forward` records) gives it directly instead, and a
+   streamed run whose calls timed their own forwards (`forward_s`: model entry to loss, per
+   micro-batch, trainer/forward_clock.py) gives the per-row and per-token forward work
+   (`fit_fused_forward`; the call overhead is the fit's); the rule is the fallback for older traces.
 4. How much the learner slows while rollouts run applies to every mode whose learner overlaps its
    rollouts (all but Sync): with the rollout engine on the same cores (the shared-core runs) it is the
    engine's decoding; with the rollout on its own (emulated) device the engine costs no CPU, but the
@@ -82,6 +85,8 @@ Why this module exists:
      push here); a Sync or Async trainer does it once per step, inside the handoff its landing holds,
      and ThunderSync never does it. Only its advantage part is recorded (`other`): 0.67 s per step on
      the shared-core GRPO Fully Async run against 0.066 s on the Sync run;
+   - the old-log-prob forward: a fit run with neither `forward` records nor `forward_s` on its calls
+     leaves a target's separate forward to the rule of point 3;
    - OPD turn latency: only a turn-streaming run measures the teacher's per-turn scoring latency
      (2.63 s fitted on the shared-core ThunderSync OPD run); verl's OPD Sync scores outside the records
      (its slot residual is 0.04 s), so a turn-streaming target predicted from it trains each turn as
@@ -190,6 +195,21 @@ def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | 
     return CallCosts(float(call), float(row), float(token))
 
 
+def fit_fused_forward(trace: Trace, train: CallCosts, contention: float, micro_batch: int | None) -> CallCosts | None:
+    """A separate forward's CallCosts from the forwards timed inside the run's streamed calls (their records'
+    ``forward_s``, at their alone speed): the call's overhead, per-row and per-token forward work (non-negative
+    least squares on rows and tokens); None without such records (module docstring, point 3)."""
+    recs = [r for r in trace.learner if r["op"] == "backward" and np.isfinite(r.get("forward_s", np.nan))]
+    if not recs or micro_batch is None:
+        return None
+    secs = np.asarray([r["forward_s"] for r in recs], dtype=np.float64)
+    stretch = 1.0 + (contention - 1.0) * op_overlap(trace, recs) if contention > 1.0 else np.ones(len(recs))  # [R]
+    x = np.stack([record_rows(trace, recs, micro_batch), np.asarray([r["tokens"] for r in recs], dtype=np.float64)],
+                 axis=1)  # [R, 2]
+    row, token = nonnegative_least_squares(x / stretch[:, None], secs / stretch ** 2)
+    return CallCosts(train.call_s, float(row), float(token))
+
+
 def separate_forward(trace: Trace, bypass: bool) -> bool:
     """Whether the run's learner computed old log-probs in a call of their own (module docstring, point 3)."""
     mode = parse_mode(trace.mode)[0]
@@ -236,6 +256,17 @@ def _landings_with_learner_idle(trace: Trace) -> tuple[float, ...] | None:
     return tuple(keep) if len(keep) >= group else None
 
 
+def forward_call_costs(fit: tuple[Trace, Calibration, bool], train: CallCosts,
+                       micro_batch: int | None) -> tuple[CallCosts, str]:
+    """(a separate old-log-prob forward's CallCosts, where they come from: "forward records", "forward_s" or
+    "rule"), from the fit run (trace, calibration, whether its Sync ran in bypass mode); point 3."""
+    trace, calib, fit_bypass = fit
+    if separate_forward(trace, fit_bypass):
+        return fit_call_costs(trace, "forward", calib.contention, micro_batch), "forward records"
+    fused = fit_fused_forward(trace, train, calib.contention, micro_batch)
+    return (fused, "forward_s") if fused is not None else (train.forward(), "rule")
+
+
 def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_bypass: bool, gran: str,
                    micro_batch: int | None, token_scale: float = 1.0) -> LearnerCosts:
     """The fit run's learner costs for the target's configuration.
@@ -254,9 +285,7 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
                               calib.contention)
     calls = train
     if gran in ("batch", "mini_batch") and separate_forward(target, target_bypass):
-        measured = fit_call_costs(trace, "forward", calib.contention, micro_batch) \
-            if separate_forward(trace, fit_bypass) else None
-        fwd = measured or train.forward()
+        fwd = forward_call_costs(fit, train, micro_batch)[0]
         calls = CallCosts(train.call_s + fwd.call_s, train.row_s + fwd.row_s, train.token_s + fwd.token_s)
     call_s = calls.call_s
     if micro_batch is None and gran == "batch":
@@ -269,10 +298,12 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
                    prefix_recompute=split and records_recompute_prefix(target))
 
 
-def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str) -> dict[str, str]:
+def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str,
+                     target_bypass: bool = False) -> dict[str, str]:
     """term -> why: what the target's configuration exercises that the fit run did not measure (point 8).
 
-    Reads the fit run's records and calibration and the target's mode, granularity and configuration only.
+    Reads the fit run's records and calibration and the target's mode, granularity and configuration only
+    (target_bypass: its Sync ran in verl's bypass mode, no separate old-log-prob forward).
     """
     trace, calib = fit
     fit_mode = parse_mode(trace.mode)[0]
@@ -292,10 +323,19 @@ def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode:
         out["update_bookkeeping"] = (f"the fit run ({fit_mode}) never runs verl's Fully Async trainer, which samples "
                                      "its buffer, extracts rewards, balances the batch and computes advantages on "
                                      "its driver for every mini-batch update; that driver work is priced 0")
+    if gran in ("batch", "mini_batch") and separate_forward(target, target_bypass) and not _measures_forward(trace):
+        out["old_log_prob_forward"] = (f"the fit run ({fit_mode}) records neither a separate forward nor the forwards "
+                                       "inside its calls (forward_s), so the target's old-log-prob forward is priced "
+                                       "by rule (half the per-row host work, a third of the per-token compute)")
     if target.algo == "opd" and gran == "turn" and calib.turn_latency_s is None:
         out["turn_latency"] = (f"the fit run ({fit_mode}) does not stream turns, so the teacher's per-turn scoring "
                                "latency is unmeasured; each turn trains as soon as it is generated")
     return out
+
+
+def _measures_forward(trace: Trace) -> bool:
+    """The run's records price a forward: verl's own forward calls, or forwards timed inside its streamed calls."""
+    return any(r["op"] == "forward" or np.isfinite(r.get("forward_s", np.nan)) for r in trace.learner)
 
 
 def _one_call_per_step(trace: Trace) -> bool:

@@ -46,8 +46,11 @@ class StepRecorder:
         self.step, self.t_step_start = int(step), time.time()
         self.ops, self.trajectories, self.backward_start = [], {}, {}
 
-    def learner_op(self, op: str, t0: float, t1: float, items=(), tokens: int = 0) -> None:
+    def learner_op(self, op: str, t0: float, t1: float, items=(), tokens: int = 0, forward_s: float | None = None) -> None:
+        """forward_s: the call's forwards, measured on the learner (``forward_clock.py``); None: not measured."""
         self.ops.append({"op": op, "t0": t0, "t1": t1, "n": len(items), "tokens": int(tokens)})
+        if forward_s is not None:
+            self.ops[-1]["forward_s"] = float(forward_s)
         for _, traj_id in items:
             self.backward_start.setdefault(traj_id, t0)
 
@@ -106,9 +109,10 @@ class StepRecorder:
                                     "learner_version": self.step - 1, "policy_version": self.step - 1,
                                     **t}) + "\n")
             for op in self.ops:
+                measured = {"forward_s": op["forward_s"]} if "forward_s" in op else {}
                 f.write(json.dumps({"kind": "learner", "mode": self.mode, "step": self.step, "lane": "learner0",
                                     "op": SIM_OPS.get(op["op"], op["op"]), "t0": op["t0"], "t1": op["t1"], "tokens": op["tokens"],
-                                    "rows": op["n"]}) + "\n")
+                                    "rows": op["n"], **measured}) + "\n")
             f.write(json.dumps({"kind": "step", "mode": self.mode, "algo": self.algo, "step": self.step,
                                 "t_start": self.t_step_start, "t_end": t_end, "n_rollout_slots": self.n_rollout_slots,
                                 **metrics}) + "\n")

@@ -144,7 +144,7 @@ def _row_field(chunk_rows: list, key: str) -> list | None:
 def _stats(op, parts: list) -> dict:
     if isinstance(op, FoldOp):
         return {}
-    stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max)}
+    stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max), "forward_s": _stat(parts, "ts_forward_s", max)}
     if isinstance(op, TurnBackwardOp):
         stats.update(kl_sum=_stat(parts, "ts_kl_sum", sum), kl_tokens=_stat(parts, "ts_kl_tokens", sum))
     if isinstance(op, SAOBackwardOp) and op.dest == "direct":  # its bucket row has the same tokens: counted once

@@ -400,7 +400,7 @@ class StreamedStep:
             if key in stats:
                 state.sums[key] = state.sums.get(key, 0.0) + stats[key]
         kind, items, tokens = self.algo.describe_op(op, state, t0)
-        self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens)
+        self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens, forward_s=stats.get("forward_s"))
 
 
 def items_tokens(rows: dict, items) -> int:

@@ -51,6 +51,7 @@ from thundersync_verl import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import BufferPool, GradLayout, StreamingInputError, StreamingStateError
 from thundersync_verl.core.buffers import axpy_, copy_into_
+from thundersync_verl.trainer.forward_clock import ForwardClock
 from thundersync_verl.trainer.learners import StreamLearner, make_learner
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.trainer.stream_loss import (
@@ -105,6 +106,7 @@ class StreamingActorWorker(_Base):
         self._ts_turn: asyncio.Condition | None = None  # created on the actor's event loop
         self._ts_next = 0  # the ticket of the queued call that may run next
         self._ts_learner: StreamLearner | None = None
+        self._ts_clock = ForwardClock()  # each streamed call's forwards (the simulator's forward cost)
 
     @contextlib.contextmanager
     def _exclusive(self, call: str):
@@ -300,7 +302,9 @@ class StreamingActorWorker(_Base):
         self._fit_micro_batches(chunk)
         learner = self._learner()
         previous = va.actor_loss_fn(self)
-        va.set_actor_loss_fn(self, loss_fn or state.loss_fn)
+        self._ts_clock.attach(learner.timed_module())
+        self._ts_clock.begin()
+        va.set_actor_loss_fn(self, self._ts_clock.wrap(loss_fn or state.loss_fn))
         try:
             if loss_fn is None:
                 set_chunk_part(chunk, "policy" if split else "all", state.terms)
@@ -327,7 +331,7 @@ class StreamingActorWorker(_Base):
             faults.after_backward(state, va.actor_parameters(self._engine()))
         state.chunks += 1
         state.rows += int(coefs.shape[0])
-        return _chunk_result(output, int(coefs.shape[0]))
+        return _chunk_result(output, int(coefs.shape[0]), self._ts_clock.seconds())
 
     def _fit_micro_batches(self, chunk) -> None:
         """Micro-batches of at most the configured size that divide this rank's rows exactly.
@@ -452,8 +456,9 @@ def _timed(result, t0: float):
     return result
 
 
-def _chunk_result(output, rows: int):
-    """One row per rank: the chunk's loss and the checks its forward measured at θ_k (NaN: not measured)."""
+def _chunk_result(output, rows: int, forward_s: float = float("nan")):
+    """One row per rank: the chunk's loss, the checks its forward measured at θ_k and its forwards' seconds
+    (``forward_clock.py``; NaN: not measured)."""
     from tensordict import TensorDict
 
     metrics = (va.non_tensor(output, "metrics", {}) or {}) if output is not None else {}
@@ -464,6 +469,6 @@ def _chunk_result(output, rows: int):
     masked = sum(_flat(metrics[MASKED_METRIC])) if MASKED_METRIC in metrics else float("nan")  # SAO's band mask
     scored = sum(_flat(metrics[SCORED_METRIC])) if MASKED_METRIC in metrics else float("nan")
     values = {"ts_loss": loss, "ts_lp_diff_max": gap, "ts_kl_sum": kl_sum, "ts_kl_tokens": kl_tokens,
-              "ts_sao_masked": masked, "ts_sao_scored": scored}
+              "ts_sao_masked": masked, "ts_sao_scored": scored, "ts_forward_s": forward_s}
     out = {k: torch.tensor([v], dtype=torch.float64) for k, v in values.items()}
     return TensorDict({**out, "ts_rows": torch.tensor([rows])}, batch_size=[1])

@@ -74,6 +74,10 @@ class StreamLearner(abc.ABC):
         """gradient *= scale, one reduction, clip, optimizer step, LR step (unless ``lr_step`` is False: a
         mini-batch step before the batch's last), zero: ``{grad_norm, lr}``."""
 
+    def timed_module(self):
+        """The module whose entry starts a micro-batch's forward (``forward_clock.py``); None: not timed."""
+        return None
+
     # ----- equivalence checks ----------------------------------------------------------------
     @abc.abstractmethod
     def flat_params(self) -> torch.Tensor:

@@ -36,6 +36,9 @@ class FSDPLearner(StreamLearner):
     def _params(self) -> list[torch.Tensor]:
         return va.actor_parameters(self._engine())
 
+    def timed_module(self):
+        return self._engine().module
+
     def begin_batch(self) -> None:
         self._engine().optimizer_zero_grad()
         self._stash = None

@@ -98,6 +98,13 @@ class MegatronLearner(StreamLearner):
             if refused:
                 raise StreamingConfigError(rule_message(rule.format(found[key]), why, fix))
 
+    def timed_module(self):
+        """The model chunk, without pipeline stages (with them forwards and backwards interleave)."""
+        from megatron.core import parallel_state
+
+        chunks = self._chunks()
+        return chunks[0] if len(chunks) == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1 else None
+
     def begin_batch(self) -> None:
         self.check()
         self._engine().optimizer_zero_grad()
