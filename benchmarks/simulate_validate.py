@@ -157,7 +157,8 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
-    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(), is_bypass(path))
+    unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(),
+                                  target_bypass=is_bypass(path), fit_bypass=is_bypass(fit_path))
     return {"file": str(path), "fit": str(fit_path), "mode": trace.mode, "sim_mode": sim_mode, "measured_s": measured,
             "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
             "old_log_prob_forward": None if is_bypass(path) else forward_check(fit, trace, settings,
@@ -175,11 +176,15 @@ def forward_check(fit, trace, settings: RunSettings, scale: float) -> dict | Non
     if not recs or train is None or settings.micro_batch is None:
         return None
     fwd, source = forward_call_costs((fit_trace, fit_calib, is_bypass(fit_path)), train, settings.micro_batch)
+    timed = fit_fused_forward(fit_trace, train, fit_calib.contention, settings.micro_batch)
     rows = record_rows(trace, recs, settings.micro_batch)
-    predicted = sum(fwd.call_s + fwd.row_s * n + fwd.token_s * scale * r["tokens"] for r, n in zip(recs, rows))
     steps = len({r["step"] for r in recs})
+
+    def per_step(c) -> float:
+        return round(sum(c.call_s + c.row_s * n + c.token_s * scale * r["tokens"] for r, n in zip(recs, rows)) / steps, 3)
+
     return {"priced_by": source, "measured_s_per_step": round(sum(r["t1"] - r["t0"] for r in recs) / steps, 3),
-            "predicted_s_per_step": round(predicted / steps, 3)}
+            "predicted_s_per_step": per_step(fwd), "timed_forwards_s_per_step": per_step(timed) if timed else None}
 
 
 def _short(path) -> str:
@@ -198,8 +203,10 @@ def print_out_of_sample(rows: list[dict]) -> None:
             print(f"  {_short(r['file'])}: not measured by its fit: {', '.join(r['unmeasured'])}")
         fwd = r.get("old_log_prob_forward")
         if fwd:
+            timed = fwd.get("timed_forwards_s_per_step")
             print(f"  {_short(r['file'])}: old-log-prob forward {fwd['measured_s_per_step']:.2f} s measured, "
-                  f"{fwd['predicted_s_per_step']:.2f} s priced per step ({fwd['priced_by']})")
+                  f"{fwd['predicted_s_per_step']:.2f} s priced per step ({fwd['priced_by']})"
+                  + (f", {timed:.2f} s from the fit's timed forwards" if timed is not None else ""))
 
 
 def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:

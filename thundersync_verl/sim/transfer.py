@@ -25,10 +25,17 @@ Why this module exists:
    forward) is one more call over the same rows without gradients: the call overhead, half
    the per-row host work (the forward's dispatches, not the backward's) and a third of the
    per-token compute (forward 2 P FLOPs of the 6 P of a forward and backward, hardware.py).
-   A fit run that records the forward itself (`forward` records) gives it directly instead, and a
-   streamed run whose calls timed their own forwards (`forward_s`: model entry to loss, per
-   micro-batch, trainer/forward_clock.py) gives the per-row and per-token forward work
-   (`fit_fused_forward`; the call overhead is the fit's); the rule is the fallback for older traces.
+   A fit run that records the forward itself (`forward` records) gives it directly instead. The
+   forwards a streamed run times inside its calls (`forward_s`: model entry to loss, per
+   micro-batch, trainer/forward_clock.py; fitted per row and token by `fit_fused_forward`) are
+   NOT that price: verl's own forward calls took 2.0x them (shared-core GRPO Sync: 1.33 s per
+   step measured, 0.66 s from the timed forwards of the ThunderSync run beside it) and 1.3x
+   (emulated paper Sync: 3.28 against 2.52 s, timed by a later ThunderSync run of the same
+   policy), as a forward-only call keeps host work outside the model (input preparation, its
+   outputs gathered per micro-batch, its own dispatch); the rule priced them closer (0.80 and
+   2.73 s), so it stays the price, the target names it (`old_log_prob_forward`) and
+   simulate_validate reports the recorded forwards, the rule's price and the timed forwards side
+   by side.
 4. How much the learner slows while rollouts run applies to every mode whose learner overlaps its
    rollouts (all but Sync): with the rollout engine on the same cores (the shared-core runs) it is the
    engine's decoding; with the rollout on its own (emulated) device the engine costs no CPU, but the
@@ -85,8 +92,8 @@ Why this module exists:
      push here); a Sync or Async trainer does it once per step, inside the handoff its landing holds,
      and ThunderSync never does it. Only its advantage part is recorded (`other`): 0.67 s per step on
      the shared-core GRPO Fully Async run against 0.066 s on the Sync run;
-   - the old-log-prob forward: a fit run with neither `forward` records nor `forward_s` on its calls
-     leaves a target's separate forward to the rule of point 3;
+   - the old-log-prob forward: a fit run without `forward` records (a streamed one) leaves a target's
+     separate forward to the rule of point 3;
    - OPD turn latency: only a turn-streaming run measures the teacher's per-turn scoring latency
      (2.63 s fitted on the shared-core ThunderSync OPD run); verl's OPD Sync scores outside the records
      (its slot residual is 0.04 s), so a turn-streaming target predicted from it trains each turn as
@@ -94,8 +101,8 @@ Why this module exists:
 9. Where the measured terms still miss (read after the predictions, from the targets' own records;
    never an input to them): (a) the separate old-log-prob forward is modelled (point 3), not
    measured, when the fit has no forward records, and verl's recorded forwards run above the model:
-   1.33 s per step against 0.88 s predicted (shared-core GRPO Sync), 0.59 vs 0.47 (OPD Sync), 3.33 vs
-   2.72 (emulated paper Sync); on a small CPU model a forward-only micro-batch keeps most of a
+   1.33 s per step against 0.80 s predicted (shared-core GRPO Sync), 0.59 vs 0.47 (OPD Sync), 3.28 vs
+   2.73 (emulated paper Sync); on a small CPU model a forward-only micro-batch keeps most of a
    training micro-batch's host work and the backward is not twice the forward. (b) On shared cores
    a training row of the same model costs more in verl's batch update than in ThunderSync's calls
    at their alone speed: Sync's update_actor 0.0376 s per row against the fit's 0.030 s at its rows'
@@ -104,8 +111,9 @@ Why this module exists:
    alike (recipes/cpu_tiny/mode: Sync's rollout lives in the learner's worker, hybrid_engine; the
    others run a standalone rollout) and nothing pins them, so part of a learner's speed there belongs
    to its mode and the ThunderSync run cannot measure it for the others: on shared cores one-step-off
-   Async and Fully Async are predicted 18 to 27% short and GRPO's Sync 12% short, nearly all of it in
-   their learner's time (OPD's Sync, whose learner is half as long, 4%).
+   Async and Fully Async are predicted 20 to 27% short (OPD; GRPO's latest run 7 and 10%) and GRPO's
+   Sync 16% short, nearly all of it in their learner's time (OPD's Sync, whose learner is half as
+   long, 4%); verl's forwards there: 2.50 s per step in GRPO Async and Fully Async against 0.90 s priced.
 """
 
 from __future__ import annotations
@@ -258,13 +266,12 @@ def _landings_with_learner_idle(trace: Trace) -> tuple[float, ...] | None:
 
 def forward_call_costs(fit: tuple[Trace, Calibration, bool], train: CallCosts,
                        micro_batch: int | None) -> tuple[CallCosts, str]:
-    """(a separate old-log-prob forward's CallCosts, where they come from: "forward records", "forward_s" or
-    "rule"), from the fit run (trace, calibration, whether its Sync ran in bypass mode); point 3."""
+    """(a separate old-log-prob forward's CallCosts, where they come from: "forward records" or "rule"), from the
+    fit run (trace, calibration, whether its Sync ran in bypass mode); point 3."""
     trace, calib, fit_bypass = fit
     if separate_forward(trace, fit_bypass):
         return fit_call_costs(trace, "forward", calib.contention, micro_batch), "forward records"
-    fused = fit_fused_forward(trace, train, calib.contention, micro_batch)
-    return (fused, "forward_s") if fused is not None else (train.forward(), "rule")
+    return train.forward(), "rule"
 
 
 def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_bypass: bool, gran: str,
@@ -299,11 +306,11 @@ def transfer_costs(fit: tuple[Trace, Calibration, bool], target: Trace, target_b
 
 
 def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode: str, gran: str,
-                     target_bypass: bool = False) -> dict[str, str]:
+                     target_bypass: bool = False, fit_bypass: bool = False) -> dict[str, str]:
     """term -> why: what the target's configuration exercises that the fit run did not measure (point 8).
 
     Reads the fit run's records and calibration and the target's mode, granularity and configuration only
-    (target_bypass: its Sync ran in verl's bypass mode, no separate old-log-prob forward).
+    (target_bypass, fit_bypass: that run's Sync ran in verl's bypass mode, no separate old-log-prob forward).
     """
     trace, calib = fit
     fit_mode = parse_mode(trace.mode)[0]
@@ -323,19 +330,15 @@ def unmeasured_terms(fit: tuple[Trace, Calibration], target: Trace, target_mode:
         out["update_bookkeeping"] = (f"the fit run ({fit_mode}) never runs verl's Fully Async trainer, which samples "
                                      "its buffer, extracts rewards, balances the batch and computes advantages on "
                                      "its driver for every mini-batch update; that driver work is priced 0")
-    if gran in ("batch", "mini_batch") and separate_forward(target, target_bypass) and not _measures_forward(trace):
-        out["old_log_prob_forward"] = (f"the fit run ({fit_mode}) records neither a separate forward nor the forwards "
-                                       "inside its calls (forward_s), so the target's old-log-prob forward is priced "
-                                       "by rule (half the per-row host work, a third of the per-token compute)")
+    if gran in ("batch", "mini_batch") and separate_forward(target, target_bypass) \
+            and not separate_forward(trace, fit_bypass):
+        out["old_log_prob_forward"] = (f"the fit run ({fit_mode}) runs no separate forward, so the target's old-log-prob "
+                                       "forward is priced by rule (half the per-row host work, a third of the "
+                                       "per-token compute)")
     if target.algo == "opd" and gran == "turn" and calib.turn_latency_s is None:
         out["turn_latency"] = (f"the fit run ({fit_mode}) does not stream turns, so the teacher's per-turn scoring "
                                "latency is unmeasured; each turn trains as soon as it is generated")
     return out
-
-
-def _measures_forward(trace: Trace) -> bool:
-    """The run's records price a forward: verl's own forward calls, or forwards timed inside its streamed calls."""
-    return any(r["op"] == "forward" or np.isfinite(r.get("forward_s", np.nan)) for r in trace.learner)
 
 
 def _one_call_per_step(trace: Trace) -> bool:
