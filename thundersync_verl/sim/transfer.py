@@ -183,13 +183,18 @@ def record_rows(trace: Trace, recs: list, micro_batch: int | None) -> np.ndarray
                        for r in recs], dtype=np.float64)
 
 
+def _alone_stretch(trace: Trace, recs: list, contention: float) -> np.ndarray:
+    """[R] how much the shared-core slowdown stretched each record: 1 + (slowdown - 1) x its overlap with decoding."""
+    return 1.0 + (contention - 1.0) * op_overlap(trace, recs) if contention > 1.0 else np.ones(len(recs))
+
+
 def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | None) -> CallCosts | None:
     """CallCosts of one op kind from its records (durations at their alone speed); None without records."""
     recs = [r for r in trace.learner if r["op"] == op]
     if not recs:
         return None
     secs = np.asarray([r["t1"] - r["t0"] for r in recs], dtype=np.float64)
-    stretch = 1.0 + (contention - 1.0) * op_overlap(trace, recs) if contention > 1.0 else np.ones(len(recs))  # [R]
+    stretch = _alone_stretch(trace, recs, contention)  # [R]
     secs = secs / stretch
     tokens = np.asarray([r["tokens"] for r in recs], dtype=np.float64)
     rows = record_rows(trace, recs, micro_batch)
@@ -204,14 +209,15 @@ def fit_call_costs(trace: Trace, op: str, contention: float, micro_batch: int | 
 
 
 def fit_fused_forward(trace: Trace, train: CallCosts, contention: float, micro_batch: int | None) -> CallCosts | None:
-    """A separate forward's CallCosts from the forwards timed inside the run's streamed calls (their records'
-    ``forward_s``, at their alone speed): the call's overhead, per-row and per-token forward work (non-negative
-    least squares on rows and tokens); None without such records (module docstring, point 3)."""
+    """The forwards timed inside the run's streamed calls (their records' ``forward_s``, at their alone speed) as
+    CallCosts: the fit's call overhead, per-row and per-token forward work (non-negative least squares on rows and
+    tokens); None without such records. Reported beside the forward's price, not used as it (module docstring,
+    point 3)."""
     recs = [r for r in trace.learner if r["op"] == "backward" and np.isfinite(r.get("forward_s", np.nan))]
     if not recs or micro_batch is None:
         return None
     secs = np.asarray([r["forward_s"] for r in recs], dtype=np.float64)
-    stretch = 1.0 + (contention - 1.0) * op_overlap(trace, recs) if contention > 1.0 else np.ones(len(recs))  # [R]
+    stretch = _alone_stretch(trace, recs, contention)  # [R]
     x = np.stack([record_rows(trace, recs, micro_batch), np.asarray([r["tokens"] for r in recs], dtype=np.float64)],
                  axis=1)  # [R, 2]
     row, token = nonnegative_least_squares(x / stretch[:, None], secs / stretch ** 2)

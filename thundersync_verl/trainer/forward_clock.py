@@ -2,10 +2,11 @@
 
 Why:
 1. A streamed call is verl's forward_backward over its micro-batches, forward and backward in one
-   engine call, so the call's duration alone cannot say what a forward costs. A separate
-   old-log-prob forward (verl's Sync as configured, one-step-off Async, Fully Async) is that forward
-   alone, and the simulator prices it from this measurement (``forward_s`` on the learner records,
-   ``sim/transfer.py``) rather than from a FLOP rule.
+   engine call, so the call's duration alone cannot say what its forwards cost. The learner
+   records carry this measurement (``forward_s``); the simulator reports it beside its price of a
+   separate old-log-prob forward (verl's Sync as configured, one-step-off Async, Fully Async), which
+   it does not replace: verl's own forward calls take 1.3-2x these forwards, their host work lying
+   outside the model (``sim/transfer.py``, point 3).
 2. A micro-batch's forward starts when the model's top module is entered (a forward pre-hook) and
    ends when the loss function is called (the worker's loss, wrapped): the model forward and verl's
    log-probs from its logits. Input preparation before the model and the backward are not counted.

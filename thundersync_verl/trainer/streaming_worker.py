@@ -106,7 +106,7 @@ class StreamingActorWorker(_Base):
         self._ts_turn: asyncio.Condition | None = None  # created on the actor's event loop
         self._ts_next = 0  # the ticket of the queued call that may run next
         self._ts_learner: StreamLearner | None = None
-        self._ts_clock = ForwardClock()  # each streamed call's forwards (the simulator's forward cost)
+        self._ts_clock = ForwardClock()  # each streamed call's forwards (forward_s on the learner records)
 
     @contextlib.contextmanager
     def _exclusive(self, call: str):
