@@ -65,7 +65,7 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
     run_dir = work / ((mode if algo == "grpo" else f"{algo}_{mode}") + tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     traj_path = run_dir / "trajectories.jsonl"
-    for stale in run_dir.glob("*.jsonl"):  # trajectories, metrics, step traces: the recorders append
+    for stale in [*run_dir.glob("*.jsonl"), *run_dir.glob("timelines/*")]:  # the recorders and the drawer append
         stale.unlink()
     extra = workload(latency_scale, mode) + list(extra or []) + [f"thundersync.env.trace_path={traj_path}",
                                                                  f"thundersync.run_dir={run_dir}"]

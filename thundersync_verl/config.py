@@ -250,6 +250,8 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
     weight_push_retries: int = _key(2, _integer(0), "times a failed weight push is repeated (the whole version) "
                                     "before the run stops; the rollout keeps its last complete version meanwhile")
     run_dir: str | None = _key(None, _optional(_path, "no traces"), "folder for event traces (JSONL) and per-step timeline PNGs")
+    timeline_every: int = _key(1, _integer(0), "draw the timeline PNG of every N-th step under run_dir (0: never); the "
+                               "event traces are written every step")
     memory_budget_bytes: int | None = _key(None, _optional(_integer(0), "unbudgeted"),
                                            "learner bytes the streamed gradient buckets may hold at once")
     deterministic: bool = _key(False, _boolean, "GRPO: trajectories enter the learner in batch order and whole chunks, "

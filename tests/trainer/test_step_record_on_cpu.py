@@ -42,3 +42,33 @@ def test_the_weight_push_is_part_of_its_step_and_versions_are_written(tmp_path):
     drawn = [json.loads(x) for x in open(tmp_path / "timelines" / "draw_cost.jsonl")]
     assert sorted(d["png"] for d in drawn) == ["thundersync_step001.png", "thundersync_step002.png"]
     assert not list((tmp_path / "timelines").glob("*.job.json"))  # each job file is consumed by its drawing
+
+
+def test_timeline_every_draws_only_every_nth_step_and_zero_draws_none_while_traces_stay_whole(tmp_path):
+    every_2, never = tmp_path / "every_2", tmp_path / "never"
+    for run_dir, every in ((every_2, 2), (never, 0)):
+        rec = StepRecorder(str(run_dir), mode="thundersync", n_rollout_slots=4, timeline_every=every)
+        for step in (1, 2, 3, 4):
+            _one_step(rec, step, with_push=True)
+        rec.close()
+        steps = [json.loads(x)["step"] for x in open(run_dir / "grpo_thundersync.jsonl") if '"kind": "step"' in x]
+        assert steps == [1, 2, 3, 4]  # the traces the simulator reads are written every step either way
+    assert sorted(p.name for p in (every_2 / "timelines").glob("*.png")) == ["thundersync_step002.png",
+                                                                               "thundersync_step004.png"]
+    assert not (never / "timelines").exists()
+
+
+def test_draw_trace_draws_every_finished_step_of_a_run_that_drew_none(tmp_path):
+    from thundersync_verl.trainer.timeline import draw_trace
+
+    rec = StepRecorder(str(tmp_path), mode="thundersync", n_rollout_slots=4, timeline_every=0)
+    for step in (1, 2):
+        _one_step(rec, step, with_push=True)
+    rec.begin_step(3)  # a step that never finished: no step record, nothing to draw
+    rec.trajectory("u3_0_0", {}, 1.0, t_reward=time.time())
+    rec.close()
+    with open(tmp_path / "grpo_thundersync.jsonl", "a") as f:  # as if the run died mid-step 3
+        f.write(json.dumps({"kind": "trajectory", "step": 3, "t_submit": 0.0, "t_done": 1.0, "turns": []}) + "\n")
+    drawn = draw_trace(tmp_path / "grpo_thundersync.jsonl", tmp_path / "after")
+    assert [p.name for p in drawn] == ["thundersync_step001.png", "thundersync_step002.png"]
+    assert all(p.stat().st_size > 1000 for p in drawn)

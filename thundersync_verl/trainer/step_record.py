@@ -30,8 +30,11 @@ def first_rank(result):
 
 
 class StepRecorder:
-    def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo", n_rollout_slots: int = 0):
+    def __init__(self, run_dir: str | None, *, mode: str, algo: str = "grpo", n_rollout_slots: int = 0,
+                 timeline_every: int = 1):
+        """timeline_every: draw every N-th step's timeline PNG (0: never); the traces are written every step."""
         self.n_rollout_slots = int(n_rollout_slots)
+        self.timeline_every = int(timeline_every)
         self.run_dir = Path(run_dir) if run_dir else None
         self.mode, self.algo = mode, algo
         self.step = 0
@@ -39,7 +42,7 @@ class StepRecorder:
         self.ops: list[dict] = []
         self.trajectories: dict[str, dict] = {}
         self.backward_start: dict[str, float] = {}
-        self.drawer = TimelineDrawer() if self.run_dir is not None else None
+        self.drawer = TimelineDrawer() if self.run_dir is not None and self.timeline_every > 0 else None
 
     def begin_step(self, step: int) -> None:
         self.flush()  # a step whose weight push was never recorded
@@ -116,6 +119,8 @@ class StepRecorder:
             f.write(json.dumps({"kind": "step", "mode": self.mode, "algo": self.algo, "step": self.step,
                                 "t_start": self.t_step_start, "t_end": t_end, "n_rollout_slots": self.n_rollout_slots,
                                 **metrics}) + "\n")
+        if self.drawer is None or self.step % self.timeline_every:
+            return
         png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
         self.drawer.submit(list(self.trajectories.values()), list(self.ops), self.t_step_start, t_end, png,
                            f"{self.mode} step {self.step}", step=self.step)

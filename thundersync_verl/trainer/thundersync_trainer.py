@@ -210,7 +210,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.planner = None  # one planner for the run, built once the learner exists (on_init_end)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.recorder = StepRecorder(self.ts.run_dir, mode="thundersync", algo="opd" if self.opd else "grpo",
-                                     n_rollout_slots=n_slots)
+                                     n_rollout_slots=n_slots, timeline_every=self.ts.timeline_every)
         self._batch_uids: list[str] = []
         self.run_state = resume.RunState()  # counters kept across restarts (trainer/resume.py)
         self.timeline_feed = TimelineFeed(self.recorder.run_dir / "timelines") if self.recorder.run_dir else None

@@ -20,6 +20,11 @@
    drawer about 40% of a core taken from the process beside it (measured: a busy loop kept 59% of its
    core beside a niced child in another session, 96% once the child's autogroup was niced too). On the
    emulated-device runs that process is the learner; on a cluster it is the trainer loop.
+6. Even niced, drawing is not free where the trainer loop's core is busy: on the emulated device (learner
+   and trainer loop on one core) a ThunderSync step took 6.83 s drawing every step and 6.35 s drawing none
+   (two runs each, interleaved), the drawer adding ~1.4 CPU-s per step to that core. So
+   ``thundersync.timeline_every`` sets the cadence (0: never), and ``draw_trace`` draws any step from the
+   trace afterwards: the traces are written every step.
 """
 
 from __future__ import annotations
@@ -105,6 +110,29 @@ def draw_timeline(trajectories: list[dict], ops: list[dict], t_start: float, t_e
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def draw_trace(trace: str | Path, out_dir: str | Path) -> list[Path]:
+    """Every step's timeline from an event trace (``StepRecorder``'s JSONL, or the simulator's schema), drawn after
+    the run: ``<mode>_step<NNN>.png`` in ``out_dir``. What a run with ``thundersync.timeline_every=0`` left undrawn."""
+    steps: dict[int, dict] = {}
+    for record in (json.loads(line) for line in open(trace) if line.strip()):
+        step = steps.setdefault(int(record.get("step", 0)), {"trajectories": [], "ops": [], "step": None})
+        if record["kind"] == "trajectory":
+            step["trajectories"].append(record)
+        elif record["kind"] == "learner":
+            step["ops"].append(record)
+        elif record["kind"] == "step":
+            step["step"] = record
+    drawn = []
+    for n, step in sorted(steps.items()):
+        meta = step["step"]
+        if meta is None:  # a step the run did not finish
+            continue
+        png = Path(out_dir) / f"{meta['mode']}_step{n:03d}.png"
+        drawn.append(draw_timeline(step["trajectories"], step["ops"], meta["t_start"], meta["t_end"], png,
+                                   f"{meta['mode']} step {n}"))
+    return drawn
 
 
 # ----- drawing off the step (point 3) -------------------------------------------------------
