@@ -11,8 +11,9 @@ from thundersync_verl.trainer.step_record import StepRecorder
 def _one_step(rec: StepRecorder, step: int, with_push: bool) -> None:
     rec.begin_step(step)
     t = time.time()
-    rec.trajectory(f"u{step}_0_0", {"thundersync_events": {"turns": [{"gen_s": 0.01, "gen_tokens": 3, "tool_s": 0.0}]}},
-                   1.0, t_reward=t)
+    events = {"turns": [{"gen_s": 0.01, "gen_tokens": 3, "tool_s": 0.0, "prompt_tokens": 2}], "response_tokens": 3,
+              "prompt_tokens": 2}  # as the agent loop records them (the simulator's trace schema)
+    rec.trajectory(f"u{step}_0_0", {"thundersync_events": events}, 1.0, t_reward=t)
     rec.learner_op("backward", t, t + 0.01, items=[("u", f"u{step}_0_0")], tokens=12)
     rec.learner_op("optimizer", t + 0.01, t + 0.02)
     rec.finish_step({"grad_norm": 0.5, "lr": 1e-3}, {"peak_open_groups": 1})
@@ -68,7 +69,10 @@ def test_draw_trace_draws_every_finished_step_of_a_run_that_drew_none(tmp_path):
     rec.trajectory("u3_0_0", {}, 1.0, t_reward=time.time())
     rec.close()
     with open(tmp_path / "grpo_thundersync.jsonl", "a") as f:  # as if the run died mid-step 3
-        f.write(json.dumps({"kind": "trajectory", "step": 3, "t_submit": 0.0, "t_done": 1.0, "turns": []}) + "\n")
+        f.write(json.dumps({"kind": "trajectory", "mode": "thundersync", "algo": "grpo", "step": 3, "group_id": "u3",
+                            "traj_id": "u3_0_1", "t_submit": 0.0, "t_done": 1.0, "t_reward": 1.0, "reward_s": 0.0,
+                            "response_tokens": 3, "prompt_tokens": 2, "policy_version": 2,
+                            "turns": [{"gen_s": 0.01, "gen_tokens": 3, "tool_s": 0.0, "prompt_tokens": 2}]}) + "\n")
     drawn = draw_trace(tmp_path / "grpo_thundersync.jsonl", tmp_path / "after")
     assert [p.name for p in drawn] == ["thundersync_step001.png", "thundersync_step002.png"]
     assert all(p.stat().st_size > 1000 for p in drawn)

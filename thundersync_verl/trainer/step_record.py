@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from thundersync_verl.trainer.timeline import TimelineDrawer, busy_fraction
+from thundersync_verl.trainer.timeline import TimelineDrawer, busy_fraction, step_png
 
 
 SIM_OPS = {"fold": "other", "critic_update": "other"}  # the simulator's learner-op vocabulary (sim/trace.py)
@@ -121,6 +121,6 @@ class StepRecorder:
                                 **metrics}) + "\n")
         if self.drawer is None or self.step % self.timeline_every:
             return
-        png = self.run_dir / "timelines" / f"{self.mode}_step{self.step:03d}.png"
-        self.drawer.submit(list(self.trajectories.values()), list(self.ops), self.t_step_start, t_end, png,
-                           f"{self.mode} step {self.step}", step=self.step)
+        png, title = step_png(self.run_dir / "timelines", self.mode, self.step)
+        self.drawer.submit(list(self.trajectories.values()), list(self.ops), self.t_step_start, t_end, png, title,
+                           step=self.step)

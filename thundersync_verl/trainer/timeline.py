@@ -112,26 +112,24 @@ def draw_timeline(trajectories: list[dict], ops: list[dict], t_start: float, t_e
     return png
 
 
+def step_png(folder: str | Path, mode: str, step: int) -> tuple[Path, str]:
+    """One step's timeline PNG path and title (the drawer during a run and ``draw_trace`` after it name them alike)."""
+    return Path(folder) / f"{mode}_step{step:03d}.png", f"{mode} step {step}"
+
+
 def draw_trace(trace: str | Path, out_dir: str | Path) -> list[Path]:
-    """Every step's timeline from an event trace (``StepRecorder``'s JSONL, or the simulator's schema), drawn after
-    the run: ``<mode>_step<NNN>.png`` in ``out_dir``. What a run with ``thundersync.timeline_every=0`` left undrawn."""
-    steps: dict[int, dict] = {}
-    for record in (json.loads(line) for line in open(trace) if line.strip()):
-        step = steps.setdefault(int(record.get("step", 0)), {"trajectories": [], "ops": [], "step": None})
-        if record["kind"] == "trajectory":
-            step["trajectories"].append(record)
-        elif record["kind"] == "learner":
-            step["ops"].append(record)
-        elif record["kind"] == "step":
-            step["step"] = record
+    """Every finished step's timeline from an event trace (``StepRecorder``'s JSONL, read and checked by the
+    simulator's ``load_trace``), drawn after the run into ``out_dir``: what ``thundersync.timeline_every=0`` left
+    undrawn. A step without its step record (the run ended inside it) is skipped."""
+    from thundersync_verl.sim.trace import load_trace
+
+    loaded = load_trace(trace)
     drawn = []
-    for n, step in sorted(steps.items()):
-        meta = step["step"]
-        if meta is None:  # a step the run did not finish
-            continue
-        png = Path(out_dir) / f"{meta['mode']}_step{n:03d}.png"
-        drawn.append(draw_timeline(step["trajectories"], step["ops"], meta["t_start"], meta["t_end"], png,
-                                   f"{meta['mode']} step {n}"))
+    for meta in sorted(loaded.steps, key=lambda r: r["step"]):
+        n = meta["step"]
+        png, title = step_png(out_dir, meta["mode"], n)
+        drawn.append(draw_timeline([t for t in loaded.trajectories if t["step"] == n],
+                                   [o for o in loaded.learner if o["step"] == n], meta["t_start"], meta["t_end"], png, title))
     return drawn
 
 
