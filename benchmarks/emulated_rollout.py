@@ -285,7 +285,8 @@ def by_version(traj_path: Path) -> dict[int, list[dict]]:
 
 def host_cpu(run: dict) -> dict | None:
     """CPU seconds per step on each side of the pinned run (``cpu_pin.CoreLoad``), over the steps after the first:
-    from the first submit of the second version's trajectories to the first submit of the last version's."""
+    from the first submit of the second version's trajectories to the first submit of the last version's; and the
+    same per process (``by_process``, the largest ``TOP_PROCESSES``: which process the side's time went to)."""
     load, pin = run.get("core_load"), run.get("pin")
     if load is None or not run["traj_path"].is_file():
         return None
@@ -297,8 +298,13 @@ def host_cpu(run: dict) -> dict | None:
     busy = load.busy_s(submits[first], submits[last])
     steps = last - first
     side = lambda cpus: round(sum(busy.get(c, 0.0) for c in cpus) / steps, 3)  # noqa: E731
+    by_process = list(load.by_process_s(submits[first], submits[last]).items())[:TOP_PROCESSES]
     return {"rollout_side": side(pin["rollout_side_cpus"]), "learner_side": side(pin["learner_cpus"]),
-            "step_s": round((submits[last] - submits[first]) / steps, 3)}
+            "step_s": round((submits[last] - submits[first]) / steps, 3),
+            "by_process": {title: round(sec / steps, 3) for title, sec in by_process}}
+
+
+TOP_PROCESSES = 12
 
 
 def streaming_bound(run: dict) -> float | None:

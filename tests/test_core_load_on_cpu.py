@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
-from thundersync_harness.cpu_pin import CoreLoad, cpu_ticks
+from thundersync_harness.cpu_pin import CoreLoad, cpu_ticks, process_ticks
 
 
 def test_busy_seconds_of_a_core_kept_busy_count_that_work():
@@ -29,3 +31,43 @@ def test_busy_seconds_of_a_core_kept_busy_count_that_work():
 
 def test_an_unsampled_load_reports_nothing():
     assert CoreLoad().busy_s(0.0, 1.0) == {}
+
+
+def test_per_process_seconds_name_the_process_that_did_the_work():
+    # one process busy for 0.8 s, then idle and still alive at the window's end (an exited one is not read)
+    code = "import time\nt = time.time()\nwhile time.time() - t < 0.8:\n    pass\ntime.sleep(30)\n"
+    with CoreLoad(interval_s=0.05, process_every=1) as load:
+        time.sleep(0.2)
+        t0 = time.time()
+        child = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            time.sleep(1.2)
+            t1 = time.time()
+            time.sleep(0.2)
+        finally:
+            child.kill()
+            child.wait()
+    by = load.by_process_s(t0, t1)
+    assert 0.4 <= by.get("python -c", 0.0) <= (t1 - t0) + 0.2, by
+    assert list(by.values()) == sorted(by.values(), reverse=True), by
+
+
+def test_process_titles_name_scripts_modules_and_ray_actors():
+    sleep = "import time; time.sleep(30)"
+    children = {
+        "ray::Learner": subprocess.Popen(["ray::Learner.update_actor", "-c", sleep], executable=sys.executable),
+        "timeit": subprocess.Popen([sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "import time; time.sleep(30)"]),
+        "python -c": subprocess.Popen([sys.executable, "-c", sleep]),
+    }
+    try:
+        time.sleep(0.3)
+        ticks = process_ticks()
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
+    for want, child in children.items():  # a Ray actor's running method is not part of its name
+        assert ticks[child.pid][0] == want, ticks[child.pid]
+    title, used = ticks[os.getpid()]
+    assert used >= 0 and title and "/" not in title, ticks[os.getpid()]
+    assert CoreLoad().by_process_s(0.0, 1.0) == {}

@@ -60,15 +60,50 @@ def cpu_ticks() -> dict[int, tuple[int, int]]:
     return out
 
 
+def process_ticks() -> dict[int, tuple[str, int]]:
+    """Per live process: (its title, user + system clock ticks so far). The title is the command line's first word
+    without its folder (``raylet``), a Ray actor's class (``ray::WorkerDict``, whatever method it runs), or, for a
+    Python interpreter, its script, its ``-m`` module, or ``python -c``."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            words = _cmdline(int(name)).split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        title = words[0].decode(errors="replace").split(" ")[0].rsplit("/", 1)[-1]
+        title = title or stat[stat.find("(") + 1:stat.rfind(")")]  # a kernel thread has no command line
+        if title.startswith("python") and len(words) > 1:  # the script or module, not the interpreter (python3.11)
+            args = [w for w in words[1:] if w]
+            if b"-c" in args:
+                title = "python -c"  # a sandbox's guard or server: its source is not a name
+            elif b"-m" in args and args.index(b"-m") + 1 < len(args):
+                title = args[args.index(b"-m") + 1].decode(errors="replace")
+            else:
+                title = next((w.decode(errors="replace").rsplit("/", 1)[-1] for w in args if not w.startswith(b"-")), title)
+        if title.startswith("ray::"):  # a Ray actor titles itself ray::Class.method while a method runs
+            title = title.split(".", 1)[0]
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[int(name)] = (title, int(fields[11]) + int(fields[12]))
+    return out
+
+
 class CoreLoad:
     """Every CPU's busy ticks, sampled in the background: which side of the pinned run was the busy one.
 
     ``busy_s(t0, t1)``: CPU seconds each core spent busy between two moments (nearest samples). It counts every
-    process on the core, other jobs on the machine included, so it is read beside the load average."""
+    process on the core, other jobs on the machine included, so it is read beside the load average.
+    ``by_process_s(t0, t1)``: the same window's CPU seconds per process title (``process_ticks``, read every
+    ``process_every`` samples: a read of every process costs a few ms). A process that started and ended between
+    two reads (a sandbox's child) is not in it; one that started inside the window counts from zero."""
 
-    def __init__(self, interval_s: float = 0.25):
-        self.interval_s = interval_s
+    def __init__(self, interval_s: float = 0.25, process_every: int = 4):
+        self.interval_s, self.process_every = interval_s, process_every
         self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []
+        self.process_samples: list[tuple[float, dict[int, tuple[str, int]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -82,6 +117,8 @@ class CoreLoad:
 
     def _loop(self) -> None:
         while True:
+            if self.process_every and len(self.samples) % self.process_every == 0:
+                self.process_samples.append((time.time(), process_ticks()))
             self.samples.append((time.time(), cpu_ticks()))
             if self._stop.wait(self.interval_s):
                 return
@@ -93,6 +130,21 @@ class CoreLoad:
         b = min(self.samples, key=lambda s: abs(s[0] - t1))[1]
         hz = os.sysconf("SC_CLK_TCK")
         return {cpu: (b[cpu][0] - a[cpu][0]) / hz for cpu in b if cpu in a}
+
+    def by_process_s(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds per process title between two moments (nearest process reads), largest first."""
+        if not self.process_samples:
+            return {}
+        a = min(self.process_samples, key=lambda s: abs(s[0] - t0))[1]
+        b = min(self.process_samples, key=lambda s: abs(s[0] - t1))[1]
+        hz = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for pid, (title, ticks) in b.items():
+            before = a.get(pid)
+            used = ticks - (before[1] if before is not None else 0)  # a Ray worker renamed itself: still one process
+            if used > 0:
+                out[title] = out.get(title, 0.0) + used / hz
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 class LearnerPin:
