@@ -121,3 +121,19 @@ def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(bench):
     assert directions["sync"] == pytest.approx(0.0, abs=1e-15)
     step, unit = 6e-6 * _unit(64, 1), base / norm
     assert directions["thundersync"] == pytest.approx(float((step - (step @ unit) * unit).norm()) / norm, rel=1e-3)
+
+
+def test_host_cpu_splits_each_side_and_each_process_per_step(bench, tmp_path):
+    from thundersync_harness.cpu_pin import CoreLoad
+
+    run = sync_run(tmp_path, {2: ([1.0], 2.0, 1.0), 3: ([1.0], 2.0, 1.0), 4: ([1.0], 2.0, 1.0), 5: ([1.0], 2.0, 1.0)})
+    hz = __import__("os").sysconf("SC_CLK_TCK")
+    load = CoreLoad()  # readings at the first submits of versions 2 and 4: two steps, the first one left out
+    load.samples = [(3000.0, {0: (0, 0), 1: (0, 0)}), (5000.0, {0: (6 * hz, 0), 1: (4 * hz, 0)})]
+    load.process_samples = [(3000.0, {7: ("ray::WorkerDict", hz), 8: ("ray::AgentLoopWorkerTQ", 0)}),
+                            (5000.0, {7: ("ray::WorkerDict", 5 * hz), 8: ("ray::AgentLoopWorkerTQ", 2 * hz),
+                                      9: ("python -c", hz)})]  # 9 started inside the window: counted from zero
+    run.update(core_load=load, pin={"rollout_side_cpus": [0], "learner_cpus": [1]})
+    cpu = bench.host_cpu(run)
+    assert cpu["rollout_side"] == 3.0 and cpu["learner_side"] == 2.0 and cpu["step_s"] == 1000.0, cpu
+    assert cpu["by_process"] == {"ray::WorkerDict": 2.0, "ray::AgentLoopWorkerTQ": 1.0, "python -c": 0.5}, cpu

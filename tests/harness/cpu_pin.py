@@ -124,20 +124,18 @@ class CoreLoad:
                 return
 
     def busy_s(self, t0: float, t1: float) -> dict[int, float]:
-        if not self.samples:
+        window = _window(self.samples, t0, t1)
+        if window is None:
             return {}
-        a = min(self.samples, key=lambda s: abs(s[0] - t0))[1]
-        b = min(self.samples, key=lambda s: abs(s[0] - t1))[1]
-        hz = os.sysconf("SC_CLK_TCK")
+        (a, b), hz = window, os.sysconf("SC_CLK_TCK")
         return {cpu: (b[cpu][0] - a[cpu][0]) / hz for cpu in b if cpu in a}
 
     def by_process_s(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds per process title between two moments (nearest process reads), largest first."""
-        if not self.process_samples:
+        window = _window(self.process_samples, t0, t1)
+        if window is None:
             return {}
-        a = min(self.process_samples, key=lambda s: abs(s[0] - t0))[1]
-        b = min(self.process_samples, key=lambda s: abs(s[0] - t1))[1]
-        hz = os.sysconf("SC_CLK_TCK")
+        (a, b), hz = window, os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
         for pid, (title, ticks) in b.items():
             before = a.get(pid)
@@ -145,6 +143,13 @@ class CoreLoad:
             if used > 0:
                 out[title] = out.get(title, 0.0) + used / hz
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _window(samples: list, t0: float, t1: float) -> tuple | None:
+    """The readings nearest to ``t0`` and to ``t1`` of ``(time, reading)`` samples; None with no samples."""
+    if not samples:
+        return None
+    return tuple(min(samples, key=lambda s, t=t: abs(s[0] - t))[1] for t in (t0, t1))
 
 
 class LearnerPin:
