@@ -5,7 +5,9 @@ Under Megatron, the tensor/pipeline-parallel peers of one data-parallel rank rec
 Padding to the worker count added zero-weight rows to every chunk under TP/PP. These tests cut the chunk
 ``stream_exec`` builds with verl's own splitter, for a group whose workers report a TP2 x DP2 layout, and
 hand each worker its part as verl's dispatch does (``arg[dp_rank_mapping[i]]``; the rest of verl's dispatch
-only puts the parts in Ray's object store). No processes, no GPU.
+only puts the parts in Ray's object store). The streaming calls' own dispatch (``va.actor_mesh_dispatch``) hands
+the workers the same parts, without verl's split for one part and with one put per part that peers share.
+No processes, no GPU.
 """
 
 from __future__ import annotations
@@ -81,3 +83,34 @@ def test_a_group_without_verls_dispatch_query_pads_to_its_worker_count():
         world_size = 3
 
     assert va.actor_dp_size(PlainGroup()) == 3
+
+
+def test_the_streaming_dispatch_hands_one_part_over_as_it_is():
+    group = _group([0])
+    chunk = _chunk(group, 3)
+    args, kwargs = va.actor_mesh_dispatch()["dispatch_fn"](group, chunk)
+    assert kwargs == {} and len(args) == 1 and len(args[0]) == 1
+    assert args[0][0] is chunk  # no split, no copy, no put: it travels inside the call
+
+
+@pytest.mark.parametrize("n_rows", [1, 4])
+def test_the_streaming_dispatch_gives_each_data_parallel_rank_verls_part(n_rows):
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
+    group = _group([0, 1])
+    chunk = _chunk(group, n_rows)
+    (args,), _ = va.actor_mesh_dispatch()["dispatch_fn"](group, chunk)
+    (verls,), _ = _split_args_kwargs_data_proto(2, chunk)
+    assert len(args) == 2 and all(torch.equal(a[COEF_KEY], v[COEF_KEY]) for a, v in zip(args, verls))
+
+
+def test_the_streaming_dispatch_puts_a_shared_part_once_for_its_tensor_parallel_peers(monkeypatch):
+    import ray
+
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or ("ref", len(puts) - 1))
+    group = _group([0, 0, 1, 1])
+    (args,), _ = va.actor_mesh_dispatch()["dispatch_fn"](group, _chunk(group, 3))
+    assert len(puts) == 2  # one object per data-parallel part, not per worker
+    assert args == [("ref", 0), ("ref", 0), ("ref", 1), ("ref", 1)]
+    assert sorted(float(c) for p in puts for c in p[COEF_KEY] if c != 0) == [0.5, 1.5, 2.5]

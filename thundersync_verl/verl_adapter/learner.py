@@ -14,10 +14,43 @@ def tinker_actor_worker_base():
 
 
 def worker_register_api():
-    """``(register, Dispatch, actor_mesh_dispatch)``: verl's seams for registered worker methods."""
-    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+    """``(register, Dispatch, actor_mesh_dispatch)``: verl's seams for registered worker methods; the third is
+    ``actor_mesh_dispatch()``, verl's actor-mesh dispatch for the per-chunk streaming calls."""
+    from verl.single_controller.base.decorator import Dispatch, register
 
-    return register, Dispatch, make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
+    return register, Dispatch, actor_mesh_dispatch()
+
+
+def actor_mesh_dispatch() -> dict:
+    """verl's ``make_nd_compute_dataproto_dispatch_fn("actor")`` for calls that carry one small chunk, many a step.
+
+    Each part goes to the ranks of its data-parallel rank, and results are collected by verl's own collect, as
+    there. Two costs of verl's dispatch are left out, both paid on the driver per call: the split when there is one
+    part (verl re-chunks the nested tensors into one copy), and the ``ray.put`` of every part through a fresh
+    thread pool (``parallel_put``): a part for one rank travels inside the call, a part that several ranks share
+    (tensor/pipeline peers) is put once. With several parts the split is verl's own.
+    """
+    from functools import partial
+
+    import ray
+    from verl.single_controller.base import decorator as verl_dispatch
+
+    def dispatch(worker_group, *args, **kwargs):
+        dp_size = _mesh_dp_size(worker_group, "actor")
+        mapping = worker_group._dispatch_info["actor"]
+        if dp_size == 1:
+            parts, kw_parts = [[arg] for arg in args], {k: [v] for k, v in kwargs.items()}
+        else:
+            parts, kw_parts = verl_dispatch._split_args_kwargs_data_proto(dp_size, *args, **kwargs)
+        shared = len(mapping) > dp_size
+
+        def per_rank(part: list) -> list:
+            part = [ray.put(x) for x in part] if shared else part
+            return [part[mapping[rank]] for rank in range(worker_group.world_size)]
+
+        return tuple(per_rank(p) for p in parts), {k: per_rank(p) for k, p in kw_parts.items()}
+
+    return {"dispatch_fn": dispatch, "collect_fn": partial(verl_dispatch.collect_lazy_compute_data_proto, "actor")}
 
 
 def actor_dp_size(worker_group) -> int:
