@@ -52,6 +52,10 @@ Why:
    (``thundersync.timeline_every=0``; Sync draws none either); its steps are drawn from its trace once the run
    has ended (``timeline.draw_trace``). Drawn every step, the niced drawer shared the learner's core: 6.83 s
    against 6.35 s per ThunderSync step (two runs each, interleaved).
+9. The machine's speed beside each run: before the first mode and after every mode, one fixed training step of the
+   policy on the learner's core (``thundersync_harness.machine_probe``, between the runs, never during one); the
+   trace folder's meta.json keeps ``machine_probe_s[mode] = [before, after]`` (median seconds of the probe), which
+   the simulator's out-of-sample check reads to tell the machine's drift from its own error.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ import modes  # the sibling script: run_mode, summarise, thundersync_lower_bound
 from thundersync_verl.backends.replay.synthesize import SHAPES
 from thundersync_verl.results import write_result
 from thundersync_verl.trainer.timeline import draw_trace
+from thundersync_harness.machine_probe import run_probe
 
 WORKLOADS = ("recorded", "paper")
 # --calibrate on Sync in bypass mode alone (modes_emulated_calibration_<workload>.json), 6 steps, learner and driver
@@ -332,10 +337,16 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     """Every mode once, back to back; traces in the simulator's schema under ``traces`` (with ``meta.json``)."""
     runs, rows = {}, {}
     traces.mkdir(parents=True, exist_ok=True)
-    (traces / "meta.json").write_text(json.dumps({"workload": workload, "time_scale": time_scale, "policy_model": str(
-        inputs["student"]), "policy_params": policy_params(inputs["student"])}) + "\n")
+    meta = {"workload": workload, "time_scale": time_scale, "policy_model": str(inputs["student"]),
+            "policy_params": policy_params(inputs["student"]), "machine_probe_s": {}}
+    (traces / "meta.json").write_text(json.dumps(meta) + "\n")
+    before = run_probe(inputs["student"])["probe_s"]  # point 9: the learner core's speed between the runs
     for mode in modes_run:
         runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale)
+        after = run_probe(inputs["student"])["probe_s"]
+        meta["machine_probe_s"][mode] = [before, after]
+        (traces / "meta.json").write_text(json.dumps(meta) + "\n")
+        before = after
         base = "sync" if mode == "sync_bypass" else mode
         rows[mode] = with_medians(modes.summarise(base, runs[mode]), runs[mode])
         rows[mode]["load_1min"] = runs[mode]["load_1min"]

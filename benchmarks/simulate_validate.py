@@ -44,6 +44,12 @@ Why:
    ThunderSync run. Every prediction is still of another run (another mode) from costs fitted on one run, without
    refitting; what the pairing removes is the machine's drift between a fit and its target (point 7), which no
    model of the system can know (``simulate_validate_out_of_sample_paired.json``).
+9. The machine's own drift, told apart: an emulated-device run records beside each mode the time of a fixed training
+   step of its policy on the learner's core, taken between the runs (meta.json ``machine_probe_s``,
+   ``thundersync_harness.machine_probe``). Each prediction is also given with the fit's learner-core costs
+   (per token, per row, per call, optimizer, weight push, step gap) times the target's probe over the fit's:
+   ``rel_err_at_machine_speed`` per target and ``max_abs_rel_err_at_machine_speed`` per family. The probe knows
+   nothing of the target's mode, workload or timings; the raw ``max_abs_rel_err_out_of_sample`` stays the headline.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
      python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE ...] [--targets DIR ...] [--paired DIR ...]
 """
@@ -66,6 +72,8 @@ from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, me
                                         replay_calibration, replay_config)
 from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, fit_fused_forward, forward_call_costs,
                                            landing_samples, record_rows, transfer_costs, unmeasured_terms)
+from thundersync_verl.sim.run_meta import (at_machine_speed as at_speed, is_bypass, rollout_on_own_device, speed_ratio,
+                                           token_scale)
 from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
@@ -111,28 +119,6 @@ def validate_file(path: Path) -> dict:
             "dropped_steps": source.dropped_steps}
 
 
-def is_bypass(path: Path) -> bool:
-    """Sync in verl's bypass mode (no separate old-log-prob forward): modes.py names its trace *_bypass."""
-    return Path(path).stem.endswith("_bypass")
-
-
-def rollout_on_own_device(path: Path) -> bool:
-    """An emulated-device run (``modes.py --rollout emulated`` writes meta.json beside its traces)."""
-    return (Path(path).parent / "meta.json").is_file()
-
-
-def policy_params(path: Path) -> int | None:
-    """The run's policy parameter count, from the meta.json ``modes.py --rollout emulated`` writes beside it."""
-    meta = Path(path).parent / "meta.json"
-    return json.loads(meta.read_text()).get("policy_params") if meta.is_file() else None
-
-
-def token_scale(fit_path: Path, target_path: Path) -> float:
-    """Target over fit policy parameters (sim/transfer.py, point 7); 1 when either is unknown."""
-    fit, target = policy_params(fit_path), policy_params(target_path)
-    return target / fit if fit and target else 1.0
-
-
 def step_time_rel_se(trace, warmup_steps: int = 1) -> float:
     """Relative standard error of a run's mean step time (spacing of its steady step ends): how far a second
     recording of the same run could land, to read a prediction's error against (never an input to one)."""
@@ -140,8 +126,9 @@ def step_time_rel_se(trace, warmup_steps: int = 1) -> float:
     return float(gaps.std(ddof=1) / np.sqrt(len(gaps)) / gaps.mean()) if len(gaps) > 1 else float("nan")
 
 
-def predict_file(path: Path, fit, settings: RunSettings) -> dict:
-    """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5)."""
+def predict_file(path: Path, fit, settings: RunSettings, at_machine_speed: bool = False) -> dict:
+    """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5).
+    at_machine_speed: the learner core's costs times the probes' ratio (point 9); a row without probes is None."""
     fit_trace, fit_calib, fit_path = fit
     trace = load_trace(path)
     sim_mode, own = replay_calibration(trace)
@@ -155,6 +142,11 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
         cfg = replace(cfg, mini_batch=settings.fully_async_mini_batch)
     costs = transfer_costs((fit_trace, fit_calib, is_bypass(fit_path)), trace, is_bypass(path),
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
+    speed = speed_ratio(fit_path, path)
+    if at_machine_speed:
+        if speed is None:
+            return None
+        costs = at_speed(costs, speed)
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
     unmeasured = unmeasured_terms((fit_trace, fit_calib), trace, sim_mode, cfg.resolved_granularity(),
@@ -163,7 +155,7 @@ def predict_file(path: Path, fit, settings: RunSettings) -> dict:
             "predicted_s": res.step_time_s, "rel_err": res.step_time_s / measured - 1.0, "unmeasured": unmeasured,
             "old_log_prob_forward": None if is_bypass(path) else forward_check(fit, trace, settings,
                                                                                token_scale(fit_path, path)),
-            "measured_rel_se": step_time_rel_se(trace),
+            "measured_rel_se": step_time_rel_se(trace), "machine_speed_ratio": speed,
             "measured_split": measured_split(trace), "predicted_split": simulated_split(res)}
 
 
@@ -202,6 +194,10 @@ def print_out_of_sample(rows: list[dict]) -> None:
         if r["unmeasured"]:
             print(f"  {_short(r['file'])}: not measured by its fit: {', '.join(r['unmeasured'])}")
         fwd = r.get("old_log_prob_forward")
+        if r.get("rel_err_at_machine_speed") is not None:
+            print(f"  {_short(r['file'])}: machine {r['machine_speed_ratio']:.3f}x the fit run's time for the probe; "
+                  f"at that speed {r['predicted_s_at_machine_speed']:.2f} s predicted, "
+                  f"{100 * r['rel_err_at_machine_speed']:+.1f}%")
         if fwd:
             timed = fwd.get("timed_forwards_s_per_step")
             print(f"  {_short(r['file'])}: old-log-prob forward {fwd['measured_s_per_step']:.2f} s measured, "
@@ -215,9 +211,20 @@ def _max_err(rows: list[dict], measured_only: bool = False) -> float | None:
     return round(max(errs), 4) if errs else None
 
 
+def _max_err_at_speed(rows: list[dict]) -> float | None:
+    """Largest |rel_err| with the learner core's costs at the target run's machine speed (point 9); None unless
+    every row has its probes."""
+    errs = [r.get("rel_err_at_machine_speed") for r in rows]
+    return round(max(abs(e) for e in errs), 4) if errs and None not in errs else None
+
+
 def _target_entry(r: dict) -> dict:
     return {"fit": _short(r["fit"]), "measured_s": round(r["measured_s"], 4), "predicted_s": round(r["predicted_s"], 4),
             "rel_err": round(r["rel_err"], 4), "measured_rel_se": round(r["measured_rel_se"], 4),
+            **({"machine_speed_ratio": round(r["machine_speed_ratio"], 4),
+                "predicted_s_at_machine_speed": round(r["predicted_s_at_machine_speed"], 4),
+                "rel_err_at_machine_speed": round(r["rel_err_at_machine_speed"], 4)}
+               if r.get("rel_err_at_machine_speed") is not None else {}),
             "unmeasured": r["unmeasured"], "old_log_prob_forward": r.get("old_log_prob_forward"),
             "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
             "predicted_split_s": {k: round(v, 3) for k, v in r["predicted_split"].items()}}
@@ -246,11 +253,16 @@ def out_of_sample(fit_path: Path, target_dirs: list[Path], settings: RunSettings
         raise SystemExit(f"no target traces in {[str(d) for d in target_dirs]}: run "
                          "`python benchmarks/modes.py --rollout emulated [--workload paper]` first")
     rows = [predict_file(p, fit, settings) for p in targets]
+    for r, p in zip(rows, targets):
+        at_speed = predict_file(p, fit, settings, at_machine_speed=True)
+        r["predicted_s_at_machine_speed"] = at_speed and at_speed["predicted_s"]
+        r["rel_err_at_machine_speed"] = at_speed and at_speed["rel_err"]
     print(f"Costs fitted on {fit_path} only:")
     print_out_of_sample(rows)
     return {"fit": str(fit_path), "fit_costs": summary, "rows": rows,
             "max_abs_rel_err_out_of_sample": _max_err(rows),
             "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
+            "max_abs_rel_err_at_machine_speed": _max_err_at_speed(rows),
             "per_target": {_short(r["file"]): _target_entry(r) for r in rows}}
 
 
@@ -357,6 +369,7 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
                           "fits": {_short(main): "every other trace", _short(other): _short(main)},
                           "max_abs_rel_err": _max_err(rows),
                           "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
+                          "max_abs_rel_err_at_machine_speed": _max_err_at_speed(rows),
                           "identical_work_drift": identical_work_drift(files),
                           "predicted_through_unmeasured_terms": {_short(r["file"]): sorted(r["unmeasured"])
                                                                  for r in rows if r["unmeasured"]},
@@ -374,6 +387,8 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
             "max_abs_rel_err_out_of_sample": max(f["max_abs_rel_err"] for f in families.values()),
             "max_abs_rel_err_measured_terms": max((m for m in measured if m is not None), default=None),
             "max_identical_work_drift": max(drifts, default=None),
+            "max_abs_rel_err_at_machine_speed": {n: f["max_abs_rel_err_at_machine_speed"] for n, f in families.items()
+                                                 if f["max_abs_rel_err_at_machine_speed"] is not None},
             "per_target": per_target}
 
 
@@ -494,8 +509,6 @@ def main(argv=None) -> int:
                "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
                "simulated_split_s": {k: round(v, 3) for k, v in r["simulated_split"].items()}} for r in rows}}
     if tmp is not None:
-        import json
-
         print(json.dumps(out))
         tmp.cleanup()
         return 0

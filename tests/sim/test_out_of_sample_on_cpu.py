@@ -131,3 +131,27 @@ def test_paired_runs_predict_each_other_and_a_folder_without_thundersync_is_refu
     shutil.copy(grpo / "grpo_sync.jsonl", tmp_path / "alone" / "grpo_sync.jsonl")
     with pytest.raises(SystemExit, match="needs grpo_thundersync.jsonl"):
         validate["paired"]([tmp_path / "alone"], settings)
+
+
+def test_a_fit_on_a_slower_machine_is_brought_back_to_the_targets_speed_by_the_probes(grpo_traces, tmp_path):
+    """Point 9: the fit run's learner ran 1.3x slower for identical work; its raw predictions miss the targets, and
+    the probes' ratio (the fit's probe 1.3x the targets') gives the targets' costs back. Without probes: None."""
+    import json
+
+    validate, grpo = grpo_traces
+    fit = [json.loads(line) for line in (grpo / "grpo_thundersync.jsonl").read_text().splitlines() if line.strip()]
+    slowed = [dict(r, t1=r["t0"] + 1.3 * (r["t1"] - r["t0"])) if r["kind"] == "learner" else r for r in fit]
+    for path in grpo.glob("grpo_*.jsonl"):
+        shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "grpo_thundersync.jsonl").write_text("".join(json.dumps(r) + "\n" for r in slowed))
+    targets = [tmp_path / f"grpo_{m}.jsonl" for m in ("sync", "async", "fully_async")]
+    bare = validate["out_of_sample"](tmp_path / "grpo_thundersync.jsonl", [], only=targets)
+    assert bare["max_abs_rel_err_at_machine_speed"] is None  # no meta.json: no probes, nothing claimed
+    assert bare["max_abs_rel_err_out_of_sample"] > 0.05
+    probes = {"thundersync": [0.26, 0.26], "sync": [0.2, 0.2], "async": [0.19, 0.21], "fully_async": [0.2, 0.2]}
+    (tmp_path / "meta.json").write_text(json.dumps({"workload": "recorded", "machine_probe_s": probes}))
+    assert validate["speed_ratio"](tmp_path / "grpo_thundersync.jsonl", targets[1]) == pytest.approx(1 / 1.3)
+    out = validate["out_of_sample"](tmp_path / "grpo_thundersync.jsonl", [], only=targets)
+    assert out["max_abs_rel_err_at_machine_speed"] < 0.02 < out["max_abs_rel_err_out_of_sample"]
+    entry = out["per_target"][validate["_short"](targets[0])]
+    assert entry["machine_speed_ratio"] == pytest.approx(1 / 1.3, abs=1e-4)
