@@ -130,6 +130,9 @@ def predict_file(path: Path, fit, settings: RunSettings, at_machine_speed: bool 
     """Out of sample: the target's workload and configuration, the fit run's costs (module docstring, point 5).
     at_machine_speed: the learner core's costs times the probes' ratio (point 9); a row without probes is None."""
     fit_trace, fit_calib, fit_path = fit
+    speed = speed_ratio(fit_path, path)
+    if at_machine_speed and speed is None:
+        return None
     trace = load_trace(path)
     sim_mode, own = replay_calibration(trace)
     calib = transferred(own, fit_calib, landing_latency(fit_trace, fit_calib))
@@ -142,10 +145,7 @@ def predict_file(path: Path, fit, settings: RunSettings, at_machine_speed: bool 
         cfg = replace(cfg, mini_batch=settings.fully_async_mini_batch)
     costs = transfer_costs((fit_trace, fit_calib, is_bypass(fit_path)), trace, is_bypass(path),
                            cfg.resolved_granularity(), settings.micro_batch, token_scale(fit_path, path))
-    speed = speed_ratio(fit_path, path)
     if at_machine_speed:
-        if speed is None:
-            return None
         costs = at_speed(costs, speed)
     res = simulate(replace(cfg, record_timeline=True), source, costs)
     measured = measured_step_time(trace)
@@ -253,10 +253,10 @@ def out_of_sample(fit_path: Path, target_dirs: list[Path], settings: RunSettings
         raise SystemExit(f"no target traces in {[str(d) for d in target_dirs]}: run "
                          "`python benchmarks/modes.py --rollout emulated [--workload paper]` first")
     rows = [predict_file(p, fit, settings) for p in targets]
-    for r, p in zip(rows, targets):
-        at_speed = predict_file(p, fit, settings, at_machine_speed=True)
-        r["predicted_s_at_machine_speed"] = at_speed and at_speed["predicted_s"]
-        r["rel_err_at_machine_speed"] = at_speed and at_speed["rel_err"]
+    for r, p in zip(rows, targets):  # a second replay only where both runs have probes (point 9)
+        probed = predict_file(p, fit, settings, at_machine_speed=True) if r["machine_speed_ratio"] else None
+        r["predicted_s_at_machine_speed"] = probed and probed["predicted_s"]
+        r["rel_err_at_machine_speed"] = probed and probed["rel_err"]
     print(f"Costs fitted on {fit_path} only:")
     print_out_of_sample(rows)
     return {"fit": str(fit_path), "fit_costs": summary, "rows": rows,

@@ -5,11 +5,11 @@ Why:
    and its bypass mode, the same ``update_actor`` on the same trajectories, 28% apart per token in one set). A
    simulator fitted on one run and checked on another then carries that drift in its error, whatever its model.
 2. The probe measures the drift without touching either run: the policy model of the run, a FIXED batch (seeded
-   token ids, fixed shape), forward + backward + an SGD-free gradient zeroing, on the learner's cores with one
+   token ids, fixed shape), forward + backward, gradients dropped after each, on the learner's cores with one
    torch thread, in a process of its own between the runs (never while one runs, so it slows nothing). Its
    median time is a speed reference of the machine; its ratio between two runs is how much slower the second
    ran for identical work. Nothing in it depends on a run's mode, workload or results.
-3. ``python -m thundersync_harness.machine_probe MODEL [--cpus 1]`` prints ``{"probe_s": ..., "times_s": [...]}``.
+3. ``python -m thundersync_harness.machine_probe MODEL`` (run it under ``taskset``, as ``run_probe`` does) prints ``{"probe_s": ..., "times_s": [...]}``.
 """
 
 from __future__ import annotations
