@@ -47,7 +47,12 @@ Why:
    TransferQueue, driver), as a GPU learner does not slow the host CPUs. ``--pin-learner driver``
    puts verl's trainer loop (the driver: it builds and dispatches every learner call) on the learner's
    core too; on a cluster it runs on the head node's CPUs, not on the cores serving agent loops and
-   sandboxes. The result records which was used (``learner_pinned``: "on", "driver" or false).
+   sandboxes. Ray starts its workers' Python threads at nice 15, so there the learner and the driver share the
+   core as equals and every CPU second the driver spends stretches a learner call in flight (a GPU's kernels
+   would not wait). ``--pin-learner driver-low`` keeps the driver on that core but behind the learner: the
+   learner's threads at nice 0, the driver's at ``modes.DRIVER_LOW_NICE`` (``cpu_pin.py`` point 2), in every
+   mode alike; the driver then takes the time the learner leaves, and it is the driver's replies that wait.
+   The result records which was used (``learner_pinned``: "on", "driver", "driver-low" or false).
 8. Reporting stays off the measured runs: ThunderSync draws no timeline PNG while it runs
    (``thundersync.timeline_every=0``; Sync draws none either); its steps are drawn from its trace once the run
    has ended (``timeline.draw_trace``). Drawn every step, the niced drawer shared the learner's core: 6.83 s

@@ -47,6 +47,7 @@ MICRO_BATCH_1 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
 TARGET_WAIT_SHARE = 0.495
+DRIVER_LOW_NICE = 10  # --pin-learner driver-low: the driver behind the learner on their shared core (cpu_pin.py point 2)
 
 
 def workload(latency_scale: float, mode: str) -> list[str]:
@@ -80,7 +81,8 @@ def run_mode(mode: str, steps: int, inputs: dict, work: Path, algo: str = "grpo"
         return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path}
     from thundersync_harness.cpu_pin import LearnerPin  # the learner on a core of its own (cpu_pin.py)
 
-    with LearnerPin(with_driver=pin_learner == "driver") as pin:
+    with LearnerPin(with_driver=pin_learner in ("driver", "driver-low"),
+                    driver_nice=DRIVER_LOW_NICE if pin_learner == "driver-low" else 0) as pin:
         per_step = run_verl(pin.prefix() + cmd, {**env, **pin.env()}, run_dir / "verl.log", steps)
     return {"per_step": per_step, "seconds": time.time() - t0, "run_dir": run_dir, "traj_path": traj_path,
             "pin": pin.describe(), "core_load": pin.load}
@@ -231,9 +233,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-scale", type=float, default=None,
                     help="--rollout emulated: the workload's time scale (default: the calibrated one)")
     ap.add_argument("--repeats", type=int, default=1, help="--rollout emulated: paired runs (the median is reported)")
-    ap.add_argument("--pin-learner", default="on", choices=["on", "driver", "off"],
+    ap.add_argument("--pin-learner", default="on", choices=["on", "driver", "driver-low", "off"],
                     help="--rollout emulated: the learner worker on one core, every other verl process on the other "
-                         "(driver: verl's trainer loop on the learner's core too)")
+                         "(driver: verl's trainer loop on the learner's core too; driver-low: there at nice "
+                         f"{DRIVER_LOW_NICE}, behind the learner's compute)")
     ap.add_argument("--no-exactness", action="store_true", help="--rollout emulated: skip the step-1 update gap runs")
     ap.add_argument("--exactness-only", action="store_true",
                     help="--rollout emulated: only the step-1 update gap runs (modes_emulated_exactness_<workload>.json)")

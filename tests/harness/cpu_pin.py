@@ -13,6 +13,11 @@ Why:
    ``with_driver=True`` moves verl's trainer loop (the ``TaskRunner`` actor: it builds and dispatches
    every learner call, fetches rows from the TransferQueue) to the learner cores too: on a cluster it
    runs on the head node's own CPUs, not on the host cores that serve the agent loops and sandboxes.
+   ``driver_nice`` (with ``with_driver``) runs every thread of the learner at nice 0 and every thread of the
+   driver at ``driver_nice``: on the shared core the learner's compute then goes first and the driver takes
+   the time the learner leaves, as a GPU learner's kernels never wait for the head node's CPU (the driver's
+   own replies are what may wait). Without it both keep the nice Ray starts its workers' Python threads at
+   (15): they share the core as equals, so the driver's work stretches the learner's calls.
 3. Every mode of a comparison runs pinned the same way, so Sync's learner is the same device.
    Processes are recognised by an environment tag set on the launch, so other runs on the machine
    are never touched.
@@ -46,6 +51,21 @@ def _pin(pid: int, cpus: set[int]) -> None:
                 os.sched_setaffinity(int(tid), cpus)
         except OSError:
             pass  # the thread ended
+
+
+def _renice(pid: int, nice: int) -> int:
+    """Every thread of ``pid`` at ``nice`` (Linux keeps a nice value per thread); returns the threads refused (raising
+    a priority needs root or CAP_SYS_NICE)."""
+    refused = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except PermissionError:
+            refused += 1
+        except OSError:
+            pass  # the thread ended
+    return refused
 
 
 def cpu_ticks() -> dict[int, tuple[int, int]]:
@@ -155,7 +175,12 @@ def _window(samples: list, t0: float, t1: float) -> tuple | None:
 class LearnerPin:
     """Context for one verl run: ``prefix()`` goes before the command, ``env()`` into its environment."""
 
-    def __init__(self, learner_cpus: set[int] | None = None, interval_s: float = 0.2, with_driver: bool = False):
+    def __init__(self, learner_cpus: set[int] | None = None, interval_s: float = 0.2, with_driver: bool = False,
+                 driver_nice: int = 0):
+        if driver_nice and not with_driver:
+            raise ValueError("driver_nice only applies with with_driver=True (the driver on the learner's cores)")
+        if not 0 <= driver_nice <= 19:
+            raise ValueError(f"driver_nice must be 0..19 (a lower priority than the learner's), got {driver_nice}")
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             raise RuntimeError(f"pinning the learner needs 2+ CPUs; this process may use {cpus}")
@@ -165,6 +190,9 @@ class LearnerPin:
         self.interval_s = interval_s
         self.titles = tuple(t.encode() for t in LEARNER_TITLES + (DRIVER_TITLES if with_driver else ()))
         self.with_driver = with_driver
+        self.driver_nice = driver_nice
+        self._driver_titles = tuple(t.encode() for t in DRIVER_TITLES)
+        self.renice_refused = 0  # threads whose nice could not be set (describe() reports it)
         self.pinned: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -179,7 +207,8 @@ class LearnerPin:
 
     def describe(self) -> dict:
         return {"learner_cpus": sorted(self.learner_cpus), "rollout_side_cpus": sorted(self.rollout_cpus),
-                "driver_on_learner_cpus": self.with_driver,
+                "driver_on_learner_cpus": self.with_driver, "driver_nice": self.driver_nice,
+                "learner_nice": 0 if self.driver_nice else "ray's", "renice_refused": self.renice_refused,
                 "learner_processes_pinned": len(self.pinned)}
 
     def __enter__(self) -> "LearnerPin":
@@ -200,10 +229,14 @@ class LearnerPin:
                     continue
                 pid = int(name)
                 try:
-                    if not _cmdline(pid).startswith(self.titles):
+                    cmdline = _cmdline(pid)
+                    if not cmdline.startswith(self.titles):
                         continue
                     if pid in self.pinned or _tagged(pid, tag):
                         _pin(pid, self.learner_cpus)
+                        if self.driver_nice:
+                            self.renice_refused += _renice(
+                                pid, self.driver_nice if cmdline.startswith(self._driver_titles) else 0)
                         self.pinned.add(pid)
                 except OSError:
                     continue  # gone, or not ours to read
