@@ -256,6 +256,9 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
                                            "learner bytes the streamed gradient buckets may hold at once")
     deterministic: bool = _key(False, _boolean, "GRPO: trajectories enter the learner in batch order and whole chunks, "
                                "so a step's sums do not depend on timing (bitwise-reproducible replays and resumes; less overlap)")
+    reward_in_agent_loop: bool = _key(False, _boolean, "score each trajectory inside its agent-loop process with verl's "
+                                      "own reward manager, not by a call to a RewardLoopWorker actor (custom or rule-based "
+                                      "rewards; not with reward_model.enable)")
     stop_file: str | None = _key(None, _optional(_path, "no stop file"), "once this file exists the run stops at the next "
                                  "step boundary, saving a checkpoint there when trainer.save_freq > 0 (pre-emption, time limits)")
     env: EnvConfig = _key(None, _section(EnvConfig), "the embedded tool-use task", factory=EnvConfig)

@@ -34,12 +34,14 @@ def register() -> None:
     from thundersync_verl.verl_patches import (
         patch_logprob_diff_metric,
         patch_reuse_turn_teacher_scores,
+        patch_reward_in_agent_loop,
         patch_sao_critic_values,
     )
 
     patch_logprob_diff_metric()
     patch_sao_critic_values()
     patch_reuse_turn_teacher_scores()
+    patch_reward_in_agent_loop()
     if _cpu_platform_active():
         from thundersync_verl.verl_patches import apply_cpu_patches
 

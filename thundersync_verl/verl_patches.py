@@ -5,9 +5,10 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
 - CPU platform only (1, 2, 5, 7): ``apply_cpu_patches``, which the plugin calls only when the CPU
   platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
   (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
-- Every platform (3, 4, 6): the plugin applies them unconditionally. None changes what verl
+- Every platform (3, 4, 6, 8): the plugin applies them unconditionally. None changes what verl
   computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds,
-  6 hands the critic's values to the ``sao`` estimator (other estimators unchanged).
+  6 hands the critic's values to the ``sao`` estimator (other estimators unchanged), 8 (only with
+  ``thundersync.reward_in_agent_loop=true``) runs verl's own reward code in another process.
 
 1. ``gloo_backend_string`` (CPU only): verl builds ``cpu:gloo,{device}:{backend}``; with the
    CPU platform that is ``cpu:gloo,cpu:gloo``, which torch rejects. Collapse a
@@ -35,10 +36,18 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
    hard-codes ``attn_implementation="flash_attention_2"``, which needs a GPU, and then falls back to
    ``trl`` (not a verl dependency), so the critic worker failed to build on the CPU. The same
    ``AutoModelForTokenClassification`` is loaded with the config's own attention (``sdpa`` by default).
+8. ``reward_in_agent_loop`` (every platform; inactive unless ``thundersync.reward_in_agent_loop=true``):
+   verl scores each finished trajectory by a Ray call from the agent-loop worker to a ``RewardLoopWorker``
+   actor (``AgentLoopWorker._compute_score``). With the key set, the worker's reward handles are replaced
+   by one in-process stand-in that runs verl's ``RewardLoopWorker`` class itself in the agent-loop process:
+   the same reward manager, the same DataProto, the same result; one actor round trip and one
+   serialisation less per trajectory, which is time on the path from a trajectory's end to its backward
+   pass. A reward model (``reward.reward_model.enable``) is refused: its scores come from servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from thundersync_verl.patch_hooks import APPLIED, when_imported  # noqa: F401 (re-exported: the patch record)
@@ -160,6 +169,74 @@ def patch_reuse_turn_teacher_scores() -> None:
         _compute_teacher_logprobs._thundersync_patched = True
         cls._compute_teacher_logprobs = _compute_teacher_logprobs
         APPLIED.append("reuse_turn_teacher_scores")
+
+    when_imported("verl.experimental.agent_loop.agent_loop", _wrap)
+
+
+class InProcessRewardWorker:
+    """Stands where verl keeps a ``RewardLoopWorker`` actor handle: ``compute_score.remote(data)`` is awaitable.
+
+    verl's ``RewardLoopWorker`` is built on the first call, on the running event loop: its reward manager
+    captures the loop it finds at construction and runs blocking reward functions in that loop's executor,
+    so a call from another loop (an agent-loop worker keeps one for its life) gets a worker of its own.
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.worker = None
+        self.loop = None
+        self.calls = 0
+        self.compute_score = _RemoteLike(self._compute_score)
+
+    async def _compute_score(self, data):
+        loop = asyncio.get_running_loop()
+        if self.worker is None or self.loop is not loop:  # built synchronously: no call interleaves before it is set
+            from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+            self.worker, self.loop = RewardLoopWorker(self.config, None), loop
+        self.calls += 1
+        return await self.worker.compute_score(data)
+
+
+class _RemoteLike:
+    """``method.remote(*args)`` returns the coroutine, which verl awaits like an ObjectRef."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+def reward_in_agent_loop(config) -> bool:
+    """``thundersync.reward_in_agent_loop`` of a run's config; refused with a reward model (patch 8)."""
+    from thundersync_verl.config import ThunderSyncConfig
+    from thundersync_verl.core.errors import StreamingConfigError, rule_message
+
+    if not ThunderSyncConfig.from_verl(config).reward_in_agent_loop:
+        return False
+    reward_model = (config.get("reward") or {}).get("reward_model") or {}
+    if reward_model.get("enable", False):
+        raise StreamingConfigError(rule_message(
+            "thundersync.reward_in_agent_loop=true cannot be used with reward.reward_model.enable=true",
+            "a reward model's scores come from its own servers, so there is no reward function to run in the agent loop",
+            "set thundersync.reward_in_agent_loop=false (verl's reward workers then call the reward model)"))
+    return True
+
+
+def patch_reward_in_agent_loop() -> None:
+    """Score trajectories in the agent-loop process when ``thundersync.reward_in_agent_loop`` is set (patch 8)."""
+    def _wrap(module):
+        cls = module.AgentLoopWorker
+        original = cls.__init__
+        if getattr(original, "_thundersync_patched", False):
+            return
+
+        def __init__(self, config, *args, **kwargs):
+            original(self, config, *args, **kwargs)
+            if reward_in_agent_loop(config) and self.reward_loop_worker_handles is not None:
+                self.reward_loop_worker_handles = [InProcessRewardWorker(config)]
+
+        __init__._thundersync_patched = True
+        cls.__init__ = __init__
+        APPLIED.append("reward_in_agent_loop")
 
     when_imported("verl.experimental.agent_loop.agent_loop", _wrap)
 
