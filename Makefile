@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/thundersync demo --algo $(ALGO) --mode $(MODE) --steps $(STEPS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # Everything except the tests marked slow (main_ppo runs, Ray + FSDP engines, model builds; see pytest.ini).
 test-fast: $(VENV)/.installed

@@ -6,6 +6,7 @@ from the editable install (``make install``), not through path edits.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -36,3 +37,34 @@ def tiny_random_lm(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def latency_sleeps(monkeypatch):
+    """Every ``asyncio.sleep`` length asked for (``asked``), and how many sleeps of one given length
+    (``delay``, a modelled latency) were in flight at once.
+
+    The real sleep still runs; the wrapper only counts, so calls that overlap show ``most == n`` on any
+    machine, however slow, and calls awaited one after another show 1: concurrency and modelled delays
+    observed by what the code does, never by how long it took.
+    """
+    real_sleep = asyncio.sleep
+
+    class Sleeps:
+        delay, now, most, count, asked = None, 0, 0, 0, []
+
+        @staticmethod
+        async def sleep(delay, *args, **kwargs):
+            Sleeps.asked.append(delay)
+            if delay != Sleeps.delay:
+                return await real_sleep(delay, *args, **kwargs)
+            Sleeps.now += 1
+            Sleeps.count += 1
+            Sleeps.most = max(Sleeps.most, Sleeps.now)
+            try:
+                return await real_sleep(delay, *args, **kwargs)
+            finally:
+                Sleeps.now -= 1
+
+    monkeypatch.setattr(asyncio, "sleep", Sleeps.sleep)
+    return Sleeps

@@ -174,20 +174,20 @@ SERVICE = [0.30, 0.06, 0.18, 0.42, 0.12, 0.24]
 
 
 @pytest.mark.parametrize("time_scale", [1.0, 0.5])
-def test_time_scale_reproduces_the_recorded_relative_timing(tmp_path, time_scale):
+def test_time_scale_reproduces_the_recorded_relative_timing(tmp_path, time_scale, latency_sleeps):
     prompts = _synthetic(tmp_path / "rec.jsonl", SERVICE)
     done = _completion_times(_replay_server(tmp_path / "rec.jsonl", time_scale=time_scale), prompts)
+    assert sorted(latency_sleeps.asked) == pytest.approx(sorted(s * time_scale for s in SERVICE), rel=1e-9)
     for got, want in zip(done, SERVICE):
-        assert got == pytest.approx(want * time_scale, abs=0.08)  # asyncio timers on a shared machine
-    assert sorted(range(len(done)), key=done.__getitem__) == sorted(range(len(SERVICE)), key=SERVICE.__getitem__)
+        assert got >= want * time_scale - 1e-3  # a call never returns before its scaled service time
 
 
 def test_time_scale_zero_does_not_sleep(tmp_path):
     prompts = _synthetic(tmp_path / "rec.jsonl", [5.0, 5.0])
-    assert max(_completion_times(_replay_server(tmp_path / "rec.jsonl", time_scale=0), prompts)) < 0.5
+    assert max(_completion_times(_replay_server(tmp_path / "rec.jsonl", time_scale=0), prompts)) < 2.5
 
 
-def test_permute_seed_gives_a_reproducible_permutation_of_the_completion_order(tmp_path):
+def test_permute_seed_gives_a_reproducible_permutation_of_the_completion_order(tmp_path, latency_sleeps):
     prompts = _synthetic(tmp_path / "rec.jsonl", SERVICE)
     recorded_order = sorted(range(len(SERVICE)), key=SERVICE.__getitem__)
     orders = []
@@ -195,9 +195,10 @@ def test_permute_seed_gives_a_reproducible_permutation_of_the_completion_order(t
         server = _replay_server(tmp_path / "rec.jsonl", permute_seed=seed)
         plan = [server.recording.service_s[line] for line in range(2, 2 + len(SERVICE))]  # records start on line 2
         assert sorted(plan) == pytest.approx(sorted(SERVICE))  # the same latencies, reassigned
-        done = _completion_times(server, prompts)
-        orders.append(sorted(range(len(done)), key=done.__getitem__))
-        assert orders[-1] == sorted(range(len(plan)), key=plan.__getitem__)
+        latency_sleeps.asked.clear()
+        _completion_times(server, prompts)
+        assert latency_sleeps.asked == pytest.approx(plan)  # request i sleeps its permuted latency: done in that order
+        orders.append(sorted(range(len(plan)), key=plan.__getitem__))
     assert orders[0] == orders[1] and orders[0] != recorded_order and orders[0] != orders[2]
 
 

@@ -39,33 +39,31 @@ def test_child_holds_only_its_three_standard_streams():
     assert fds[:3] == [0, 1, 2] and len(fds) == 4, fds  # the 4th is listdir's own handle
 
 
-def test_fork_is_several_times_cheaper_in_cpu_than_a_fresh_interpreter():
-    def cpu_per_call(spawn: str, n: int = 24) -> float:
-        asyncio.run(run_python_async("print(0)", spawn=spawn))  # server start is not per call
-        before = os.times()
-        asyncio.run(_many(spawn, n))
-        after = os.times()
-        return sum(a - b for a, b in zip(after[:4], before[:4])) / n
+def test_fork_and_exec_paths_give_the_same_results_and_leave_no_child_behind():
+    """What each path does, not what it costs: benchmarks/sandbox_spawn.py measures the CPU per call."""
 
-    async def _many(spawn, n):
-        results = await asyncio.gather(*(run_python_async("print(1)", spawn=spawn) for _ in range(n)))
-        assert all(r.ok for r in results)
+    async def many(spawn: str, n: int = 12):
+        return await asyncio.gather(*(run_python_async(f"print({i} * {i})", spawn=spawn) for i in range(n)))
 
-    # children's CPU lands in os.times() only for our own children: count the exec path's
-    # children and the fork path's client side; the server's children are measured in its rusage.
     server = _server()
-    before_server = _proc_cpu(server.proc.pid)
-    fork_client = cpu_per_call("fork")
-    fork_server = (_proc_cpu(server.proc.pid) - before_server) / 24  # includes reaped children
-    exec_cost = cpu_per_call("exec")
-    assert fork_client + fork_server < 0.6 * exec_cost, (fork_client, fork_server, exec_cost)
+    fork, exec_ = asyncio.run(many("fork")), asyncio.run(many("exec"))
+    assert [r.stdout for r in fork] == [r.stdout for r in exec_] == [f"{i * i}\n" for i in range(12)]
+    assert all(r.ok for r in fork + exec_)
+    assert _wait_for(lambda: not _children(server.proc.pid)), _children(server.proc.pid)  # every call reaped
 
 
-def _proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return sum(int(x) for x in fields[11:15]) / ticks  # utime, stime, cutime, cstime
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid]
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds; a hang guard, not a speed claim."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def test_a_dead_server_is_restarted_and_an_inflight_call_still_completes():
@@ -79,10 +77,7 @@ def test_a_dead_server_is_restarted_and_an_inflight_call_still_completes():
 
     result = asyncio.run(call_while_killing())
     assert result.ok and result.stdout == "done\n"  # rerun in a fresh interpreter, not lost
-    deadline = time.time() + 5
-    while server.alive and time.time() < deadline:
-        time.sleep(0.05)
-    assert not server.alive
+    assert _wait_for(lambda: not server.alive)
     again = run_python("print('back')", spawn="fork")
     assert again.ok and _server() is not server and _server().alive
 
@@ -93,17 +88,17 @@ def test_children_die_with_their_server():
     async def orphan_pid():
         task = asyncio.create_task(run_python_async("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(30)",
                                                     spawn="fork", timeout_s=3.0))
-        await asyncio.sleep(0.3)
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == server.proc.pid]
+        while not _children(server.proc.pid):  # the call's child has started (the test's timeout guards a hang)
+            await asyncio.sleep(0.02)
+        pids = _children(server.proc.pid)
         os.kill(server.proc.pid, signal.SIGKILL)
         await task
         return pids
 
     pids = asyncio.run(orphan_pid())
     assert pids
-    time.sleep(0.3)
     for pid in pids:
-        assert _ppid(pid) in (None, 1) and not _running(pid), pid
+        assert _wait_for(lambda: _ppid(pid) in (None, 1) and not _running(pid)), pid
 
 
 def _ppid(pid: int) -> int | None:

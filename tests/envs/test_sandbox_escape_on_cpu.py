@@ -171,7 +171,7 @@ def test_project_home_and_system_files_cannot_be_read():
 def test_sleeping_forever_is_killed_at_the_timeout():
     started = time.perf_counter()
     kind, text, result = _tool("import time\nwhile True:\n    time.sleep(1000)", timeout_s=1.0)
-    assert time.perf_counter() - started < 4.0
+    assert time.perf_counter() - started < 15.0
     assert kind == "program_error" and result.timed_out and text == "<tool_response>error: timeout</tool_response>"
 
 

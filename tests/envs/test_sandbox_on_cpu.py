@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from thundersync_verl.envs import forkserver, sandbox
 from thundersync_verl.envs.sandbox import netns_prefix, run_python, run_python_async
 
 CONNECT = """
@@ -95,7 +96,7 @@ def test_hanging_program_is_killed_at_the_wall_timeout():
     result = run_python("import time\ntime.sleep(30)", timeout_s=1.0)
     elapsed = time.perf_counter() - started
     assert result.timed_out and result.error == "timeout" and not result.ok
-    assert 0.9 <= elapsed < 4.0
+    assert 0.9 <= elapsed < 10.0
 
 
 def test_timeout_kills_the_whole_process_group():
@@ -120,8 +121,7 @@ def test_memory_hog_fails_with_memory_limit():
 
 def test_cpu_bound_loop_hits_the_cpu_limit():
     result = run_python("while True:\n    pass", cpu_s=1, timeout_s=10.0)
-    assert result.error in ("cpu_limit", "killed") and not result.timed_out
-    assert result.duration_s < 5.0
+    assert result.error in ("cpu_limit", "killed") and not result.timed_out  # the CPU limit ended it, not the 10 s timeout
 
 
 def test_output_is_truncated_at_the_cap():
@@ -148,28 +148,54 @@ def test_stdin_cwd_and_environment_are_isolated():
     assert eval(lines[3]) == ["main.py"]
 
 
-def test_async_calls_run_concurrently():
-    n, sleep_s = 6, 0.6
+def test_async_calls_run_concurrently(tmp_path):
+    """Each call's child waits for a go file the test writes only once all n children are alive at once."""
+    n, go = 6, tmp_path / "go"
+    server = forkserver.shared(sandbox._resolve_netns(None), sandbox.GUARD_SOURCE)
+    child = (f"import os, time\nt = time.monotonic()\nwhile not os.path.exists({str(go)!r}) and time.monotonic() - t < 120:\n"
+             f"    time.sleep(0.01)\nprint(os.path.exists({str(go)!r}))")
+
+    async def release():
+        most, deadline = 0, time.monotonic() + 60  # a hang guard: calls run one after another never reach n
+        while most < n and time.monotonic() < deadline:
+            most = max(most, len(_children(server.proc.pid)))
+            await asyncio.sleep(0.01)
+        go.touch()
+        return most
 
     async def many():
-        return await asyncio.gather(*(run_python_async(f"import time\ntime.sleep({sleep_s})\nprint({i})") for i in range(n)))
+        nonlocal calls
+        calls = [asyncio.ensure_future(run_python_async(child, spawn="fork", timeout_s=300)) for _ in range(n)]
+        most = await release()
+        return most, await asyncio.gather(*calls)
 
-    started = time.perf_counter()
-    results = asyncio.run(many())
-    elapsed = time.perf_counter() - started
-    assert [r.stdout.strip() for r in results] == [str(i) for i in range(n)]
-    assert elapsed < 0.5 * n * sleep_s, f"{n} sleeps of {sleep_s}s took {elapsed:.2f}s: not concurrent"
+    calls = []
+    most, results = asyncio.run(many())
+    assert most == n, f"at most {most} of {n} calls were running at once"
+    assert [r.stdout for r in results] == ["True\n"] * n  # every child was released by the go file, none timed out
 
 
-def test_extra_latency_is_added_and_overlaps():
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def test_extra_latency_is_added_and_overlaps(latency_sleeps):
     async def many():
         return await asyncio.gather(*(run_python_async("print(1)", extra_latency_s=0.5) for _ in range(5)))
 
-    started = time.perf_counter()
+    latency_sleeps.delay = 0.5
     results = asyncio.run(many())
-    elapsed = time.perf_counter() - started
-    assert all(r.duration_s >= 0.5 for r in results)
-    assert elapsed < 1.5
+    assert all(r.ok and r.duration_s >= 0.5 for r in results)
+    assert latency_sleeps.count == 5 and latency_sleeps.most == 5  # all five latencies were awaited at once
 
 
 def test_blocking_call_works_inside_a_running_event_loop():

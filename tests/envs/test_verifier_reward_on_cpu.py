@@ -53,20 +53,18 @@ def test_crashing_verifier_scores_zero_with_reason(program, expected, caplog):
 def test_hanging_verifier_is_cut_at_the_timeout():
     result = verify("<answer>127</answer>", "127", program="while True:\n    pass", timeout_s=0.5)
     assert result.score == 0.0 and result.reason.startswith("verifier timeout")
-    assert result.duration_s < 3.0
+    assert result.duration_s < 10.0
 
 
-def test_async_verifier_matches_and_overlaps():
+def test_async_verifier_matches_and_overlaps(latency_sleeps):
     async def many():
         jobs = [verify_async(f"<answer>{i}</answer>", "3", extra_latency_s=0.4) for i in range(6)]
         return await asyncio.gather(*jobs)
 
-    import time
-
-    started = time.perf_counter()
+    latency_sleeps.delay = 0.4
     results = asyncio.run(many())
     assert [r.score for r in results] == [0, 0, 0, 1, 0, 0]
-    assert time.perf_counter() - started < 1.5  # 6 x 0.4 s would be 2.4 s sequentially
+    assert latency_sleeps.count == 6 and latency_sleeps.most == 6  # the six latencies were awaited at once
 
 
 def test_compute_score_returns_verl_reward_dict():
@@ -85,14 +83,15 @@ def test_compute_score_async_is_a_coroutine_function_with_same_result():
     assert out["score"] == 1.0
 
 
-def test_verifier_latency_comes_from_extra_info_then_kwargs():
+def test_verifier_latency_comes_from_extra_info_then_kwargs(latency_sleeps):
     slow = {"kind": "constant", "median_s": 0.4}
+    latency_sleeps.delay = 0.4
     out = reward.compute_score("d", "<answer>7</answer>", "7", {"verifier_latency": slow}, verifier_latency=NO_LATENCY)
-    assert out["verifier_s"] >= 0.4  # extra_info wins over reward_kwargs
+    assert out["verifier_s"] >= 0.4 and latency_sleeps.count == 1  # extra_info wins over reward_kwargs
     out = reward.compute_score("d", "<answer>7</answer>", "7", {}, verifier_latency=slow)
-    assert out["verifier_s"] >= 0.4
+    assert out["verifier_s"] >= 0.4 and latency_sleeps.count == 2
     fast = reward.compute_score("d", "<answer>7</answer>", "7", {}, verifier_latency=NO_LATENCY)
-    assert fast["verifier_s"] < 0.4
+    assert fast["score"] == 1.0 and latency_sleeps.count == 2  # no modelled latency slept
 
 
 def test_default_latency_is_reproducible_per_sample():
@@ -126,4 +125,4 @@ def test_verl_reward_loader_accepts_our_functions():
     )
     fn = get_custom_reward_fn(config)
     out = fn(data_source="thundersync_arith", solution_str="<answer>4</answer>", ground_truth="4", extra_info={})
-    assert out["score"] == 1.0 and out["verifier_s"] < 1.0
+    assert out["score"] == 1.0 and out["verifier_s"] > 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
@@ -84,6 +84,9 @@ class FlakyTeacher:
 
     def __init__(self, inner: HFTeacherScorer, failures: int, mode: str = "raise", delay: float = 0.0):
         self.inner, self.failures, self.mode, self.delay, self.calls = inner, failures, mode, delay, 0
+        # mode "slow": the call blocks until ``release`` is set (or ``delay`` passes); ``slow_done`` is set after,
+        # ``released`` says which of the two ended it
+        self.release, self.slow_done, self.released = threading.Event(), threading.Event(), None
 
     def session(self):
         backend = self
@@ -99,7 +102,8 @@ class FlakyTeacher:
                         self.real.score([1] * len(prefix_ids), (1, len(prefix_ids)))
                         raise ConnectionError("teacher server reset")
                     if backend.mode == "slow":
-                        time.sleep(backend.delay)
+                        backend.released = backend.release.wait(backend.delay)
+                        backend.slow_done.set()
                     elif backend.mode == "nan":
                         return torch.full((span[1] - span[0],), float("nan"))
                     elif backend.mode == "short":
@@ -135,11 +139,11 @@ def test_a_turn_that_keeps_failing_raises_and_stays_pending(teacher, sequence, m
 
 
 def test_a_call_past_the_timeout_is_retried(teacher, sequence):
-    backend = FlakyTeacher(teacher, failures=1, mode="slow", delay=0.6)
-    scorer = TurnScorer(backend, TeacherRetryPolicy(max_attempts=2, timeout_s=0.2))
-    t0 = time.perf_counter()
+    backend = FlakyTeacher(teacher, failures=1, mode="slow", delay=60.0)
+    scorer = TurnScorer(backend, TeacherRetryPolicy(max_attempts=2, timeout_s=2.0))  # 2 s: 10x a tiny forward here
     values = scorer.score_turn("traj-c", 0, sequence[:18], (10, 18))
-    assert time.perf_counter() - t0 < 0.55  # did not wait for the slow call
+    backend.release.set()  # only now may the first call end: the retry did not wait for it
+    assert backend.slow_done.wait(60.0) and backend.released is True
     assert scorer.stats.timeouts == 1 and values.shape == (8,)
     assert torch.allclose(values, teacher.score(sequence[:18], (10, 18)), atol=1e-5)
 
