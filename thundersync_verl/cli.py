@@ -7,7 +7,6 @@ Heavy imports happen per subcommand.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
@@ -43,12 +42,14 @@ def _recipes(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from thundersync_verl.results import add_results_dir_argument
 
-    parser = argparse.ArgumentParser(prog="thundersync", description="Zero-staleness streaming RL for verl")
+    from .cli_args import Parser, positive_int
+
+    parser = Parser(prog="thundersync", description="Zero-staleness streaming RL for verl")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run stock verl.trainer.main_ppo on the embedded CPU task")
     demo.add_argument("--algo", default="grpo", choices=["grpo", "opd"], help="opd: on-policy distillation from the tiny teacher")
     demo.add_argument("--mode", default="thundersync", choices=["sync", "async", "fully_async", "thundersync"])
-    demo.add_argument("--steps", type=int, default=20)
+    demo.add_argument("--steps", type=positive_int, default=20, help="training steps (1 or more)")
     demo.add_argument("--work-dir", default="runs/demo")
     add_results_dir_argument(demo)
     demo.add_argument("overrides", nargs="*", help="extra hydra overrides passed to verl, e.g. data.train_batch_size=16")

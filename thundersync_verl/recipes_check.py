@@ -229,6 +229,12 @@ def _parse(argv: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     """``thundersync recipes check``: 0 all valid, 1 some invalid, 2 bad arguments."""
+    if "-h" in argv or "--help" in argv:
+        print(f"{USAGE}\n\ncompose every recipe under --root (default: recipes/ of this checkout) with verl's own "
+              "config and check it against every rule a run would apply at start; prints one JSON summary line\n"
+              "  --root DIR   the recipes folder\n  --only TEXT  only recipes whose name contains TEXT\n"
+              "  --verbose    also name each valid recipe with what it sets up")
+        return 0
     try:
         opts = _parse(argv)
     except ValueError as err:

@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import replace
 
+from ..cli_args import Parser, choice_list, existing_file, param_count, positive_float, positive_int, usage_errors
 from .config import ALGOS, GRANULARITIES, MODES, SimConfig
 from .dists import lognormal, pareto
 from .engine import simulate
@@ -28,21 +29,15 @@ from .workload import SyntheticSource
 GPUS = {"B200": B200, "H100": H100}
 
 
-def _parse_params(text: str) -> float:
-    t = text.strip().upper()
-    mult = {"B": 1e9, "M": 1e6, "T": 1e12}.get(t[-1:], 1.0)
-    return float(t[:-1]) * mult if t[-1:] in "BMT" else float(t)
-
-
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", help="recorded trace (JSONL) whose trajectories to replay")
-    p.add_argument("--groups", type=int, help="prompt groups per step (default: the preset's)")
-    p.add_argument("--group-size", type=int, help="trajectories per group")
-    p.add_argument("--turns-median", type=float, help="median turns per trajectory")
-    p.add_argument("--turns-sigma", type=float, default=0.8, help="lognormal sigma of turns")
+    p.add_argument("--trace", type=existing_file, help="recorded trace (JSONL) whose trajectories to replay")
+    p.add_argument("--groups", type=positive_int, help="prompt groups per step (default: the preset's)")
+    p.add_argument("--group-size", type=positive_int, help="trajectories per group")
+    p.add_argument("--turns-median", type=positive_float, help="median turns per trajectory")
+    p.add_argument("--turns-sigma", type=positive_float, default=0.8, help="lognormal sigma of turns")
     p.add_argument("--tail", choices=("lognormal", "pareto"), default="lognormal", help="shape of the turn tail")
-    p.add_argument("--slots", type=int, help="rollout slots (engines x concurrent sequences)")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--slots", type=positive_int, help="rollout slots (engines x concurrent sequences)")
+    p.add_argument("--steps", type=positive_int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--algo", choices=ALGOS, default="grpo")
 
@@ -73,6 +68,21 @@ def _source(args, setting: Setting):
 
 
 def cmd_simulate(args) -> int:
+    with usage_errors("thundersync simulate"):  # settings that several arguments decide together
+        setting, source, costs, configs = _simulate_settings(args)
+    results = [simulate(cfg, source, costs) for cfg in configs]
+    print(comparison_table(results))
+    if args.timeline:
+        from .plot import plot_timelines
+
+        print("timeline:", plot_timelines(results, args.timeline))
+    if args.json:
+        print(json.dumps({f"{r.mode}/{r.granularity}": r.summary() for r in results}, default=float))
+    return 0
+
+
+def _simulate_settings(args):
+    """(setting, source, costs, one checked SimConfig per mode): every refusal before the first simulation."""
     if args.preset == "scale":
         setting = scale_setting(args.gpus, args.model, args.tail)
     else:
@@ -84,7 +94,7 @@ def cmd_simulate(args) -> int:
     if args.trace and args.fit_costs:  # the trace's own learner, chunking, calibration; other modes played on it
         base, source, costs = replay(load_trace(args.trace))
         setting = replace(setting, rollout=replace(setting.rollout, slots=base.rollout_slots))
-    results = []
+    configs = []
     for mode in args.modes.split(","):
         cfg = SimConfig(mode=mode, algo=args.algo, granularity=args.granularity if mode == "thundersync" else None,
                         steps=args.steps, rollout_slots=setting.rollout.slots, budget_groups=args.budget_groups,
@@ -94,21 +104,16 @@ def cmd_simulate(args) -> int:
             cfg = replace(cfg, mini_batch=base.mini_batch, staleness_threshold=base.staleness_threshold, min_chunk=1,
                           max_chunk=base.max_chunk if mode == "thundersync" else None,
                           shared_cores=base.shared_cores)
-        results.append(simulate(cfg, source, costs))
-    print(comparison_table(results))
-    if args.timeline:
-        from .plot import plot_timelines
-
-        print("timeline:", plot_timelines(results, args.timeline))
-    if args.json:
-        print(json.dumps({f"{r.mode}/{r.granularity}": r.summary() for r in results}, default=float))
-    return 0
+        cfg.validate(source.batch_size)
+        configs.append(cfg)
+    return setting, source, costs, configs
 
 
 def cmd_plan(args) -> int:
-    model = ModelSpec("custom", _parse_params(args.params), args.layers, args.hidden)
-    cluster = ClusterSpec(gpus=args.gpus, learner_gpus=args.learner_gpus or args.gpus // 2, tp=args.tp, pp=args.pp,
-                          cp=args.cp, grad_sharded_over_dp=not args.replicated_grads)
+    with usage_errors("thundersync plan"):  # the cluster's shape is checked before anything is priced
+        model = ModelSpec("custom", args.params, args.layers, args.hidden)
+        cluster = ClusterSpec(gpus=args.gpus, learner_gpus=args.learner_gpus or args.gpus // 2, tp=args.tp,
+                              pp=args.pp, cp=args.cp, grad_sharded_over_dp=not args.replicated_grads)
     gpu = GPUS[args.gpu]
     changed = _changed_fraction(args)
     wsync = weight_sync_seconds(model, args.sync_gbps, PAPER_WEIGHT_SYNC_FIXED_S, changed)
@@ -134,36 +139,36 @@ def _changed_fraction(args) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="thundersync", description="ThunderSync pipeline simulator and planner")
+    ap = Parser(prog="thundersync", description="ThunderSync pipeline simulator and planner")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("simulate", help="compare pipeline modes on a preset, cluster or trace")
     s.add_argument("--preset", choices=("paper", "scale"), default="paper")
-    s.add_argument("--gpus", type=int, default=64, help="scale preset: total GPUs")
+    s.add_argument("--gpus", type=positive_int, default=64, help="scale preset: total GPUs")
     s.add_argument("--model", choices=("30B", "235B"), default="30B", help="scale preset: model size")
-    s.add_argument("--modes", default=",".join(MODES))
+    s.add_argument("--modes", type=choice_list(MODES), default=",".join(MODES))
     s.add_argument("--granularity", choices=GRANULARITIES)
-    s.add_argument("--budget-groups", type=int, help="thundersync: most GRPO groups holding buffers")
+    s.add_argument("--budget-groups", type=positive_int, help="thundersync: most GRPO groups holding buffers")
     s.add_argument("--fit-costs", action="store_true", help="with --trace: fit learner costs from its records")
     s.add_argument("--timeline", help="write a utilisation timeline PNG here")
     s.add_argument("--json", action="store_true", help="also print the summaries as JSON")
     _add_workload_args(s)
     s.set_defaults(func=cmd_simulate)
     p = sub.add_parser("plan", help="recommend mode, granularity and memory budget for a deployment")
-    p.add_argument("--params", required=True, help="trainable parameters, e.g. 30B or 3e10")
-    p.add_argument("--layers", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--learner-gpus", type=int, help="default: half of the GPUs")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1, help="context/sequence parallel size")
+    p.add_argument("--params", type=param_count, required=True, help="trainable parameters, e.g. 30B or 3e10")
+    p.add_argument("--layers", type=positive_int, default=64)
+    p.add_argument("--hidden", type=positive_int, default=5120)
+    p.add_argument("--gpus", type=positive_int, required=True)
+    p.add_argument("--learner-gpus", type=positive_int, help="default: half of the GPUs")
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--cp", type=positive_int, default=1, help="context/sequence parallel size")
     p.add_argument("--replicated-grads", action="store_true", help="gradients not sharded over data parallel")
     p.add_argument("--gpu", choices=sorted(GPUS), default="B200")
-    p.add_argument("--mfu", type=float, default=0.39)
-    p.add_argument("--host-mem-gb", type=float, help="host memory per learner rank for accumulators")
-    p.add_argument("--sync-gbps", type=float, default=10.0, help="effective weight-push bandwidth (GB/s)")
+    p.add_argument("--mfu", type=positive_float, default=0.39)
+    p.add_argument("--host-mem-gb", type=positive_float, help="host memory per learner rank for accumulators")
+    p.add_argument("--sync-gbps", type=positive_float, default=10.0, help="effective weight-push bandwidth (GB/s)")
     p.add_argument("--changed-fraction", type=float, help="sparse weight push: share of weights that change")
-    p.add_argument("--changed-fraction-from", metavar="JSON",
+    p.add_argument("--changed-fraction-from", type=existing_file, metavar="JSON",
                    help="sparse weight push: the density measured by benchmarks/weight_sync.py (its results JSON)")
     p.add_argument("--chunk-overhead", type=float, default=PAPER_CHUNK_OVERHEAD_S)
     _add_workload_args(p)
