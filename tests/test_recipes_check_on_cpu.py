@@ -146,7 +146,7 @@ def test_bad_arguments_give_a_one_line_usage_error(argv, capsys):
 
 def test_a_broken_recipe_file_fails_the_command_with_a_reason_naming_the_key(tmp_path, capsys):
     root = tmp_path / "recipes"
-    shutil.copytree(SWE, root / "swe_smith", ignore=shutil.ignore_patterns("cpu_synthetic.yaml"))
+    shutil.copytree(SWE, root / "swe_smith", ignore=shutil.ignore_patterns("cpu_synthetic.yaml", "cpu_base"))
     shape = root / "swe_smith" / "shape" / "qwen3_8b.yaml"
     shape.write_text(shape.read_text().replace("context_parallel_size: 4 ", "context_parallel_size: 3 "))
     (root / "swe_smith" / "notes.yaml").write_text("note: not a recipe\n")

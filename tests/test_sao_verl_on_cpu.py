@@ -176,7 +176,7 @@ def test_sao_recipe_is_grpo_plus_the_sao_keys(mode):
     assert sao["critic.ppo_epochs"] > sao["actor_rollout_ref.actor.ppo_epochs"]
     assert sao["trainer.critic_warmup"] >= 1
     assert sao["thundersync.mode"] == mode
-    assert _compose(mode).trainer.experiment_name == "sao_sync"
+    assert _compose(mode).trainer.experiment_name == f"sao_{mode}"  # the run is named after its mode
 
 
 def test_sao_recipe_thundersync_mode_validates_and_broken_variants_are_refused_naming_the_key():

@@ -64,9 +64,22 @@ class Variant:
                         out.append(f"++{where}='<set by the launcher>'")
                 elif OmegaConf.is_dict(node._get_node(key)):
                     walk(node._get_node(key), where)
-        doc = OmegaConf.load(self.recipe)
-        walk(OmegaConf.masked_copy(doc, [k for k in doc if k not in ("hydra", "defaults")]), "")
-        return out
+        for path in self.global_files():
+            doc = OmegaConf.load(path)
+            walk(OmegaConf.masked_copy(doc, [k for k in doc if k not in ("hydra", "defaults")]), "")
+        return list(dict.fromkeys(out))
+
+    def global_files(self) -> list[Path]:
+        """The recipe and the options its defaults list selects from its own folders at the global package
+        (``cpu_base: tiny`` -> cpu_base/tiny.yaml): the files whose keys sit at the config's top level."""
+        files = [self.recipe]
+        for entry in _defaults_list(self.recipe) or []:
+            if isinstance(entry, dict):
+                for group, option in entry.items():
+                    path = self.recipe.parent / str(group).split()[-1].split("@")[0] / f"{option}.yaml"
+                    if path.is_file() and path.read_text().startswith("# @package _global_"):
+                        files.append(path)
+        return files
 
     def name(self, root: Path) -> str:
         try:

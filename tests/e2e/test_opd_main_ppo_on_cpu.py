@@ -60,7 +60,7 @@ def test_opd_recipe_is_grpo_plus_the_opd_keys(mode):
     changed = sorted(k for k in set(grpo) | set(opd) if grpo.get(k, "<absent>") != opd.get(k, "<absent>"))
     unexpected = [k for k in changed if not k.startswith(OPD_ONLY)]
     assert unexpected == [], f"opd.yaml drifted from grpo.yaml: {unexpected}"
-    assert _compose("opd", mode)["trainer.experiment_name"] == "opd_sync"
+    assert _compose("opd", mode)["trainer.experiment_name"] == f"opd_{mode}"  # the run is named after its mode
     assert opd["distillation.enabled"] is True and opd["distillation.distillation_loss.loss_mode"] == "k1"
     assert opd["distillation.distillation_loss.use_policy_gradient"] is True
     assert opd["distillation.distillation_loss.use_task_rewards"] is False
