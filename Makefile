@@ -20,8 +20,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: every warning is an error. mkdocs and
+# mkdocs-material come with the venv's test extra; docs/hooks.py generates the configuration reference.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # Everything except the tests marked slow (main_ppo runs, Ray + FSDP engines, model builds; see pytest.ini).
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
-.PHONY: install demo test test-fast
+.PHONY: install demo test test-fast docs
