@@ -42,8 +42,8 @@ setup(
     ],
     extras_require={
         "cpu": CPU_EXTRAS,
-        "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout",
-                 "mkdocs==1.6.1", "mkdocs-material==9.8.2"],  # the docs site (make docs),
+        # mkdocs: the docs site (make docs)
+        "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout", "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         "gpu": ["vllm", "flash-attn", "transformer-engine", "wandb"],
     },
     entry_points={
