@@ -39,15 +39,22 @@ def _jsonl(*rows) -> bytes:
 # --- malformed SWE-smith datasets -------------------------------------------------------------
 
 @pytest.mark.parametrize("name, content, problem", [
-    ("missing.jsonl", _jsonl(_row(0), _row(1, image_name=..., patch=...)), "row 1 (owner__repo.abc1.bug): missing field(s) patch, image_name"),
-    ("wrong_type.jsonl", _jsonl(_row(0, instance_id=7)), "row 0: field(s) instance_id must be strings"),
+    ("missing.jsonl", _jsonl(_row(0), _row(1, image_name=..., patch=...)), "line 2 (owner__repo.abc1.bug): missing field(s) patch, image_name"),
+    ("wrong_type.jsonl", _jsonl(_row(0, instance_id=7)), "line 1: field(s) instance_id must be strings"),
+    ("blank_lines.jsonl", b"\n" + _jsonl(_row(0)) + b"\n\n" + _jsonl(_row(3, repo="")), "line 5 (owner__repo.abc3.bug): empty field(s) repo"),
+    ("bad_line.jsonl", _jsonl(_row(0)) + b"\n{not json\n", "is not valid UTF-8 JSON: line 3 column 2"),
+    ("empty_field.json", json.dumps([_row(0), _row(1, problem_statement="", patch=...)]).encode(), "row 2 (owner__repo.abc1.bug): missing field(s) patch; empty field(s) problem_statement"),
+    ("empty_test_id.json", json.dumps([_row(0, FAIL_TO_PASS=["tests/test_x.py::test_a", ""])]).encode(), "row 1 (owner__repo.abc0.bug): FAIL_TO_PASS must be a list of pytest node ids: item 2 is empty"),
+    ("object.json", json.dumps(_row(0)).encode(), "holds an object, not a JSON array"),
+    ("number.json", b"5", "holds a number, not a JSON array"),
     ("wrong_list.jsonl", _jsonl(_row(0, PASS_TO_PASS=[1, 2])), "PASS_TO_PASS must be a list of pytest node ids"),
     ("not_a_row.json", b'["just a string"]', "an instance is a mapping of fields, got str"),
-    ("empty.jsonl", b"", "the input holds no rows"),
+    ("empty.jsonl", b"", "is empty (0 bytes)"),
+    ("blank.jsonl", b"\n \n", "the input holds no rows"),
     ("empty_array.json", b"[]", "the input holds no rows"),
-    ("empty.json", b"", "is not valid UTF-8 JSON"),
+    ("empty.json", b"", "is empty (0 bytes)"),
     ("binary.jsonl", bytes(range(256)), "is not valid UTF-8 JSON"),
-    ("empty.parquet", b"", "is not a readable parquet file"),
+    ("empty.parquet", b"", "is empty (0 bytes)"),
     ("damaged.parquet", b"PAR1 this is not parquet", "is not a readable parquet file"),
     ("rows.csv", b"instance_id\nx\n", "not .jsonl, .json or .parquet"),
 ], ids=lambda v: v if isinstance(v, str) and "." in v and len(v) < 20 else "")

@@ -21,6 +21,7 @@ Why:
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 import os
@@ -159,11 +160,14 @@ def _checked(check: Callable, value: Any, key: str, doc: str, default: Callable[
 def _refuse_unknown(section: Mapping, known, prefix: str) -> None:
     unknown = sorted(str(k) for k in section if k not in known)
     if unknown:
+        close = [f"{prefix}.{k} to {prefix}.{match[0]}" for k in unknown
+                 if (match := difflib.get_close_matches(k, [str(n) for n in known], n=1))]
         raise StreamingConfigError(rule_message(
             f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in unknown)}; the known keys of {prefix} are: "
             f"{', '.join(sorted(known))}",
             "a misspelt key would otherwise be ignored and its default used without a word",
-            f"correct the spelling, or remove the key (the keys are documented in thundersync_verl/config.py)"))
+            (f"rename {', '.join(close)} (the closest known key); otherwise " if close else "") +
+            "correct the spelling, or remove the key (the keys are documented in thundersync_verl/config.py)"))
 
 
 class _Section:

@@ -5,6 +5,8 @@ setup.py declares it under the ``verl.plugins`` entry-point group. It registers:
 2. rollout backends ``hf_cpu`` and ``replay`` (recorded generations, ``backends/replay/``);
 3. agent loop ``thundersync_tool_agent``, the ThunderSync trainer mode and SAO's estimator and
    policy loss ``sao``, lazily (their modules import on first use by verl).
+It also applies the runtime patches of ``verl_patches.py`` (every platform; the CPU ones only on the CPU
+platform), among them the driver's check of this plugin's config sections before ``ray.init``.
 verl swallows plugin import errors at debug level, so failures are logged loudly here.
 """
 
@@ -32,6 +34,7 @@ def register() -> None:
 
     register_cpu_platform()
     from thundersync_verl.verl_patches import (
+        patch_launch_config_check,
         patch_logprob_diff_metric,
         patch_reuse_turn_teacher_scores,
         patch_reward_in_agent_loop,
@@ -42,6 +45,7 @@ def register() -> None:
     patch_sao_critic_values()
     patch_reuse_turn_teacher_scores()
     patch_reward_in_agent_loop()
+    patch_launch_config_check()
     if _cpu_platform_active():
         from thundersync_verl.verl_patches import apply_cpu_patches
 

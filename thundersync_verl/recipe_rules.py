@@ -34,10 +34,6 @@ PASS_THROUGH = {  # untyped sections whose keys verl hands on or reads without d
 }
 LAUNCHER_KEYS = ("path", "files")  # a ??? value is allowed only for keys a launcher fills (paths, data files)
 MODE_TRAINERS = {"sync": "sync", "async": "separate_async", "fully_async": "separate_async", "thundersync": "thundersync"}
-OWN_SECTIONS = {  # top-level sections this project adds to verl's config, each typed by its own class
-    "thundersync": ("thundersync_verl.config", "ThunderSyncConfig"),
-    "swe": ("thundersync_verl.envs.swe.config", "SWEConfig"),
-}
 
 
 def one_line(err: BaseException | str) -> str:
@@ -169,6 +165,8 @@ def _dataclass_in(ann: Any):
 
 def _unknown_keys_and_types(raw: dict, facts: dict) -> list[str]:
     """Keys verl does not know (typed sections: the dataclass's fields; untyped: verl's own yaml tree)."""
+    from thundersync_verl.launch_check import OWN_SECTIONS
+
     base = _base_tree(str(raw.get("model_engine", "dp")))
     out: list[str] = []
     _walk({k: v for k, v in raw.items() if k not in OWN_SECTIONS}, base, None, "", out)
@@ -385,25 +383,13 @@ def _registered_names(raw: dict, facts: dict) -> list[str]:
     return out
 
 
-def _own_sections(raw: dict) -> list[str]:
-    """This project's top-level sections, built by their own classes (which refuse unknown keys)."""
-    out = []
-    for section, (module, name) in OWN_SECTIONS.items():
-        if section in raw:
-            try:
-                getattr(importlib.import_module(module), name).from_verl(raw)
-            except Exception as err:
-                out.append(one_line(err))
-    return out
-
-
 def _thundersync(raw: dict, facts: dict) -> list[str]:
-    """The project's sections (every mode) and, in thundersync mode, the trainer's own rules."""
-    from omegaconf import OmegaConf
-
+    """The rules the driver runs before ``ray.init`` (``launch_check.check_run_config``: the project's sections
+    in every mode, patch 8's refusal, the trainer's own rules in thundersync mode), and the mode flag's pair."""
+    from thundersync_verl import launch_check
     from thundersync_verl.config import ThunderSyncConfig
 
-    own = _own_sections(raw)
+    own = [one_line(err) for err in launch_check.own_section_errors(raw)]
     if own:
         return own
     ts = ThunderSyncConfig.from_verl(raw)
@@ -411,12 +397,8 @@ def _thundersync(raw: dict, facts: dict) -> list[str]:
     if MODE_TRAINERS[ts.mode] != trainer_mode:
         return [problem("thundersync.mode", f"= {ts.mode} but trainer.v1.trainer_mode = {trainer_mode}", "the reports and "
                         "trainers read thundersync.mode", f"select the mode with mode={ts.mode} (it sets both)")]
-    if trainer_mode != "thundersync":
-        return []
-    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
-
     try:
-        validate_thundersync_config(OmegaConf.create(raw))
+        launch_check.check_run_config(raw)
     except Exception as err:
         return [one_line(err)]
     return []

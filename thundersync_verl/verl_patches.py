@@ -5,10 +5,11 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
 - CPU platform only (1, 2, 5, 7): ``apply_cpu_patches``, which the plugin calls only when the CPU
   platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
   (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
-- Every platform (3, 4, 6, 8): the plugin applies them unconditionally. None changes what verl
+- Every platform (3, 4, 6, 8, 9): the plugin applies them unconditionally. None changes what verl
   computes: 3 adds a metric, 4 skips a teacher request whose reply the agent loop already holds,
   6 hands the critic's values to the ``sao`` estimator (other estimators unchanged), 8 (only with
-  ``thundersync.reward_in_agent_loop=true``) runs verl's own reward code in another process.
+  ``thundersync.reward_in_agent_loop=true``) runs verl's own reward code in another process, 9 refuses
+  a config this plugin's workers would refuse, earlier (on the driver).
 
 1. ``gloo_backend_string`` (CPU only): verl builds ``cpu:gloo,{device}:{backend}``; with the
    CPU platform that is ``cpu:gloo,cpu:gloo``, which torch rejects. Collapse a
@@ -43,6 +44,12 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
    the same reward manager, the same DataProto, the same result; one actor round trip and one
    serialisation less per trajectory, which is time on the path from a trajectory's end to its backward
    pass. A reward model (``reward.reward_model.enable``) is refused: its scores come from servers.
+9. ``launch_config_check`` (every platform): the ``thundersync.*`` / ``swe.*`` sections are read inside Ray
+   workers (agent loops, the trainer), so a bad value failed there, wrapped in a Ray traceback, after Ray,
+   the engines and the rollout had started. verl's ``validate_config`` (``verl.utils.config``), which its
+   drivers (``main_ppo.main``) call right before ``run_ppo`` -> ``ray.init``, first runs this plugin's rules
+   (``launch_check.check_run_config``: the sections' classes, patch 8's refusal, and in thundersync mode the
+   trainer's ``validate_thundersync_config``); the first refusal is raised there, as one error.
 """
 
 from __future__ import annotations
@@ -206,19 +213,13 @@ class _RemoteLike:
 
 
 def reward_in_agent_loop(config) -> bool:
-    """``thundersync.reward_in_agent_loop`` of a run's config; refused with a reward model (patch 8)."""
-    from thundersync_verl.config import ThunderSyncConfig
-    from thundersync_verl.core.errors import StreamingConfigError, rule_message
+    """``thundersync.reward_in_agent_loop`` of a run's config; refused with a reward model (patch 8).
 
-    if not ThunderSyncConfig.from_verl(config).reward_in_agent_loop:
-        return False
-    reward_model = (config.get("reward") or {}).get("reward_model") or {}
-    if reward_model.get("enable", False):
-        raise StreamingConfigError(rule_message(
-            "thundersync.reward_in_agent_loop=true cannot be used with reward.reward_model.enable=true",
-            "a reward model's scores come from its own servers, so there is no reward function to run in the agent loop",
-            "set thundersync.reward_in_agent_loop=false (verl's reward workers then call the reward model)"))
-    return True
+    The rule lives with the other launch rules (``launch_check.py``), which the driver runs before ``ray.init``.
+    """
+    from thundersync_verl.launch_check import reward_in_agent_loop as rule
+
+    return rule(config)
 
 
 def patch_reward_in_agent_loop() -> None:
@@ -239,6 +240,42 @@ def patch_reward_in_agent_loop() -> None:
         APPLIED.append("reward_in_agent_loop")
 
     when_imported("verl.experimental.agent_loop.agent_loop", _wrap)
+
+
+def patch_launch_config_check() -> None:
+    """Run the plugin's config rules in verl's driver-side ``validate_config``, before ``ray.init`` (patch 9).
+
+    verl's ``main_ppo`` binds ``validate_config`` from ``verl.utils.config`` when it is imported, after the
+    plugin (``python -m verl.trainer.main_ppo`` runs it as ``__main__``, so its ``run_ppo`` cannot be
+    wrapped beforehand); the package's re-export ``verl.utils.validate_config`` is replaced too.
+    """
+    def _wrap(module):
+        import sys
+
+        original = module.validate_config
+        if getattr(original, "_thundersync_patched", False):
+            return
+
+        def validate_config(config, *args, **kwargs):
+            from thundersync_verl.core.errors import StreamingConfigError
+            from thundersync_verl.launch_check import check_run_config
+
+            try:
+                check_run_config(config)
+            except StreamingConfigError as err:  # one error, raised here: no chain, no frames of the rule table
+                raise err.with_traceback(None) from None
+            return original(config, *args, **kwargs)
+
+        validate_config._thundersync_patched = True
+        validate_config.__wrapped__ = original  # the recipe check calls verl's own (it runs the rules itself)
+        validate_config.__doc__ = original.__doc__
+        module.validate_config = validate_config
+        package = sys.modules.get(module.__name__.rpartition(".")[0])
+        if getattr(package, "validate_config", None) is original:
+            package.validate_config = validate_config
+        APPLIED.append("launch_config_check")
+
+    when_imported("verl.utils.config", _wrap)
 
 
 def patch_sao_critic_values() -> None:

@@ -6,7 +6,8 @@ Why:
    nothing slept), every later run replays it (``time_scale=0``).
 2. The replay server keeps each weight push (``$THUNDERSYNC_REPLAY_WEIGHTS_DIR``): version k is the
    learner's parameters after step k, whatever the mode, so updates are compared on the real pushes.
-3. One launcher for the e2e tests that need it, so each test states only its overrides.
+3. One launcher for the e2e tests that need it (``launch``: the bare process, for runs that must fail), so each
+   test states only its overrides.
 """
 
 from __future__ import annotations
@@ -51,30 +52,38 @@ def within_sums_order(gap: float, floor: float) -> bool:
     return gap <= max(2 * floor, TOKEN_SUM_ATOL)
 
 
-def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
-             env_extra: dict | None = None, timeout: int = 900, recipe: str = "grpo") -> list[dict]:
-    """One ``main_ppo`` of a CPU recipe (``grpo``, or ``sao`` from its own folder) under ``work/name``;
-    returns its per-step metrics."""
+def launch(work: Path, model: Path, mode: str, extra: list[str], *, steps: int = 1, run: Path | None = None,
+           env_extra: dict | None = None, timeout: int = 900, recipe: str = "grpo") -> subprocess.CompletedProcess:
+    """``python -m verl.trainer.main_ppo`` of a CPU recipe (``grpo``, or ``sao`` from its own folder) on the tiny
+    dataset under ``work``, metrics to ``run/metrics.jsonl``; returns the finished process, whatever its exit."""
     train = work / "train.parquet"
     if not train.is_file():
         write_dataset(train, 64, seed=0, split="train")
         write_dataset(work / "val.parquet", 8, seed=0, split="test")
-    run = work / name
-    run.mkdir()
+    run = run or work
     folder = recipe_dir() / recipe if (recipe_dir() / recipe).is_dir() else recipe_dir()
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={folder}", f"--config-name={recipe}",
            f"data.train_files={train}", f"data.val_files={work / 'val.parquet'}",
-           f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={steps}", f"mode={mode}",
-           "actor_rollout_ref.rollout.name=replay", f"thundersync.run_dir={run}", *SHAPES["paper"].overrides(),
-           *NO_LATENCY, *extra]
+           f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={steps}", f"mode={mode}", *extra]
     ray_tmp = tempfile.mkdtemp(prefix="tsr_", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     env = run_env(run, run / "metrics.jsonl")
     env["THUNDERSYNC_RAY_TMP"] = env["RAY_TMPDIR"] = ray_tmp
     env.update(env_extra or {})
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=work)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *, steps: int,
+             env_extra: dict | None = None, timeout: int = 900, recipe: str = "grpo") -> list[dict]:
+    """One replay-backed ``main_ppo`` of a CPU recipe under ``work/name``; returns its per-step metrics."""
+    run = work / name
+    run.mkdir()
+    replay = ["actor_rollout_ref.rollout.name=replay", f"thundersync.run_dir={run}", *SHAPES["paper"].overrides(),
+              *NO_LATENCY]
+    out = launch(work, model, mode, [*replay, *extra], steps=steps, run=run, env_extra=env_extra, timeout=timeout,
+                 recipe=recipe)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["data"] if "data" in r else r for r in rows if "timing_s/step" in r.get("data", r)]

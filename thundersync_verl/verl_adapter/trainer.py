@@ -175,7 +175,8 @@ def config_check_api():
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     return SimpleNamespace(
-        omega_conf_to_dataclass=omega_conf_to_dataclass, validate_config=validate_config,
+        omega_conf_to_dataclass=omega_conf_to_dataclass,
+        validate_config=getattr(validate_config, "__wrapped__", validate_config),  # verl's own (verl_patches 9 adds ours)
         need_reference_policy=ppo_utils.need_reference_policy, need_critic=ppo_utils.need_critic,
         agent_loops=lambda: set(agent_loop._agent_loop_registry), trainer_modes=lambda: set(trainer_base.TRAINER_REGISTRY),
         rollouts=lambda: set(RolloutReplicaRegistry._registry),

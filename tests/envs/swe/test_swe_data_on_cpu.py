@@ -85,16 +85,85 @@ def test_cli_refuses_missing_fields_as_one_usage_line(tmp_path):
     error = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(error) == 1, out.stderr
     assert "refused 2 of 3 rows" in error[0]
-    assert "row 1 (owner__repo.abc1.bug): missing field(s) image_name" in error[0]
-    assert "row 2 (owner__repo.abc2.bug): missing field(s) FAIL_TO_PASS, PASS_TO_PASS" in error[0]
+    assert "row 2 (owner__repo.abc1.bug): missing field(s) image_name" in error[0]  # counted from 1, as a reader counts
+    assert "row 3 (owner__repo.abc2.bug): missing field(s) FAIL_TO_PASS, PASS_TO_PASS" in error[0]
     assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_cli_refuses_unreadable_input_without_a_traceback(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    for path in (tmp_path / "bad.jsonl", tmp_path / "absent.jsonl", tmp_path):
+    (tmp_path / "object.json").write_text(json.dumps(_row(0)))
+    for path in (tmp_path / "bad.jsonl", tmp_path / "absent.jsonl", tmp_path, tmp_path / "object.json"):
         out = _cli("--input", str(path), "--out", str(tmp_path / "o"))
         assert out.returncode == 2 and "Traceback" not in out.stderr and "error:" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # one usage-error line
+
+
+def _refusal(capsys, *argv: str) -> str:
+    """The one stderr line of a refused in-process run (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as exited:
+        swe_smith.main(list(argv))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m thundersync_verl.data.swe_smith: error: "), err
+    return err
+
+
+def test_cli_numbers_jsonl_rows_by_their_line_in_the_file(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    lines = ["", json.dumps(_row(0)), "", json.dumps(_row(3, problem_statement="")), json.dumps(_row(4, PASS_TO_PASS="")),
+             json.dumps(_row(5, FAIL_TO_PASS=["tests/test_x.py::test_a", "  "]))]
+    src.write_text("\n".join(lines) + "\n")
+    err = _refusal(capsys, "--input", str(src), "--out", str(tmp_path / "out"))
+    assert "refused 3 of 4 rows: line 4 (owner__repo.abc3.bug): empty field(s) problem_statement; " \
+           "line 5 (owner__repo.abc4.bug): empty field(s) PASS_TO_PASS; " \
+           "line 6 (owner__repo.abc5.bug): FAIL_TO_PASS must be a list of pytest node ids: item 2 is empty" in err, err
+    assert "''" not in err and "[]" not in err  # an empty field is called empty, not shown as a repr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_names_the_line_of_a_jsonl_line_that_is_not_json(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_row(0)) + "\n\n" + json.dumps(_row(1))[:-1] + "\n")
+    assert "is not valid UTF-8 JSON: line 3 column" in _refusal(capsys, "--input", str(src), "--out", str(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("content, kind", [(json.dumps(_row(0)), "an object"), ('"rows"', "a string"), ("7", "a number"),
+                                           ("null", "null")])
+def test_cli_refuses_a_json_file_that_is_not_an_array(tmp_path, capsys, content, kind):
+    src = tmp_path / "in.json"
+    src.write_text(content)
+    err = _refusal(capsys, "--input", str(src), "--out", str(tmp_path / "out"))
+    assert f"{src} holds {kind}, not a JSON array" in err and "wrap the instance(s) in [ ]" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--limit", "0"], "--limit: 0 is not a positive whole number"),
+    (["--limit", "two"], "--limit: 'two' is not a whole number"),
+    (["--name", "a/b"], "--name: 'a/b' is not a file name"),
+    (["--name", ""], "--name: '' is not a file name"),
+])
+def test_cli_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, says):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_row(0)) + "\n")
+    assert says in _refusal(capsys, "--input", str(src), "--out", str(tmp_path / "out"), *args)
+
+
+def test_cli_refuses_an_output_folder_it_cannot_create(tmp_path, capsys):
+    src, blocker = tmp_path / "in.jsonl", tmp_path / "a_file"
+    src.write_text(json.dumps(_row(0)) + "\n")
+    blocker.write_text("not a folder")
+    err = _refusal(capsys, "--input", str(src), "--out", str(blocker / "sub"))
+    assert f"--out {blocker / 'sub'}: cannot write train.parquet there" in err, err
+
+
+def test_cli_limit_keeps_the_line_numbers_of_the_rows_it_keeps(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n\n" + json.dumps(_row(0)) + "\n" + json.dumps(_row(1, repo="")) + "\n" + json.dumps(_row(2, repo="")))
+    err = _refusal(capsys, "--input", str(src), "--out", str(tmp_path / "out"), "--limit", "2")
+    assert "refused 1 of 2 rows: line 4 (owner__repo.abc1.bug): empty field(s) repo" in err, err
 
 
 def test_synthetic_set_is_swe_smith_rows_validated_by_running_the_tests(synthetic_set):

@@ -49,9 +49,11 @@ class SWEInstance:
         """The instance of a row; raises :class:`InstanceError` naming every missing or malformed field."""
         if not isinstance(row, Mapping):
             raise InstanceError(f"an instance is a mapping of fields, got {type(row).__name__}")
-        missing = [f for f in REQUIRED_FIELDS if _absent(row.get(f))]
-        if missing:
-            raise InstanceError(f"missing field(s) {', '.join(missing)}")
+        missing = [f for f in REQUIRED_FIELDS if _absent(row.get(f)) and not _blank(row.get(f))]
+        empty = [f for f in REQUIRED_FIELDS if _blank(row.get(f))]
+        if missing or empty:
+            raise InstanceError("; ".join(([f"missing field(s) {', '.join(missing)}"] if missing else []) +
+                                          ([f"empty field(s) {', '.join(empty)}"] if empty else [])))
         values = {f: row[f] for f in REQUIRED_FIELDS}
         bad = [f for f in REQUIRED_FIELDS if f not in TEST_LIST_FIELDS and not isinstance(values[f], str)]
         if bad:
@@ -82,15 +84,23 @@ class SWEInstance:
 
 
 def _absent(value: Any) -> bool:
+    """No usable value: absent, null, NaN (pandas fills missing cells with NaN) or a blank string."""
     if value is None:
         return True
-    if isinstance(value, float) and value != value:  # pandas fills missing cells with NaN
+    if isinstance(value, float) and value != value:
         return True
+    return _blank(value)
+
+
+def _blank(value: Any) -> bool:
+    """An empty (or whitespace-only) string: present but empty, which messages say in words."""
     return isinstance(value, str) and not value.strip()
 
 
 def test_ids(value: Any, name: str) -> tuple[str, ...]:
     """A test-id list from a list, tuple, numpy array or JSON-encoded string; refuses anything else."""
+    if _blank(value):
+        raise InstanceError(f"{name} is empty (expected a list of pytest node ids)")
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -99,8 +109,14 @@ def test_ids(value: Any, name: str) -> tuple[str, ...]:
                                 f"or one JSON-encoded as SWE-bench stores it): {value[:60]!r}") from None
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # numpy arrays from parquet
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+    if not isinstance(value, (list, tuple)):
         raise InstanceError(f"{name} must be a list of pytest node ids (strings), got {type(value).__name__}")
+    for number, item in enumerate(value, 1):  # counted as a reader counts them
+        if not isinstance(item, str):
+            raise InstanceError(f"{name} must be a list of pytest node ids (strings): item {number} is a "
+                                f"{type(item).__name__}")
+        if not item.strip():
+            raise InstanceError(f"{name} must be a list of pytest node ids: item {number} is empty")
     return tuple(value)
 
 

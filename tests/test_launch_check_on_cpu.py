@@ -1,0 +1,125 @@
+"""The plugin's config rules run on verl's driver, before ``ray.init``, in every mode (``launch_check.py``,
+``verl_patches`` patch 9).
+
+Configs are composed from the CPU recipe with hydra's compose API, as ``main_ppo --config-path ... mode=...``
+composes them; each refusal must be one ``StreamingConfigError`` in rule / why / fix form naming the key and
+its fix. The driver's own ``main`` (hydra's wrapper removed) is run with ``run_ppo`` replaced, so a refused
+config is shown never to reach ``ray.init`` and an accepted one to reach it. The real launch is
+``tests/e2e/test_launch_refusal_main_ppo_on_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from thundersync_verl.core import StreamingConfigError
+from thundersync_verl.demo import recipe_dir
+from thundersync_verl.launch_check import check_run_config
+
+MODES = sorted(p.stem for p in (recipe_dir() / "mode").glob("*.yaml"))
+BAD = [  # (override, the key the refusal names, text of its fix)
+    ("thundersync.chunk_size=0", "thundersync.chunk_size", "thundersync.chunk_size=8"),
+    ("thundersync.env.max_tool_turns=-1", "thundersync.env.max_tool_turns", "thundersync.env.max_tool_turns=3"),
+    ("thundersync.opd.granularity=group", "thundersync.opd.granularity", "set thundersync.opd.granularity to one of"),
+    ("+thundersync.chunk_sise=4", "thundersync.chunk_sise", "rename thundersync.chunk_sise to thundersync.chunk_size"),
+    ("+thundersync.env.max_tool_turn=2", "thundersync.env.max_tool_turn", "to thundersync.env.max_tool_turns"),
+]
+NOT_STREAMABLE = [  # settings verl's sync trainer takes but the streaming trainer cannot stream: (overrides, key, fix)
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], "actor_rollout_ref.actor.policy_loss.loss_mode",
+     "set actor_rollout_ref.actor.policy_loss.loss_mode to one of"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+     "algorithm.rollout_correction.rollout_is_batch_normalize", "rollout_is_batch_normalize"),
+    (["actor_rollout_ref.rollout.calculate_log_probs=false"], "thundersync.learner_forward=fused",
+     "set actor_rollout_ref.rollout.calculate_log_probs=true"),
+    (["thundersync.deterministic=true", "distillation.enabled=true"], "thundersync.deterministic",
+     "set thundersync.deterministic=false"),
+]
+
+
+def compose(*overrides: str, recipe: str = "grpo", mode: str = "sync"):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    folder = recipe_dir() / recipe if (recipe_dir() / recipe).is_dir() else recipe_dir()
+    base = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", f"mode={mode}"]
+    with initialize_config_dir(config_dir=str(folder), version_base=None):
+        return hydra_compose(config_name=recipe, overrides=base + list(overrides))
+
+
+def refusal(config) -> str:
+    with pytest.raises(StreamingConfigError) as refused:
+        check_run_config(config)
+    return str(refused.value)
+
+
+def assert_names(message: str, key: str, fix: str) -> None:
+    rule, why, fix_line = message.split("\n")  # ONE error: rule, why, fix
+    assert key in rule, message
+    assert why.startswith("  why: ") and fix_line.startswith("  fix: "), message
+    assert fix in fix_line, message
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("override, key, fix", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_or_unknown_thundersync_key_is_refused_in_every_mode(mode, override, key, fix):
+    assert_names(refusal(compose(override, mode=mode)), key, fix)
+
+
+@pytest.mark.parametrize("overrides, key, fix", NOT_STREAMABLE, ids=[n[1] for n in NOT_STREAMABLE])
+def test_a_setting_the_streaming_trainer_cannot_stream_is_refused_in_thundersync_mode_only(overrides, key, fix):
+    recipe = "opd" if "distillation.enabled=true" in overrides else "grpo"
+    overrides = [o for o in overrides if o != "distillation.enabled=true"]
+    assert_names(refusal(compose(*overrides, recipe=recipe, mode="thundersync")), key, fix)
+    check_run_config(compose(*overrides, recipe=recipe, mode="sync"))  # verl's sync trainer takes it
+
+
+def test_a_reward_model_with_reward_in_agent_loop_is_refused_on_the_driver():
+    config = compose("thundersync.reward_in_agent_loop=true", "reward.reward_model.enable=true", mode="async")
+    assert_names(refusal(config), "thundersync.reward_in_agent_loop", "set thundersync.reward_in_agent_loop=false")
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "opd", "sao"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_cpu_recipe_passes_in_every_mode(recipe, mode):
+    check_run_config(compose(recipe=recipe, mode=mode))
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """verl's ``main_ppo.main`` without hydra's wrapper, and the configs it handed to ``run_ppo`` (which would
+    call ``ray.init``; here it only records)."""
+    from verl.trainer import main_ppo
+
+    started = []
+    monkeypatch.setattr(main_ppo, "run_ppo", lambda config, task_runner_class: started.append(config))
+    return main_ppo.main.__wrapped__, started
+
+
+def test_the_driver_refuses_before_run_ppo_with_one_unchained_error(driver):
+    from thundersync_verl.verl_patches import APPLIED
+
+    main, started = driver
+    assert "launch_config_check" in APPLIED  # the plugin applied patch 9 on ``import verl``
+    with pytest.raises(StreamingConfigError) as refused:
+        main(compose("thundersync.chunk_size=0", mode="sync"))
+    assert not started, "a refused config reached run_ppo (ray.init)"
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    assert_names(str(refused.value), "thundersync.chunk_size", "thundersync.chunk_size=8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_driver_hands_a_valid_config_to_run_ppo(driver, mode):
+    main, started = driver
+    main(compose(mode=mode))
+    assert len(started) == 1
+
+
+def test_the_recipe_check_calls_verls_own_validate_config():
+    """``thundersync recipes check`` runs ``check_run_config`` itself; its verl rule stays verl's alone."""
+    import verl.utils
+    import verl.utils.config
+
+    from thundersync_verl import verl_adapter as va
+
+    patched = verl.utils.config.validate_config
+    assert verl.utils.validate_config is patched
+    assert va.config_check_api().validate_config is patched.__wrapped__
