@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from thundersync_verl.core import GRPOEstimator, StreamingGradientAccumulator
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 TARGET_S = 90.0
 STEP1 = re.compile(r"\]\s+step\s+1/")

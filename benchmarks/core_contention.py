@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 
 def _pin(core: int) -> None:

@@ -75,8 +75,8 @@ from pathlib import Path
 
 import modes  # the sibling script: run_mode, summarise, thundersync_lower_bound (a second import is harmless)
 from thundersync_verl.backends.replay.synthesize import SHAPES
-from thundersync_verl.results import write_result
-from thundersync_verl.trainer.timeline import draw_trace
+from thundersync_verl.run.results import write_result
+from thundersync_verl.run.timeline import draw_trace
 from thundersync_harness.machine_probe import run_probe
 
 WORKLOADS = ("recorded", "paper")

@@ -109,7 +109,7 @@ from thundersync_harness.engine_steps import (
 )
 from thundersync_harness.megatron_engine import build_megatron_model, megatron_config, prescaled_stream_step
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module equivalence_seeds.py
 from equivalence_seeds import aggregate_seeds, parse_seeds, report_seeds  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from thundersync_verl.results import write_result
+from thundersync_verl.run.results import write_result
 
 
 def parse_seeds(text: str) -> list[int]:

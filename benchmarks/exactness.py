@@ -24,7 +24,7 @@ import random
 import torch
 
 from thundersync_harness import tiny_lm as C
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 ESTIMATORS = ("grpo", "grpo_no_std", "rloo")
 AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

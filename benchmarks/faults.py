@@ -1,7 +1,7 @@
 """Faults on the real CPU stack, and checkpoint/resume in thundersync mode: ``python benchmarks/faults.py --quick``.
 
 Why:
-1. Every fault is injected by configuration or ``$THUNDERSYNC_FAULTS`` only (``thundersync_verl/faults.py``)
+1. Every fault is injected by configuration or ``$THUNDERSYNC_FAULTS`` only (``thundersync_verl/run/faults.py``)
    into verl's real ``main_ppo`` with the ThunderSync trainer: real Ray actors, the real learner, the
    sandboxed tools and verifier. A fault is SURVIVED when the run recovers (the step completes with
    every trajectory) or stops with a clear error and a resume from the last checkpoint completes the
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts: emu
 
 import emulated_rollout as er  # noqa: E402
 import modes  # noqa: E402
-from thundersync_verl.faults import ENV, LOG_ENV, read_log  # noqa: E402
-from thundersync_verl.results import add_results_dir_argument, write_result  # noqa: E402
+from thundersync_verl.run.faults import ENV, LOG_ENV, read_log  # noqa: E402
+from thundersync_verl.run.results import add_results_dir_argument, write_result  # noqa: E402
 
 STEPS = 3
 PER_STEP = modes.BATCH_PROMPTS * 4  # prompts x rollout.n

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from thundersync_verl.demo import prepare_inputs, reverse_kl, run_env, run_verl, verl_command
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 MODES = ("sync", "async", "fully_async", "thundersync")
 LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")

@@ -1,7 +1,7 @@
 """PACE vs unfiltered fully-async vs verl's drop threshold vs Sync, at equal wall-clock, on verl's real main_ppo.
 
 Why this benchmark exists:
-1. PACE (``thundersync_verl/pace.py``, formulas in ``core/pace.py``) claims lower effective
+1. PACE (``thundersync_verl/algos/pace/pace_sampler.py``, formulas in ``core/pace.py``) claims lower effective
    staleness for a bounded share of regenerated groups. That is measured here on the stack users
    run: stock ``python -m verl.trainer.main_ppo`` with the ``recipes/cpu_tiny`` overlay, started by
    ``benchmarks/modes.py``'s ``run_mode`` (imported, not copied), one run per policy:
@@ -10,7 +10,7 @@ Why this benchmark exists:
      fully_async_drop  as above with verl's max_off_policy_threshold=DROP_THRESHOLD, strategy drop
      pace              mode=fully_async, the PACE buffer with PACE_OPTIONS, no threshold
      pace_measured     as pace, with the measured drift: each trajectory re-scored once by the rollout
-                       server holding the newest weights (pace.scorer=rollout_server; ``pace_scorer.py``)
+                       server holding the newest weights (pace.scorer=rollout_server; ``algos/pace/pace_scorer.py``)
                        instead of the version-count proxy; its cost is in the JSON (``scorer_s``)
      pace_rescored     as pace_measured, re-scored at every new learner version (pace.rescore=decision),
                        so the measured drift also covers the wait, which then has weight 0
@@ -23,7 +23,7 @@ Why this benchmark exists:
    staleness, rejected share) counts only the steps that ended inside it. The budget in
    seconds is in the JSON (``wall_clock_budget_s``).
 3. The simulator's prediction for the same runs: the unfiltered fully-async run's trace replayed
-   (``sim.trace.replay``) under each async policy (``sim/pace.py``), with the trainer's 2-prompt
+   (``sim.trace.replay``) under each async policy (``sim/sim_pace.py``), with the trainer's 2-prompt
    mini-batches (the trace's one learner record per step spread over them), the Sync run's under
    Sync. The simulator's staleness is v - (start version); verl's, v - (last version used). The
    simulator has no token log-probs, so ``pace_measured`` has no prediction.
@@ -36,7 +36,7 @@ Why this benchmark exists:
    prediction (groups whose last trajectory ended h before the sample, less those already taken)
    fits those counts best (least squares, ``pool_landing_s``) is written into the trace as each
    trajectory's t_reward. The prediction is also read over the steps the measured run counted
-   (``*_in_budget``, from ``sim/pace.py``'s ``per_step``); the whole simulated run has more steps.
+   (``*_in_budget``, from ``sim/sim_pace.py``'s ``per_step``); the whole simulated run has more steps.
 4. Output: a table, ``benchmarks/results/pace.png`` (reward against training clock, staleness
    distributions), ONE JSON line at the end and ``benchmarks/results/pace.json``.
 
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script m
 import modes  # noqa: E402
 
 from thundersync_verl.demo import prepare_inputs  # noqa: E402
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
 
 POLICIES = ("sync", "fully_async", "fully_async_drop", "pace", "pace_measured", "pace_rescored")
 DROP_THRESHOLD = 2  # verl's span bound (global_steps - dispatch step + 1), strategy drop
@@ -64,7 +64,7 @@ PACE_OPTIONS = {"target_pool": 8, "gain": 0.5, "min_score": 1.0, "waiting_weight
 MEASURED_OPTIONS = {"scorer": "rollout_server"}  # pace_measured: PACE_OPTIONS plus these
 RESCORED_OPTIONS = {"scorer": "rollout_server", "rescore": "decision", "waiting_weight": 0.0}  # pace_rescored
 ASYNC_SHARED = ["trainer.v1.separate_async.num_warmup_batches=2"]
-SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.pace",
+SAMPLER = ["trainer.v1.sampler.custom_sampler.path=pkg://thundersync_verl.algos.pace.pace_sampler",
            "trainer.v1.sampler.custom_sampler.name=PaceReplayBufferAsync"]
 ROLLOUT_N = 4  # trajectories per prompt in recipes/cpu_tiny/grpo.yaml
 MINI_BATCH_TRAJECTORIES = 2 * ROLLOUT_N  # recipes/cpu_tiny/mode/fully_async.yaml: ppo_mini_batch_size 2 prompts
@@ -196,7 +196,7 @@ def simulate_policies(runs: dict, traces: Path, rewrite: bool = True, windows: d
     written from this invocation's runs (``rewrite``); ``--reuse`` reads back the one written with them (the
     runs read back lack the log times a trace needs)."""
     from thundersync_verl.sim import load_trace, replay, simulate
-    from thundersync_verl.sim.pace import PacePolicy
+    from thundersync_verl.sim.sim_pace import PacePolicy
 
     out, windows, written = {}, windows or {}, set()
     sims = {"fully_async": PacePolicy(gain=0.0), "fully_async_drop": PacePolicy(drop_threshold=DROP_THRESHOLD),

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine
 from thundersync_verl.backends.cpu.rollout import eos_ids_of, load_hf_model
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 
 def prompts_of_task(tokenizer, n: int) -> list[list[int]]:

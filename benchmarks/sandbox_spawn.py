@@ -25,7 +25,7 @@ from pathlib import Path
 
 from thundersync_harness.cpu_pin import cpu_ticks
 from thundersync_verl.envs import sandbox
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 
 def _busy_ticks() -> int:

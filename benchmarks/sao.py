@@ -13,16 +13,16 @@ Why:
    ``reward_last5`` (verl's ``critic/score/mean``), ``value_explained_variance_last``
    (``critic/vf_explained_var``: the values the step's advantages used against its Monte-Carlo
    returns), ``value_loss_last`` (``critic/vf_loss``), steps, mode; and a PNG of the three curves.
-3. ``gap_over_floor``: the streamed SAO actor update (``trainer/sao_stream.py``: single-rollout trajectories
+3. ``gap_over_floor``: the streamed SAO actor update (``algos/sao/sao_streaming.py``: single-rollout trajectories
    arriving in a random order, each backpropagated at arrival with its final GAE coefficients, the batch
    whitening folded at the barrier) against verl's own ``update_actor`` with loss ``sao`` on the same batch,
    on verl's FSDP2 engine on the CPU (``tests/harness/sao_steps.py``); the floor is verl's update with the
    rows regrouped across micro-batches, and the figure is the worst step's gap / floor (acceptance: <= 2).
    It is an engine-level measurement of the same streamed update the ThunderSync trainer runs with
-   ``--mode thundersync`` (``trainer/sao_trainer_step.py``: the critic's forward on each arrival, the actor's
+   ``--mode thundersync`` (``algos/sao/sao_trainer_step.py``: the critic's forward on each arrival, the actor's
    backwards streamed, verl's own critic update at the barrier, not streamed).
    ``--gap-only`` measures it without the main_ppo run, and with it ``critic_gap_over_floor``: the streamed
-   critic update (``trainer/critic_stream.py``: c_t = V_t - G_t per agent token at arrival, 1/N at the barrier)
+   critic update (``algos/sao/critic_stream.py``: c_t = V_t - G_t per agent token at arrival, 1/N at the barrier)
    against verl's own ``train_mini_batch`` with its value loss on the FSDP2 critic engine
    (``tests/harness/critic_steps.py``; floor: verl's update with the rows regrouped; ``critic_control_gap``: the
    stream with the normaliser left off, which must be far off).
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from thundersync_verl.demo import prepare_inputs, run_env, run_verl
 from thundersync_verl.models.value_model import write_value_model
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cpu_tiny" / "sao"

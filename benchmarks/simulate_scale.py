@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from thundersync_verl.sim import presets
-from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.metrics import format_table
 from thundersync_verl.sim.plot import plot_scale
 from thundersync_verl.sim.workload import SyntheticSource
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
 GPU_COUNTS = (8, 64, 512, 4096)

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.metrics import LEARNER_WORK_KINDS, activity_split, format_table
 from thundersync_verl.sim.calibrate import landing_latency, transferred
 from thundersync_verl.sim.trace import (TraceSource, find_traces, load_trace, measured_step_time, replay,
@@ -74,7 +74,7 @@ from thundersync_verl.sim.transfer import (RunSettings, fit_call_costs, fit_fuse
                                            landing_samples, record_rows, transfer_costs, unmeasured_terms)
 from thundersync_verl.sim.run_meta import (at_machine_speed as at_speed, is_bypass, rollout_on_own_device, speed_ratio,
                                            token_scale)
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 SCRIPT = Path(__file__).stem
 PRODUCER = "python benchmarks/modes.py"
@@ -418,7 +418,7 @@ def print_report(rows: list[dict]) -> None:
 def write_self_test_traces(directory: Path) -> None:
     """Synthetic traces of a small CPU-like run, one per mode (clearly not measurements)."""
     from thundersync_verl.sim.dists import const, lognormal
-    from thundersync_verl.sim.engine import SimConfig
+    from thundersync_verl.sim.sim_engine import SimConfig
     from thundersync_verl.sim.hardware import LearnerCosts
     from thundersync_verl.sim.tracegen import write_synthetic_trace
     from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec

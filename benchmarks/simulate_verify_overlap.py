@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 from thundersync_verl.sim import presets
 from thundersync_verl.sim.dists import lognormal
-from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.events import place_rollouts
 from thundersync_verl.sim.metrics import format_table
-from thundersync_verl.sim.verifier import SWE_VERIFIER, SWE_VERIFIER_NOTE, VerifiedSource, VerifierSpec, scaled
+from thundersync_verl.sim.sim_verifier import SWE_VERIFIER, SWE_VERIFIER_NOTE, VerifiedSource, VerifierSpec, scaled
 from thundersync_verl.sim.workload import SyntheticSource
 
 SCRIPT = Path(__file__).stem

@@ -23,7 +23,7 @@ Why:
    that left the tree between two samples).
 4. ``trajectories_lost``: the batch's trajectories of every completed step minus those the step
    recorder says the learner streamed.
-5. ``--memory-probe``: the driver traces its Python allocations (``trainer/memory_probe.py``) and the
+5. ``--memory-probe``: the driver traces its Python allocations (``run/memory_probe.py``) and the
    sites that grew most since step 2 are reported (``driver_grown_sites``). Tracing slows the driver:
    a diagnostic run, not the soak's figures.
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 
 from thundersync_verl.demo import parse_step_line, prepare_inputs, run_env, verl_command
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 MAX_STEPS_PER_MIN = 30  # a backstop cap on steps (the stop file ends the run; the cpu_tiny step takes 5-20 s here)
 PER_STEP = 8 * 4  # recipe: train_batch_size x rollout.n
@@ -120,7 +120,7 @@ def run(minutes: float, work: Path, sample_s: float, memory_probe: bool = False)
                               f"thundersync.stop_file={run_dir / 'STOP'}"])
     env = run_env(run_dir, run_dir / "metrics.jsonl")
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_soak_ray_")
-    if memory_probe:  # point 5: the driver's allocation sites that grow (trainer/memory_probe.py)
+    if memory_probe:  # point 5: the driver's allocation sites that grow (run/memory_probe.py)
         env["THUNDERSYNC_MEMORY_PROBE"] = str(run_dir / "memory_probe.jsonl")
     samples, step_at, seen = [], {}, {}
     t0 = time.time()
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="about 2 minutes")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--memory-probe", action="store_true",
-                    help="trace the driver's Python allocations (slower; trainer/memory_probe.py) and report the sites that grow")
+                    help="trace the driver's Python allocations (slower; run/memory_probe.py) and report the sites that grow")
     ap.add_argument("--work-dir", default="runs/soak")
     add_results_dir_argument(ap)
     args = ap.parse_args(argv)

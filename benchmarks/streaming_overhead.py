@@ -29,7 +29,7 @@ import torch
 
 from thundersync_harness import tiny_lm as C
 from thundersync_verl.core import GRPOEstimator, token_weights
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 HEADLINE = "chunks k=8 min4"
 

@@ -11,7 +11,7 @@
    ``trajectories_lost`` (trajectories the steps expected minus those that reached the learner,
    counted in ThunderSync's step trace; must be 0; other modes write no step trace: null).
 4. Ends with ONE line of JSON, also written to ``swe_synthetic.json`` in the results folder
-   (``--results-dir``, else ``benchmarks/results/`` of the checkout; ``thundersync_verl/results.py``).
+   (``--results-dir``, else ``benchmarks/results/`` of the checkout; ``thundersync_verl/run/results.py``).
 
     python benchmarks/swe_synthetic.py --quick        # 24 instances checked, 2 training steps
     python benchmarks/swe_synthetic.py --steps 6 --n 12
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from thundersync_verl.data.swe_synthetic import catalog_bugs, generate
 from thundersync_verl.demo import run_env, run_verl
-from thundersync_verl.envs.swe import verifier
-from thundersync_verl.envs.swe.config import DEFAULT_TEST_COMMAND
+from thundersync_verl.envs.swe import swe_verifier as verifier
+from thundersync_verl.envs.swe.swe_config import DEFAULT_TEST_COMMAND
 from thundersync_verl.envs.swe.instance import SWEInstance
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO_ROOT / "recipes" / "swe_smith"

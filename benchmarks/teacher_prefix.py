@@ -28,8 +28,8 @@ import time
 import torch
 
 from thundersync_harness.teacher import HFTeacherScorer
-from thundersync_verl.results import add_results_dir_argument, find_results_dir, write_result
-from thundersync_verl.trainer.opd_stream import turns_of_trajectory
+from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
+from thundersync_verl.algos.opd.opd_stream import turns_of_trajectory
 
 FP32_LIMIT = 1e-5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -41,7 +41,7 @@ from thundersync_harness import tiny_lm as C
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends.sparse_sync import codec, native
 from thundersync_verl.backends.sparse_sync.state import Mirror, ShardEncoder
-from thundersync_verl.results import add_results_dir_argument, write_result
+from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 KINDS = ("embedding", "attention", "mlp", "norm")
 GBPS_MEANS = ("bytes of the dense weights in the rollout dtype processed per second (1e9 bytes); memcpy: the same "

@@ -50,7 +50,7 @@ def end_to_end(steps: int, work_dir: str) -> dict:
 
     import emulated_rollout as er  # sibling scripts in benchmarks/
     from thundersync_verl.backends.replay.server import WEIGHTS_DIR_ENV
-    from thundersync_verl.backends.sparse_sync.checkpoint_engine import PUSH_LOG_ENV
+    from thundersync_verl.backends.sparse_sync.sparse_engine import PUSH_LOG_ENV
     from thundersync_verl.demo import prepare_inputs
 
     from thundersync_verl.models import default_root, version_hash

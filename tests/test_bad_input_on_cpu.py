@@ -21,7 +21,7 @@ from thundersync_verl.envs import protocol
 from thundersync_verl.envs.reward import _as_dict, compute_score
 from thundersync_verl.envs.sandbox import SandboxResult
 from thundersync_verl.envs.verifier import GroundTruthError, verify
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
+from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, StreamPlanner
 
 
 def _row(i: int = 0, **changes) -> dict:
@@ -165,7 +165,7 @@ class _LongPromptBuilder:
 
 @pytest.mark.parametrize("loop_module, loop_class", [
     ("thundersync_verl.envs.agent_loop", "ThunderSyncToolAgentLoop"),
-    ("thundersync_verl.envs.swe.agent_loop", "SWEAgentLoop"),
+    ("thundersync_verl.envs.swe.swe_agent_loop", "SWEAgentLoop"),
 ], ids=["tool", "swe"])
 def test_a_prompt_over_the_limit_is_left_truncated_as_verl_does_with_a_warning(loop_module, loop_class, caplog):
     import asyncio

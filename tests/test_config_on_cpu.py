@@ -122,7 +122,7 @@ def test_every_key_has_a_one_line_doc():
 
 def test_the_choices_are_the_ones_the_code_and_recipes_use():
     from thundersync_verl.demo import MODES as DEMO_MODES
-    from thundersync_verl.trainer.opd_stream import GRANULARITIES as PLANNER_GRANULARITIES
+    from thundersync_verl.algos.opd.opd_stream import GRANULARITIES as PLANNER_GRANULARITIES
 
     assert sorted(MODES) == RECIPE_MODES and tuple(DEMO_MODES) == MODES
     assert tuple(PLANNER_GRANULARITIES) == GRANULARITIES
@@ -173,8 +173,8 @@ def test_hydra_overrides_arrive_typed():
 
 # ----- the modules read the typed object ---------------------------------------------------------
 def test_the_teacher_retry_policy_and_the_opd_planner_read_the_typed_keys():
-    from thundersync_verl.agent.turn_teacher import retry_policy_from_config
-    from thundersync_verl.trainer.opd_stream import opd_planner_from_verl_config
+    from thundersync_verl.algos.opd.turn_teacher import retry_policy_from_config
+    from thundersync_verl.algos.opd.opd_stream import opd_planner_from_verl_config
 
     policy = retry_policy_from_config({"thundersync": {"opd": {"teacher_max_attempts": "2", "teacher_timeout_s": None}}})
     assert (policy.max_attempts, policy.timeout_s, policy.backoff_s) == (2, None, 0.5)

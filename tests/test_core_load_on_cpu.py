@@ -33,23 +33,34 @@ def test_an_unsampled_load_reports_nothing():
     assert CoreLoad().busy_s(0.0, 1.0) == {}
 
 
-def test_per_process_seconds_name_the_process_that_did_the_work():
-    # one process busy for 0.8 s, then idle and still alive at the window's end (an exited one is not read)
-    code = "import time\nt = time.time()\nwhile time.time() - t < 0.8:\n    pass\ntime.sleep(30)\n"
+def test_per_process_seconds_name_the_process_that_did_the_work(tmp_path):
+    # one process spends 0.8 s of CPU, then idles, still alive at the window's end (an exited one is not read);
+    # the window closes once it has spent them, however long a loaded machine takes to give them
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8:\n    pass\ntime.sleep(300)\n"
     with CoreLoad(interval_s=0.05, process_every=1) as load:
         time.sleep(0.2)
         t0 = time.time()
-        child = subprocess.Popen([sys.executable, "-c", code])
+        script = tmp_path / f"spinner_{os.getpid()}.py"  # a title no other process on the machine has
+        script.write_text(code)
+        child = subprocess.Popen([sys.executable, str(script)])
         try:
-            time.sleep(1.2)
+            while _cpu_s(child.pid) < 0.8:  # a real wait on the condition (the test's timeout guards a hang)
+                time.sleep(0.05)
+            time.sleep(0.2)  # one more sample after it
             t1 = time.time()
             time.sleep(0.2)
         finally:
             child.kill()
             child.wait()
     by = load.by_process_s(t0, t1)
-    assert 0.4 <= by.get("python -c", 0.0) <= (t1 - t0) + 0.2, by
+    assert 0.4 <= by.get(script.name, 0.0) <= (t1 - t0) + 0.2, by
     assert list(by.values()) == sorted(by.values(), reverse=True), by
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_process_titles_name_scripts_modules_and_ray_actors():

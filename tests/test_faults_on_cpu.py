@@ -1,4 +1,4 @@
-"""Fault injection hooks (``thundersync_verl/faults.py``) and the checkpoint run state (``trainer/resume.py``). CPU only.
+"""Fault injection hooks (``thundersync_verl/run/faults.py``) and the checkpoint run state (``run/resume.py``). CPU only.
 
 The hooks are exercised against the real components they change (the sandboxed tool and verifier
 processes, torch gradients, a write to a full disk); the main_ppo runs are in benchmarks/faults.py
@@ -16,12 +16,12 @@ import random
 import pytest
 import torch
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl.core import StreamingStateError
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.tool import PythonTool
 from thundersync_verl.envs.verifier import verify
-from thundersync_verl.trainer import resume
+from thundersync_verl.run import resume
 
 
 @pytest.fixture(autouse=True)
@@ -166,7 +166,7 @@ def test_teacher_hang_is_cut_by_the_attempt_timeout_and_retried(plan):
     """``teacher_hang``: the agent loop's teacher request never answers; the per-attempt timeout retries it."""
     from types import SimpleNamespace
 
-    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher, TeacherRetryPolicy, TeacherScoringError
+    from thundersync_verl.algos.opd.turn_teacher import AgentTurnTeacher, TeacherRetryPolicy, TeacherScoringError
 
     class Server:  # verl's teacher client surface: prompt_logprobs rows, one per prefix token
         calls = 0

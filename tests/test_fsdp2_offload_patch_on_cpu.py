@@ -1,4 +1,4 @@
-"""verl_patches.fsdp2_offload_unpinned: verl's forward-only FSDP2 engines (the KL reference model) start on the CPU.
+"""verl_adapter.patches.fsdp2_offload_unpinned: verl's forward-only FSDP2 engines (the KL reference model) start on the CPU.
 
 verl builds them with ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator. The patched
 policy is torch's own with ``pin_memory=False``, and FSDP2 under it computes what the plain module does.
@@ -14,7 +14,7 @@ FSDP2_FORWARD = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from thundersync_verl.verl_patches import patch_fsdp2_offload_unpinned
+    from thundersync_verl.verl_adapter.patches import patch_fsdp2_offload_unpinned
     patch_fsdp2_offload_unpinned()
     from verl.workers.engine.fsdp import transformer_impl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
@@ -39,7 +39,7 @@ FSDP2_FORWARD = textwrap.dedent("""
 def test_the_patched_policy_is_torchs_without_pinning():
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from thundersync_verl.verl_patches import APPLIED, patch_fsdp2_offload_unpinned
+    from thundersync_verl.verl_adapter.patches import APPLIED, patch_fsdp2_offload_unpinned
 
     patch_fsdp2_offload_unpinned()
     from verl.workers.engine.fsdp import transformer_impl

@@ -1,5 +1,5 @@
 """The plugin's config rules run on verl's driver, before ``ray.init``, in every mode (``launch_check.py``,
-``verl_patches`` patch 9).
+``verl_adapter.patches`` patch 9).
 
 Configs are composed from the CPU recipe with hydra's compose API, as ``main_ppo --config-path ... mode=...``
 composes them; each refusal must be one ``StreamingConfigError`` in rule / why / fix form naming the key and
@@ -14,7 +14,7 @@ import pytest
 
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.demo import recipe_dir
-from thundersync_verl.launch_check import check_run_config
+from thundersync_verl.verl_adapter.launch_check import check_run_config
 
 MODES = sorted(p.stem for p in (recipe_dir() / "mode").glob("*.yaml"))
 BAD = [  # (override, the key the refusal names, text of its fix)
@@ -95,7 +95,7 @@ def driver(monkeypatch):
 
 
 def test_the_driver_refuses_before_run_ppo_with_one_unchained_error(driver):
-    from thundersync_verl.verl_patches import APPLIED
+    from thundersync_verl.verl_adapter.patches import APPLIED
 
     main, started = driver
     assert "launch_config_check" in APPLIED  # the plugin applied patch 9 on ``import verl``

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError
-from thundersync_verl.pace import PaceReplayBufferAsync
+from thundersync_verl.algos.pace.pace_sampler import PaceReplayBufferAsync
 
 
 class _TQ:
@@ -197,7 +197,7 @@ def test_measured_drift_is_refused_when_the_rollout_samples_at_another_temperatu
 def test_verl_loads_the_sampler_from_its_config_keys():
     from verl.utils.import_utils import load_extern_type
 
-    assert load_extern_type("pkg://thundersync_verl.pace", "PaceReplayBufferAsync") is PaceReplayBufferAsync
+    assert load_extern_type("pkg://thundersync_verl.algos.pace.pace_sampler", "PaceReplayBufferAsync") is PaceReplayBufferAsync
 
 
 @pytest.mark.parametrize("policy", ["fully_async", "fully_async_drop", "pace", "pace_measured", "pace_rescored"])
@@ -275,7 +275,7 @@ def _generate(server, n: int, seed: int) -> list:
 
 
 def _scorer(server):
-    from thundersync_verl.pace_scorer import InProcessServerEndpoint, RolloutServerScorer
+    from thundersync_verl.algos.pace.pace_scorer import InProcessServerEndpoint, RolloutServerScorer
 
     return RolloutServerScorer([InProcessServerEndpoint(server)])
 
@@ -310,7 +310,7 @@ def test_a_parked_server_is_left_out_and_the_newest_answering_one_scores(server)
     from types import SimpleNamespace
 
     from thundersync_verl.backends.cpu.rollout import HFCpuServer
-    from thundersync_verl.pace_scorer import InProcessServerEndpoint, RolloutServerScorer
+    from thundersync_verl.algos.pace.pace_scorer import InProcessServerEndpoint, RolloutServerScorer
 
     config = SimpleNamespace(dtype="float32", max_model_len=256, prompt_length=48, response_length=64, engine_kwargs={})
     hybrid = HFCpuServer(config, SimpleNamespace(local_path=server.engine.model.name_or_path), None, 1)  # version 0
@@ -403,7 +403,7 @@ def test_stored_fields_are_read_back_per_trajectory_from_jagged_regular_and_non_
     from tensordict import NonTensorData, NonTensorStack
     from verl.trainer.ppo.v1 import replay_buffer
 
-    from thundersync_verl.pace import _read_stored
+    from thundersync_verl.algos.pace.pace_sampler import _read_stored
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     columns = {"prompts": torch.nested.as_nested_tensor(prompts, layout=torch.jagged),

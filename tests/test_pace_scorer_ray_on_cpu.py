@@ -36,7 +36,7 @@ def test_discovered_scorer_uses_the_server_with_the_newest_weights(ray_cluster):
 
     from thundersync_verl.backends.cpu.rollout import HFCpuServer, load_hf_model
     from thundersync_verl.models import ensure_tiny_models
-    from thundersync_verl.pace_scorer import RolloutServerScorer
+    from thundersync_verl.algos.pace.pace_scorer import RolloutServerScorer
 
     path = str(ensure_tiny_models(variants=("student",), progress=False)["student"])
     actor = ray.remote(HFCpuServer)

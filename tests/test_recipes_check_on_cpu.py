@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from thundersync_verl import recipes_check as rc
+from thundersync_verl.recipes import check as rc
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SWE = RECIPES / "swe_smith"

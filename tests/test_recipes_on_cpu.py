@@ -24,7 +24,7 @@ CASES = [(recipe, mode.stem) for recipe in CPU_TOP for mode in sorted((recipe.pa
 
 
 def test_every_yaml_is_a_recipe_or_an_option_of_its_config_groups():
-    from thundersync_verl.recipes_check import find_variants
+    from thundersync_verl.recipes.check import find_variants
 
     assert TOP and CPU_TOP, "no recipe yaml found under recipes/"
     _, unclassified = find_variants(RECIPES)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from thundersync_verl.results import RESULTS_ENV, find_results_dir, write_result
+from thundersync_verl.run.results import RESULTS_ENV, find_results_dir, write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

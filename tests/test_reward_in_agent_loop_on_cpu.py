@@ -1,4 +1,4 @@
-"""verl_patches.reward_in_agent_loop: verl's own reward worker class, run in the calling process.
+"""verl_adapter.patches.reward_in_agent_loop: verl's own reward worker class, run in the calling process.
 
 The stand-in is what ``AgentLoopWorker._compute_score`` awaits in place of a ``RewardLoopWorker``
 actor call; here it scores DataProtos built the way that method builds them, with the recipe's
@@ -44,7 +44,7 @@ def test_the_in_process_worker_scores_with_the_recipes_verifier_and_is_built_onc
     from transformers import AutoTokenizer
 
     from thundersync_verl.envs import protocol
-    from thundersync_verl.verl_patches import InProcessRewardWorker, reward_in_agent_loop
+    from thundersync_verl.verl_adapter.patches import InProcessRewardWorker, reward_in_agent_loop
 
     config = _recipe(tiny_random_lm, "thundersync.reward_in_agent_loop=true")
     assert reward_in_agent_loop(config)
@@ -71,7 +71,7 @@ def test_the_in_process_worker_scores_with_the_recipes_verifier_and_is_built_onc
 
 def test_the_key_is_off_by_default_and_refused_with_a_reward_model(tiny_random_lm):
     from thundersync_verl.core.errors import StreamingConfigError
-    from thundersync_verl.verl_patches import reward_in_agent_loop
+    from thundersync_verl.verl_adapter.patches import reward_in_agent_loop
 
     assert not reward_in_agent_loop(_recipe(tiny_random_lm))
     with pytest.raises(StreamingConfigError, match="reward_in_agent_loop") as info:
@@ -83,7 +83,7 @@ def test_the_key_is_off_by_default_and_refused_with_a_reward_model(tiny_random_l
 
 
 def test_the_patch_is_installed_on_verls_agent_loop_worker():
-    from thundersync_verl.verl_patches import APPLIED, patch_reward_in_agent_loop
+    from thundersync_verl.verl_adapter.patches import APPLIED, patch_reward_in_agent_loop
 
     patch_reward_in_agent_loop()
     from verl.experimental.agent_loop import agent_loop

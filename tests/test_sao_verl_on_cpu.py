@@ -1,4 +1,4 @@
-"""SAO's verl registrations (thundersync_verl/sao.py) called through verl's own registries and trainer code.
+"""SAO's verl registrations (thundersync_verl/algos/sao/sao_verl.py) called through verl's own registries and trainer code.
 
 1. ``import verl`` (the plugin) registers estimator ``sao`` and policy loss ``sao`` in verl's registries.
 2. The estimator from verl's registry equals the core math; verl's own GAE agrees with it where it
@@ -53,7 +53,7 @@ def test_plugin_registers_estimator_and_loss_in_verl():
     import verl  # noqa: F401  (loads the plugin)
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
-    from thundersync_verl import sao
+    from thundersync_verl.algos.sao import sao_verl as sao
 
     assert get_adv_estimator_fn("sao") is sao.compute_sao_advantage_return
     assert get_policy_loss_fn("sao") is sao.compute_sao_policy_loss
@@ -180,7 +180,7 @@ def test_sao_recipe_is_grpo_plus_the_sao_keys(mode):
 
 
 def test_sao_recipe_thundersync_mode_validates_and_broken_variants_are_refused_naming_the_key():
-    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+    from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
     assert sorted(p.stem for p in (RECIPES / "sao" / "mode").glob("*.yaml")) == ["async", "fully_async", "sync",
                                                                                 "thundersync"]
@@ -212,7 +212,7 @@ def test_the_critic_value_model_loads_on_cpu_through_verl(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.utils import model as verl_model
 
-    from thundersync_verl.verl_patches import APPLIED
+    from thundersync_verl.verl_adapter.patches import APPLIED
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def worker_cls():
-    from thundersync_verl.verl_patches import patch_reuse_turn_teacher_scores
+    from thundersync_verl.verl_adapter.patches import patch_reuse_turn_teacher_scores
 
     patch_reuse_turn_teacher_scores()
     from verl.experimental.agent_loop import agent_loop
@@ -38,14 +38,14 @@ def _call(worker_cls, fields: dict, validate: bool = False):
 
 
 def test_a_flagged_reply_replaces_verls_call(worker_cls):
-    from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
+    from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
 
     calls, fields = _call(worker_cls, {TEACHER_REUSED_KEY: True, "teacher_ids": "ours", "teacher_logprobs": "ours"})
     assert calls == 0 and fields == {"teacher_ids": "ours", "teacher_logprobs": "ours"}
 
 
 def test_unflagged_incomplete_or_validation_outputs_go_through_verl(worker_cls):
-    from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
+    from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
 
     calls, fields = _call(worker_cls, {})
     assert calls == 1 and fields["teacher_logprobs"] == "logprobs-from-verl"

@@ -28,21 +28,21 @@ def _build_model(args) -> int:
 
 
 def _sim(argv: list[str]) -> int:
-    from thundersync_verl.sim.cli import main as sim_main
+    from thundersync_verl.sim.sim_cli import main as sim_main
 
     return int(sim_main(argv) or 0)
 
 
 def _recipes(argv: list[str]) -> int:
-    from thundersync_verl.recipes_check import main as recipes_main
+    from thundersync_verl.recipes.check import main as recipes_main
 
     return recipes_main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from thundersync_verl.results import add_results_dir_argument
+    from thundersync_verl.run.results import add_results_dir_argument
 
-    from .cli_args import Parser, positive_int
+    from thundersync_verl.cli_args import Parser, positive_int
 
     parser = Parser(prog="thundersync", description="Zero-staleness streaming RL for verl")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -223,7 +223,7 @@ class EnvConfig(_Section, va.base_config_cls()):
 
 @dataclass
 class OPDConfig(_Section, va.base_config_cls()):
-    """``thundersync.opd``: OPD turn streaming (``agent/turn_teacher.py``, ``trainer/opd_stream.py``)."""
+    """``thundersync.opd``: OPD turn streaming (``algos/opd/turn_teacher.py``, ``algos/opd/opd_stream.py``)."""
 
     PREFIX: ClassVar[str] = "thundersync.opd"
 

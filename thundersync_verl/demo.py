@@ -189,7 +189,7 @@ def summarise(per_step: dict[int, dict[str, float]], *, algo: str, mode: str, se
 
 def run_demo(*, algo: str = "grpo", mode: str = "thundersync", steps: int = 20, work_dir: str | Path = "runs/demo",
              extra: list[str] | None = None, results_dir: str | Path | None = None) -> dict:
-    from thundersync_verl.results import find_results_dir, write_result
+    from thundersync_verl.run.results import find_results_dir, write_result
 
     if mode not in MODES or algo not in ALGOS:
         raise ValueError(f"--mode must be one of {MODES} and --algo one of {ALGOS}, got {mode!r}, {algo!r}")

@@ -5,7 +5,7 @@ setup.py declares it under the ``verl.plugins`` entry-point group. It registers:
 2. rollout backends ``hf_cpu`` and ``replay`` (recorded generations, ``backends/replay/``);
 3. agent loop ``thundersync_tool_agent``, the ThunderSync trainer mode and SAO's estimator and
    policy loss ``sao``, lazily (their modules import on first use by verl).
-It also applies the runtime patches of ``verl_patches.py`` (every platform; the CPU ones only on the CPU
+It also applies the runtime patches of ``verl_adapter/patches.py`` (every platform; the CPU ones only on the CPU
 platform), among them the driver's check of this plugin's config sections before ``ray.init``.
 verl swallows plugin import errors at debug level, so failures are logged loudly here.
 """
@@ -33,7 +33,7 @@ def register() -> None:
     from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
 
     register_cpu_platform()
-    from thundersync_verl.verl_patches import (
+    from thundersync_verl.verl_adapter.patches import (
         patch_launch_config_check,
         patch_logprob_diff_metric,
         patch_reuse_turn_teacher_scores,
@@ -47,7 +47,7 @@ def register() -> None:
     patch_reward_in_agent_loop()
     patch_launch_config_check()
     if _cpu_platform_active():
-        from thundersync_verl.verl_patches import apply_cpu_patches
+        from thundersync_verl.verl_adapter.patches import apply_cpu_patches
 
         apply_cpu_patches()
 
@@ -64,7 +64,7 @@ def register() -> None:
         return ReplayReplica
 
     va.register_rollout("replay", _load_replay_replica, "thundersync_verl.backends.replay.server.ReplayServerAdapter")
-    from thundersync_verl import registrations
+    from thundersync_verl.verl_adapter import registrations
 
     registrations.register_lazy()
 

@@ -13,8 +13,8 @@ import asyncio
 import pytest
 import torch
 
-from thundersync_verl import faults
-from thundersync_verl.backends.cpu.checkpoint_engine import IncompletePushError, channel_handle, make_engine_class
+from thundersync_verl.run import faults
+from thundersync_verl.backends.cpu.cpu_channel import IncompletePushError, channel_handle, make_engine_class
 
 pytestmark = pytest.mark.slow  # starts a Ray cluster (~10 s)
 

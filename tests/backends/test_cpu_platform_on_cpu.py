@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from thundersync_verl.verl_patches import normalise_backend
+from thundersync_verl.verl_adapter.patches import normalise_backend
 
 PROBE = r"""
 import json, torch
@@ -22,7 +22,7 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.base import get_rollout_class
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 import verl.utils.debug.metrics  # noqa: F401  (triggers the metric patch)
-from thundersync_verl.verl_patches import APPLIED
+from thundersync_verl.verl_adapter.patches import APPLIED
 dev = get_torch_device()
 print(json.dumps({
     "platforms": list(PlatformRegistry.registered_names()),

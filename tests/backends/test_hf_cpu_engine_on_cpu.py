@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from thundersync_verl.backends.cpu.engine import HFGenerationEngine, SamplingSpec
+from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine, SamplingSpec
 from thundersync_verl.backends.cpu.rollout import eos_ids_of, load_hf_model
 
 

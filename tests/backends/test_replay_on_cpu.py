@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from thundersync_verl.backends.replay import reward as replay_reward
+from thundersync_verl.backends.replay import replay_reward
 from thundersync_verl.backends.replay.record import FORMAT, record_compute_score_async
 from thundersync_verl.backends.replay.recording import Recording, ReplayMissError
 from thundersync_verl.backends.replay.server import ReplayServer
@@ -313,7 +313,7 @@ def test_main_ppo_replays_one_recorded_step_in_sync_and_thundersync_modes(tmp_pa
              "+actor_rollout_ref.rollout.engine_kwargs.replay.time_scale=0.5",
              f"+actor_rollout_ref.rollout.engine_kwargs.replay.record_path={served}"],
             [f"+reward.custom_reward_function.reward_kwargs.record_path={served}",  # re-record what the learner got
-             "+reward.custom_reward_function.reward_kwargs.record_inner=thundersync_verl.backends.replay.reward:compute_score_async",
+             "+reward.custom_reward_function.reward_kwargs.record_inner=thundersync_verl.backends.replay.replay_reward:compute_score_async",
              f"+reward.custom_reward_function.reward_kwargs.replay_path={rec}",
              "+reward.custom_reward_function.reward_kwargs.time_scale=0.5"],
             f"replay_{mode}")

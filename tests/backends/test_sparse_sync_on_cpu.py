@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from thundersync_verl.backends.sparse_sync import codec
-from thundersync_verl.backends.sparse_sync.checkpoint_engine import BACKEND_NAME, SparseSyncCore
+from thundersync_verl.backends.sparse_sync.sparse_engine import BACKEND_NAME, SparseSyncCore
 from thundersync_verl.backends.sparse_sync.state import Mirror, PushRefused, ShardEncoder, shard_bounds
 
 
@@ -353,7 +353,7 @@ def test_verl_manager_pushes_a_real_learner_to_a_real_rollout_replica(ray_cluste
     from thundersync_harness import engine_setup as setup
     from thundersync_harness.engine_steps import sync_step
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+    from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     model_path, pad_id, vocab = setup.build_tiny_model(tmp_path / "model")
     config = setup.verl_config(model_path, groups=2, micro=4, optimizer="AdamW", lr=1e-6)  # an RL learning rate
@@ -403,7 +403,7 @@ def test_gpu_check_codec_part_runs_on_the_cpu_too():
 def test_plan_predicts_the_push_time_from_the_measured_density(tmp_path, capsys):
     import json
 
-    from thundersync_verl.sim import cli
+    from thundersync_verl.sim import sim_cli as cli
     from thundersync_verl.sim.hardware import ModelSpec, weight_sync_seconds
     from thundersync_verl.sim.presets import PAPER_WEIGHT_SYNC_FIXED_S
 

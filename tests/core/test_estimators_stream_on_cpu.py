@@ -26,7 +26,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, batch_scale
 from thundersync_verl.core.batch_estimators import Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp, StreamPlanner, settings_from_verl_config
+from thundersync_verl.step.stream_plan import BackwardOp, FoldOp, StreamPlanner, settings_from_verl_config
 
 NEW = ["grpo_passk", "opo", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 ACTOR = "actor_rollout_ref.actor"

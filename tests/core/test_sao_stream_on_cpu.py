@@ -140,5 +140,5 @@ def test_group_planner_refuses_sao_and_says_where_it_streams():
     from thundersync_verl.core.errors import StreamingConfigError
     from thundersync_verl.core.estimators import estimator_from_verl
 
-    with pytest.raises(StreamingConfigError, match="trainer/sao_stream.py"):
+    with pytest.raises(StreamingConfigError, match="algos/sao/sao_streaming.py"):
         estimator_from_verl("sao")

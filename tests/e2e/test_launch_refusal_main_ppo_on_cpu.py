@@ -1,7 +1,7 @@
 """Stock ``python -m verl.trainer.main_ppo`` refuses a bad ``thundersync.*`` value on the driver, before Ray.
 
 The launch is a real one (the CPU recipe, the tiny model, the tiny dataset, the ``hf_cpu`` rollout): without the
-check (``launch_check.py``, ``verl_patches`` patch 9) this run starts Ray, the learner and the rollout, and the
+check (``launch_check.py``, ``verl_adapter.patches`` patch 9) this run starts Ray, the learner and the rollout, and the
 value is refused inside an agent-loop worker, wrapped in a Ray traceback. The assertions read the output only:
 the one rule / why / fix error, and no sign of ``ray.init`` (verl prints ``ray init kwargs`` right before it) or
 of a Ray worker.

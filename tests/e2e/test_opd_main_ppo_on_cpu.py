@@ -78,7 +78,7 @@ def test_thundersync_opd_refuses_what_turns_cannot_stream(override, key):
     from hydra import compose, initialize_config_dir
 
     from thundersync_verl.core import StreamingConfigError
-    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+    from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
     overrides = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync",
                  "distillation.teacher_models.teacher_model.model_path=t"]
@@ -133,8 +133,8 @@ class _FakeTeacher:
 
 
 def _publisher(client, **policy):
-    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher
-    from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy
+    from thundersync_verl.algos.opd.turn_teacher import AgentTurnTeacher
+    from thundersync_verl.algos.opd.turn_teacher import TeacherRetryPolicy
 
     puts = []
 
@@ -168,7 +168,7 @@ def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teache
     from omegaconf import OmegaConf
 
     from thundersync_verl.core import StreamingConfigError
-    from thundersync_verl.agent.turn_teacher import AgentTurnTeacher, attach_teacher_clients
+    from thundersync_verl.algos.opd.turn_teacher import AgentTurnTeacher, attach_teacher_clients
 
     config = OmegaConf.create({"thundersync": {"opd": {"teacher_max_attempts": 2, "teacher_timeout_s": 5}}})
     assert AgentTurnTeacher.for_agent_loop(config, SimpleNamespace()) is None  # GRPO and verl's own modes
@@ -180,9 +180,9 @@ def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teache
 
 @pytest.mark.parametrize("hang", [False, True])
 def test_failing_teacher_publishes_a_failure_and_raises(hang):
-    from thundersync_verl.agent.turn_teacher import TURN_PARTITION
-    from thundersync_verl.trainer.opd_trainer_step import TurnSource
-    from thundersync_verl.agent.turn_teacher import TeacherScoringError
+    from thundersync_verl.algos.opd.turn_teacher import TURN_PARTITION
+    from thundersync_verl.algos.opd.opd_trainer_step import TurnSource
+    from thundersync_verl.algos.opd.turn_teacher import TeacherScoringError
 
     teacher, puts = _publisher(_FakeTeacher(_tiny_model(3), fail_first=99, hang=hang), max_attempts=3, timeout_s=0.05)
     with pytest.raises(TeacherScoringError, match="turn 0 of trajectory u_1_0 after 3 attempt"):
@@ -272,11 +272,11 @@ class _FakeLearner:
 
 
 def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
-    from thundersync_verl.trainer.opd_stream import OPDTurnPlanner
-    from thundersync_verl.trainer.opd_trainer_step import OPDArrivals
-    from thundersync_verl.trainer.step_record import StepRecorder
-    from thundersync_verl.trainer.stream_exec import OpPipeline
-    from thundersync_verl.trainer.streamed_step import StepContext, StreamedStep
+    from thundersync_verl.algos.opd.opd_stream import OPDTurnPlanner
+    from thundersync_verl.algos.opd.opd_trainer_step import OPDArrivals
+    from thundersync_verl.run.step_record import StepRecorder
+    from thundersync_verl.step.stream_exec import OpPipeline
+    from thundersync_verl.step.streamed_step import StepContext, StreamedStep
 
     learner = _FakeLearner(tq)
     ctx = StepContext(

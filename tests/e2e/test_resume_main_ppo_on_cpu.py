@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from thundersync_harness import main_ppo_runs as runs
-from thundersync_verl.trainer.resume import STATE_FILE
+from thundersync_verl.run.resume import STATE_FILE
 
 pytestmark = pytest.mark.slow  # three main_ppo launches (minutes on 2 cores)
 

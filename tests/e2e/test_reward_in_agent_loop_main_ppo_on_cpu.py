@@ -2,7 +2,7 @@
 
 Why:
 1. The key moves the reward call from a ``RewardLoopWorker`` actor into verl's agent-loop worker
-   (verl_patches, patch 8). The reward function here is the task's own verifier behind a thin wrapper
+   (verl_adapter.patches, patch 8). The reward function here is the task's own verifier behind a thin wrapper
    that logs the title of the process it ran in (Ray names its workers ``ray::<Class>``), so the test
    sees where every trajectory was scored, not just that the run finished.
 2. It must change nothing computed: on the same replayed trajectories, Sync with and without the key

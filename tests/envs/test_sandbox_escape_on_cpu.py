@@ -218,7 +218,7 @@ def test_swe_shell_leaves_no_process_behind(spawn, tmp_path):
     if spawn == "exec":
         pytest.skip("the shell workspace has one spawn path")
     from thundersync_verl.envs.swe.instance import SWEInstance
-    from thundersync_verl.envs.swe.sandbox import LocalWorkspace
+    from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
 
     repo = tmp_path / "repos" / "demo"
     repo.mkdir(parents=True)

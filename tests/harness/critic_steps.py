@@ -29,10 +29,10 @@ from thundersync_harness.engine_steps import gap_rows, relative_gap, train
 from thundersync_harness.sao_steps import GAMMA, LAM, regrouped
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.sao_stream import trajectory_gae
-from thundersync_verl.trainer.critic_stream import (
+from thundersync_verl.algos.sao.critic_stream import (
     LATER_EPOCHS_KEY, CriticRow, CriticStreamClient, CriticStreamPlanner, StreamingCriticWorker,
 )
-from thundersync_verl.trainer.stream_loss import pad_batch
+from thundersync_verl.learner.stream_loss import pad_batch
 
 CRITIC_LR = 0.05
 

@@ -161,7 +161,7 @@ def start_workers(config, dp: int, *, distillation: bool = False):
     """
     import ray
 
-    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+    from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     ray.init(num_cpus=2 * dp + 2, num_gpus=dp, include_dashboard=False, log_to_driver=False,
@@ -218,7 +218,7 @@ def score_turns(teacher_path: Path, trajs: list[TurnTraj], seed: int) -> tuple[d
     from transformers import AutoModelForCausalLM
 
     from thundersync_harness.teacher import HFTeacherScorer, TurnScorer, score_turn
-    from thundersync_verl.trainer.opd_stream import turns_of_trajectory
+    from thundersync_verl.algos.opd.opd_stream import turns_of_trajectory
 
     model = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32, attn_implementation="sdpa")
     hf = HFTeacherScorer(model)

@@ -24,8 +24,8 @@ from thundersync_harness.engine_setup import GROUP_SIZE, Traj, TurnTraj
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingInputError
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.trainer.stream_loss import build_stream_chunk
-from thundersync_verl.trainer.stream_plan import BackwardOp, FinalizeOp, FoldOp
+from thundersync_verl.learner.stream_loss import build_stream_chunk
+from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 
 # ----- the batch-synchronous path: verl's own functions --------------------------------------
@@ -68,7 +68,7 @@ def rollout_batch(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int
     response's last token, the group uid, and the old log-probs from ``compute_log_prob``."""
     import numpy as np
 
-    from thundersync_verl.trainer.stream_loss import pad_batch
+    from thundersync_verl.learner.stream_loss import pad_batch
 
     rows = [trajs[i] for i in row_order]
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
@@ -113,7 +113,7 @@ def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id:
     """
     import numpy as np
 
-    from thundersync_verl.trainer.stream_loss import pad_batch
+    from thundersync_verl.learner.stream_loss import pad_batch
 
     rows = [trajs[i] for i in row_order]
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id,
@@ -186,8 +186,8 @@ def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *,
     ``pipeline``: send them through ``OpPipeline`` with that depth (queued calls) instead of one
     blocking call each; ``finished`` then receives ``(op, t_start, t_end)`` per op, in order.
     """
-    from thundersync_verl.trainer.stream_exec import OpPipeline
-    from thundersync_verl.trainer.stream_plan import StreamPlanner
+    from thundersync_verl.step.stream_exec import OpPipeline
+    from thundersync_verl.step.stream_plan import StreamPlanner
 
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, max_chunk_size=max_chunk)
     client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
@@ -211,7 +211,7 @@ def stream_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *,
 def stream_opd_step(wg, trajs: list[TurnTraj], turns: dict, arrival: list[tuple[int, int]], pad_token_id: int, *,
                     every: int = 3, max_chunk: int = 4) -> dict:
     """Scored turns arrive in ``arrival`` order; every ``every`` arrivals the ready turns are backpropagated."""
-    from thundersync_verl.trainer.opd_stream import OPDStreamClient, OPDTurnPlanner
+    from thundersync_verl.algos.opd.opd_stream import OPDStreamClient, OPDTurnPlanner
 
     planner = OPDTurnPlanner(loss_agg_mode="token-mean", max_chunk_size=max_chunk)
     client = OPDStreamClient(wg, pad_token_id=pad_token_id)

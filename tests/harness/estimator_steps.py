@@ -27,7 +27,7 @@ from thundersync_harness.engine_steps import (StreamingLearnerClient, _verl_upda
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.batch_estimators import Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED
-from thundersync_verl.trainer.stream_plan import StreamPlanner
+from thundersync_verl.step.stream_plan import StreamPlanner
 
 
 def algorithm_config(norm_adv_by_std_in_grpo: bool = True):

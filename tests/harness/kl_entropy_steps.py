@@ -26,8 +26,8 @@ import torch
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, verl_config
 from thundersync_harness.engine_steps import StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.trainer.stream_loss import attach_ref_log_probs, build_stream_chunk
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp
+from thundersync_verl.learner.stream_loss import attach_ref_log_probs, build_stream_chunk
+from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
 
 ACTOR, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 KL_COEF, ENTROPY_COEF = 0.5, 0.05  # large enough that both terms move the update (verl's defaults: 0.001, 0)
@@ -77,7 +77,7 @@ def start_kl_workers(config, dp: int, ref_path: Path | None):
     import ray
     from omegaconf import OmegaConf
 
-    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+    from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     ray.init(num_cpus=4 * dp + 2, num_gpus=2 * dp, include_dashboard=False, log_to_driver=False,
@@ -146,7 +146,7 @@ class KLStreamingClient(StreamingLearnerClient):
 def stream_kl_step(wg, ref_wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, loss_agg_mode: str,
                    every: int = 2, max_chunk: int = 4) -> dict:
     """Trajectories arrive one by one; every ``every`` arrivals the planner's ops run (reference log-probs first)."""
-    from thundersync_verl.trainer.stream_plan import StreamPlanner
+    from thundersync_verl.step.stream_plan import StreamPlanner
 
     scale_factor = LOSS_SCALE_FACTOR if loss_agg_mode == "seq-mean-token-sum-norm" else None
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, loss_scale_factor=scale_factor,

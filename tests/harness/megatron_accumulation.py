@@ -25,7 +25,7 @@ from thundersync_verl import verl_adapter as va
 
 def _learner_class():
     from thundersync_verl.backends.megatron import grads as mg
-    from thundersync_verl.trainer.learners.megatron import MegatronLearner
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
 
     class Float64SumLearner(MegatronLearner):
         """``MegatronLearner`` whose batch gradient lives in a float64 copy between streamed calls."""
@@ -73,7 +73,7 @@ def _learner_class():
 
 def probe_worker_class():
     """The streaming worker plus ``probe_float64_sum(on)``: on, its learner is ``Float64SumLearner``."""
-    from thundersync_verl.trainer.streaming_worker import Dispatch, StreamingActorWorker, register
+    from thundersync_verl.learner.streaming_worker import Dispatch, StreamingActorWorker, register
 
     class Float64SumProbeWorker(StreamingActorWorker):
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)

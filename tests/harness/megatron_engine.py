@@ -92,7 +92,7 @@ def prescaled_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, e
     import dataclasses
 
     from thundersync_harness.engine_steps import StreamingLearnerClient
-    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+    from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
 
     inv_n = float(1.0 / torch.tensor(float(sum(len(t.response) for t in trajs)), dtype=torch.float32))
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk)
@@ -130,7 +130,7 @@ def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, gr
     least once because a new group did not fit), ``wait_rounds`` and the op counts.
     """
     from thundersync_harness.engine_steps import StreamingLearnerClient
-    from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
+    from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
 
     sizing = {} if budget_buckets is None else {
         "grad_numel": grad_numel, "budget_bytes": (1 + budget_buckets) * 4 * grad_numel, "max_distinct_rewards": 2}
@@ -170,8 +170,8 @@ def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, gr
 
 # ----- a worker with one switch for negative tests --------------------------------------------
 def _probe_worker_class():
-    from thundersync_verl.trainer.learners.megatron import MegatronLearner
-    from thundersync_verl.trainer.streaming_worker import Dispatch, StreamingActorWorker, register
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
+    from thundersync_verl.learner.streaming_worker import Dispatch, StreamingActorWorker, register
 
     class EveryCallFinalizeLearner(MegatronLearner):
         """What streaming on verl's engine does without the learner: every call finalises (DP reduce,
@@ -216,7 +216,7 @@ def start_megatron_workers(config, world: int, *, probe: bool = False):
 
     import ray
 
-    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+    from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,

@@ -32,9 +32,9 @@ from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories
 from thundersync_harness.engine_steps import _old_log_probs, train
 from thundersync_harness.kl_entropy_steps import KLStreamingClient, attach_ref_rows, kl_entropy_config
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.trainer.minibatch_loss import build_ppo_chunk
-from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import INDEPENDENT_BUCKETS_KEY, FoldOp, StreamPlanner
+from thundersync_verl.learner.minibatch_loss import build_ppo_chunk
+from thundersync_verl.step.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, FoldOp, StreamPlanner
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -87,7 +87,7 @@ def regrouped(parts: list[list[int]], micro: int) -> tuple[list[int], int]:
 def _padded_batch(trajs: list[Traj], rows: list[int], pad_token_id: int):
     import numpy as np
 
-    from thundersync_verl.trainer.stream_loss import pad_batch
+    from thundersync_verl.learner.stream_loss import pad_batch
 
     chosen = [trajs[i] for i in rows]
     tensors = pad_batch([t.prompt for t in chosen], [t.response for t in chosen], pad_token_id)

@@ -5,7 +5,7 @@ Why:
    the last agent token, the critic's values, the rollout log-probs as ``old_log_probs``: verl's bypass
    mode), advantages from the registered ``sao`` estimator (whitened GAE over agent tokens), then verl's
    ``update_actor`` whose policy loss is the registered ``sao`` loss (worker config ``loss_mode=sao``).
-2. The streamed path is ``trainer/sao_stream.py``: single-rollout trajectories arrive one by one in a
+2. The streamed path is ``algos/sao/sao_streaming.py``: single-rollout trajectories arrive one by one in a
    random order; every ``every`` arrivals their chunks (direct + whitening bucket) run on the streaming
    worker; at the barrier the bucket is folded with -mean and the step is taken once.
 3. No inference engine or critic runs here: the critic's values are seeded random numbers (the learner
@@ -27,7 +27,7 @@ import torch
 from thundersync_harness.engine_setup import TurnTraj, make_turn_trajectories, start_workers, verl_config
 from thundersync_harness.engine_steps import _old_log_probs, _verl_update, gap_rows, relative_gap, train
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.trainer.sao_stream import SAOStreamClient, SAOStreamPlanner, SAOTrajectory
+from thundersync_verl.algos.sao.sao_streaming import SAOStreamClient, SAOStreamPlanner, SAOTrajectory
 
 EPS_LOW, EPS_HIGH = 0.3, 5.0  # the recipe's band (reasoning setting)
 GAMMA, LAM = 1.0, 0.95  # the recipe's discount and GAE lambda
@@ -66,7 +66,7 @@ def make_sao_batch(seed: int, groups: int, vocab: int) -> dict:
 
 
 def _data_proto(rows: list[TurnTraj], batch: dict, pad_token_id: int):
-    from thundersync_verl.trainer.stream_loss import pad_batch
+    from thundersync_verl.learner.stream_loss import pad_batch
 
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id,
                         response_masks=[t.mask for t in rows])
@@ -91,7 +91,7 @@ def _rollout_log_probs(wg, data, noise: torch.Tensor) -> torch.Tensor:
 
 def sync_sao_step(wg, batch: dict, row_order: list[int], pad_token_id: int, micro: int | None = None) -> dict:
     """verl: rollout log-probs as old_log_probs (bypass mode) -> ``sao`` estimator -> ``update_actor`` (loss sao)."""
-    from thundersync_verl.sao import compute_sao_advantage_return
+    from thundersync_verl.algos.sao.sao_verl import compute_sao_advantage_return
 
     rows = [batch["trajs"][i] for i in row_order]
     data, noise = _data_proto(rows, batch, pad_token_id)
@@ -111,8 +111,8 @@ def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int
     whitening fold as a queued ``FoldOp``) instead of one blocking call each.
     """
     from thundersync_verl.core.sao_stream import SAO_BUCKET
-    from thundersync_verl.trainer.stream_exec import OpPipeline
-    from thundersync_verl.trainer.stream_plan import FoldOp
+    from thundersync_verl.step.stream_exec import OpPipeline
+    from thundersync_verl.step.stream_plan import FoldOp
 
     trajs = batch["trajs"]
     data, noise = _data_proto(trajs, batch, pad_token_id)

@@ -1,7 +1,7 @@
 """A reference OPD teacher: HF model log-probs of each agent turn, with KV-cache sessions and retries.
 
 Why:
-1. Training runs score turns with verl's teacher server (``thundersync_verl.agent.turn_teacher``).
+1. Training runs score turns with verl's teacher server (``thundersync_verl.algos.opd.turn_teacher``).
    The tests and benchmarks need a teacher they can run in-process and compare exactly: an HF
    causal LM scoring a turn's causal PREFIX (prompt + earlier turns and observations + turn j).
    The teacher is causal, so this gives the whole trajectory's values up to kernel numerics
@@ -19,7 +19,7 @@ Why:
    its KV cache). After the last attempt ``TeacherScoringError`` names the trajectory and turn,
    and the turn stays in ``pending()``.
 5. ``score_turn`` fills an ``OPDTurn``'s teacher log-probs, so replayed trajectories can feed
-   the OPD planner (``thundersync_verl.trainer.opd_stream``).
+   the OPD planner (``thundersync_verl.algos.opd.opd_stream``).
 The backend is anything with ``score(prefix_ids, action_span)`` (and optionally ``session()``
 returning an object with the same ``score``): ``HFTeacherScorer`` runs an HF transformers model.
 """
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from thundersync_verl.agent.turn_teacher import LOG_PROB_TOLERANCE, TeacherRetryPolicy, TeacherScoringError
+from thundersync_verl.algos.opd.turn_teacher import LOG_PROB_TOLERANCE, TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.core import StreamingInputError
 from thundersync_verl.core.errors import rule_message
 
 if TYPE_CHECKING:
-    from thundersync_verl.trainer.opd_stream import OPDTurn
+    from thundersync_verl.algos.opd.opd_stream import OPDTurn
 
 logger = logging.getLogger(__name__)
 

@@ -149,9 +149,9 @@ def _worker(strategy: str, **engine):
 
 
 def test_the_learner_follows_verls_engine_key():
-    from thundersync_verl.trainer.learners import make_learner
-    from thundersync_verl.trainer.learners.fsdp import FSDPLearner
-    from thundersync_verl.trainer.learners.megatron import MegatronLearner
+    from thundersync_verl.learner.engines import make_learner
+    from thundersync_verl.learner.engines.fsdp import FSDPLearner
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
 
     assert isinstance(make_learner(_worker("fsdp2")), FSDPLearner)
     assert isinstance(make_learner(_worker("fsdp")), FSDPLearner)
@@ -168,7 +168,7 @@ def test_the_learner_follows_verls_engine_key():
     ({"per_token": True}, "calculate_per_token_loss"),
 ])
 def test_megatron_learner_refuses_what_it_cannot_stream_exactly(setting, match):
-    from thundersync_verl.trainer.learners.megatron import MegatronLearner
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
 
     MegatronLearner(_worker("megatron")).check()  # the plain layout streams
     with pytest.raises(StreamingConfigError, match=match) as info:

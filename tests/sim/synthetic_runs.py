@@ -4,7 +4,7 @@ its trace records as the trainers write them, and those records as an in-memory 
 from __future__ import annotations
 
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig
+from thundersync_verl.sim.sim_engine import SimConfig
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import Trace
 from thundersync_verl.sim.tracegen import trace_records

@@ -7,7 +7,7 @@ import pytest
 
 from thundersync_verl.sim.calibrate import (fit_contention, fit_rollout_contention, overlap_fraction,
                                             slot_residual)
-from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import (Trace, TraceSource, fit_learner_costs, load_trace, measured_step_time, replay,
                                         replay_calibration)

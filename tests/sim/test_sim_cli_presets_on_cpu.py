@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from thundersync_verl.sim import presets
-from thundersync_verl.sim.cli import main
-from thundersync_verl.sim.engine import simulate
+from thundersync_verl.sim.sim_cli import main
+from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.hardware import ClusterSpec, accumulator_bytes_per_rank, open_groups_within
 from thundersync_verl.sim.planner import plan
 from thundersync_verl.sim.workload import SyntheticSource
@@ -34,7 +34,7 @@ def test_sim_sources_import_only_numpy_matplotlib_stdlib():
 
 def test_importing_the_simulator_pulls_no_heavy_framework():
     code = ("import sys, thundersync_verl; before = set(sys.modules); "
-            "import thundersync_verl.sim, thundersync_verl.sim.cli, thundersync_verl.sim.plot, "
+            "import thundersync_verl.sim, thundersync_verl.sim.sim_cli, thundersync_verl.sim.plot, "
             "thundersync_verl.sim.planner, thundersync_verl.sim.tracegen; "
             "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
             f"bad = new & set({FORBIDDEN!r}); assert not bad, bad")

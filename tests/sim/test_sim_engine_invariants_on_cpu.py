@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import MODES, SimConfig, simulate
+from thundersync_verl.sim.sim_engine import MODES, SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
 

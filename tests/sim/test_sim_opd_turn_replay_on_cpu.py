@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from thundersync_verl.sim.calibrate import fit_turn_latency, turn_intervals, turn_polls
-from thundersync_verl.sim.engine import lane_work, place_rollouts, simulate
+from thundersync_verl.sim.sim_engine import lane_work, place_rollouts, simulate
 from thundersync_verl.sim.trace import fit_learner_costs, records_recompute_prefix, replay
 from synthetic_runs import as_trace, records
 

@@ -1,4 +1,4 @@
-"""PACE and verl's drop threshold as simulator policies (sim/pace.py) (CPU, no GPU, < 30 s)."""
+"""PACE and verl's drop threshold as simulator policies (sim/sim_pace.py) (CPU, no GPU, < 30 s)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 
 from thundersync_verl.core.pace import PaceSettings, rejection_budget
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig, simulate
+from thundersync_verl.sim.sim_engine import SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts
-from thundersync_verl.sim.pace import PacePolicy
+from thundersync_verl.sim.sim_pace import PacePolicy
 from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
 
 # long-tailed rollouts, a fast learner and a loose gate: a deep pool of finished groups, staleness up to 3

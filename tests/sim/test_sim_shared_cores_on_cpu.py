@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig, simulate
+from thundersync_verl.sim.sim_engine import SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts, SharedCores
 from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig, simulate
+from thundersync_verl.sim.sim_engine import SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.trace import (TraceSource, fit_learner_costs, load_trace, measured_step_time, parse_mode,
                                         replay)

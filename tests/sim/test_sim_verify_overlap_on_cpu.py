@@ -10,10 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from thundersync_verl.sim.dists import const, lognormal
-from thundersync_verl.sim.engine import SimConfig, simulate
+from thundersync_verl.sim.sim_engine import SimConfig, simulate
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.lane import LanePolicy, LaneWork, run_lane
-from thundersync_verl.sim.verifier import SWE_VERIFIER, VerifiedSource, VerifierSpec, draw_verifier, scaled
+from thundersync_verl.sim.sim_verifier import SWE_VERIFIER, VerifiedSource, VerifierSpec, draw_verifier, scaled
 from thundersync_verl.sim.verify_overlap import VERIFY_OVERLAP_MODE, VerifyWork, run_verify_lane
 from thundersync_verl.sim.workload import RolloutSpec, SyntheticSource, WorkloadSpec
 

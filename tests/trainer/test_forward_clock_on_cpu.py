@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from thundersync_verl.trainer.forward_clock import ForwardClock
+from thundersync_verl.learner.forward_clock import ForwardClock
 
 FORWARD_S, PREP_S, BACKWARD_S = 0.03, 0.02, 0.02
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from thundersync_verl.core import LOSS_AGG_MODES, StreamingConfigError, StreamingInputError, batch_scale
-from thundersync_verl.trainer.stream_loss import (
+from thundersync_verl.learner.stream_loss import (
     PART_KEY,
     IndependentTerms,
     build_stream_chunk,

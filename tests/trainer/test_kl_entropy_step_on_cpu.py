@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from thundersync_verl.trainer.step_record import StepRecorder
-from thundersync_verl.trainer.stream_exec import OpPipeline
-from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY, REF_LP_KEY
-from thundersync_verl.trainer.stream_plan import StreamPlanner
-from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
+from thundersync_verl.run.step_record import StepRecorder
+from thundersync_verl.step.stream_exec import OpPipeline
+from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY, REF_LP_KEY
+from thundersync_verl.step.stream_plan import StreamPlanner
+from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 
 KEYS = [f"{uid}_{s}_0" for uid in ("a", "b") for s in range(3)]
 REWARDS = {"a": [1.0, 0.0, 1.0], "b": [0.0, 0.0, 1.0]}
@@ -112,7 +112,7 @@ def test_the_recipe_with_kl_loss_and_entropy_bonus_is_accepted_and_lora_kl_is_re
     import pytest
 
     from thundersync_verl.core import StreamingConfigError
-    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+    from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
     validate_thundersync_config(_recipe(*KL_ON))
     with pytest.raises(StreamingConfigError, match=r"lora_rank=0") as info:
@@ -126,7 +126,7 @@ def test_opd_turn_streaming_with_kl_or_entropy_is_refused_naming_the_keys():
 
     from thundersync_verl.core import StreamingConfigError
     from thundersync_verl.demo import recipe_dir
-    from thundersync_verl.trainer.thundersync_trainer import validate_thundersync_config
+    from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
     base = ["data.train_files=x", "data.val_files=y", "actor_rollout_ref.model.path=z", "mode=thundersync",
             "distillation.teacher_models.teacher_model.model_path=t"]

@@ -12,7 +12,7 @@ import pytest
 
 from thundersync_harness.logger_files import tensorboard_run, wandb_history
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.trainer.timeline import DRAW_COST_FILE, TimelineDrawer, TimelineFeed, draw_timeline
+from thundersync_verl.run.timeline import DRAW_COST_FILE, TimelineDrawer, TimelineFeed, draw_timeline
 
 TRAJECTORIES = [{"t_submit": 0.0, "t_done": 2.0, "t_reward": 2.5, "turns": [{"gen_s": 1.0, "tool_s": 0.5}]},
                 {"t_submit": 0.5, "t_done": 1.5, "t_reward": 1.6, "turns": [{"gen_s": 1.0}]}]
@@ -41,7 +41,7 @@ def test_feed_returns_each_finished_drawing_once_with_its_step(tmp_path):
 
 def test_drawer_hands_over_to_a_fresh_child_and_every_job_is_drawn(tmp_path, monkeypatch):
     """A child draws at most JOBS_PER_CHILD PNGs (its memory stays that of a fresh process); nothing is lost."""
-    from thundersync_verl.trainer import timeline
+    from thundersync_verl.run import timeline
 
     monkeypatch.setattr(timeline, "JOBS_PER_CHILD", 2)
     drawer, children = TimelineDrawer(), set()

@@ -2,7 +2,7 @@
 
 import json
 
-from thundersync_verl.trainer.memory_probe import MemoryProbe
+from thundersync_verl.run.memory_probe import MemoryProbe
 
 KEPT: list = []
 

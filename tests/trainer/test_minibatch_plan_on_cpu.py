@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from thundersync_verl.core import StreamingConfigError, StreamingStateError
-from thundersync_verl.trainer.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp, StreamPlanner, independent_key
+from thundersync_verl.step.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
+from thundersync_verl.step.stream_plan import BackwardOp, FoldOp, StreamPlanner, independent_key
 
 N = 4  # trajectories per group
 

@@ -16,16 +16,16 @@ import torch
 from thundersync_harness.engine_setup import opd_overrides
 from thundersync_harness.teacher import TurnScorer, score_turn
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy, TeacherScoringError
+from thundersync_verl.algos.opd.turn_teacher import TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
-from thundersync_verl.trainer.opd_stream import (
+from thundersync_verl.algos.opd.opd_stream import (
     OPDTurn,
     OPDTurnPlanner,
     TurnBackwardOp,
     opd_planner_from_verl_config,
     turns_of_trajectory,
 )
-from thundersync_verl.trainer.stream_loss import (
+from thundersync_verl.learner.stream_loss import (
     ADV_CLAMP_KEY,
     COEF_KEY,
     TEACHER_KEY,

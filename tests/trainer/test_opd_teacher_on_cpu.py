@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from thundersync_harness.teacher import HFTeacherScorer, TurnScorer
-from thundersync_verl.agent.turn_teacher import TeacherRetryPolicy, TeacherScoringError
+from thundersync_verl.algos.opd.turn_teacher import TeacherRetryPolicy, TeacherScoringError
 from thundersync_verl.core import StreamingInputError
 
 VOCAB = 128
@@ -163,7 +163,7 @@ def test_retry_policy_validation(kwargs):
 
 
 def test_async_scoring_and_the_hf_cpu_engine_model(teacher, sequence):
-    from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+    from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine
 
     scorer = HFTeacherScorer.from_engine(HFGenerationEngine(teacher.model))
     assert scorer.model is teacher.model

@@ -52,7 +52,7 @@ def test_queued_through_the_trainers_op_pipeline_the_step_is_the_same(engine):
 
 def test_without_the_whitening_fold_the_step_differs(engine):
     """The control: dropping the bucket's -mean fold (a plain GAE step scaled by inv_std) is not verl's step."""
-    from thundersync_verl.trainer import sao_stream
+    from thundersync_verl.algos.sao import sao_streaming as sao_stream
 
     wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
     n = len(batch["trajs"])

@@ -1,4 +1,4 @@
-"""Streamed SAO's planner, chunks and loss (thundersync_verl/trainer/sao_stream.py) without an engine.
+"""Streamed SAO's planner, chunks and loss (thundersync_verl/algos/sao/sao_streaming.py) without an engine.
 
 1. The chunk loss is -sum_t c_t r_t m_t (dp_size times), r and m against the chunk's rollout log-probs;
    its gradient w.r.t. the learner's log-probs is -c r m, and masked tokens get none.
@@ -22,7 +22,7 @@ import torch
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.sao_stream import SAO_BUCKET
-from thundersync_verl.trainer.sao_stream import (
+from thundersync_verl.algos.sao.sao_streaming import (
     MASKED_METRIC,
     SAOStreamClient,
     SAOStreamPlanner,
@@ -86,7 +86,7 @@ def _log_probs_for(chunk, table: dict, trajs: list[SAOTrajectory]):
 def test_chunk_loss_is_minus_c_r_m_and_masked_tokens_get_no_gradient():
     t = _trajs(0, 1)[0]
     coefs = [0.5 * (j + 1) * m for j, m in enumerate(t.agent_mask)]
-    from thundersync_verl.trainer.sao_stream import SAOBackwardOp
+    from thundersync_verl.algos.sao.sao_streaming import SAOBackwardOp
 
     chunk = _client().chunk(SAOBackwardOp(((t, tuple(coefs)),), "direct", (EPS_LOW, EPS_HIGH)))
     assert is_sao_chunk(chunk)
@@ -236,8 +236,8 @@ def test_critic_coefficients_with_a_deferred_normaliser_give_verls_value_loss_gr
 
 
 def test_the_trainers_op_pipeline_sends_sao_ops_as_per_token_chunks():
-    from thundersync_verl.trainer.stream_exec import _request
-    from thundersync_verl.trainer.stream_loss import SEQ_KEY, TOKEN_COEF_KEY
+    from thundersync_verl.step.stream_exec import _request
+    from thundersync_verl.learner.stream_loss import SEQ_KEY, TOKEN_COEF_KEY
 
     planner = _planner()
     trajs = _trajs(6, 2)
@@ -256,8 +256,8 @@ def test_the_trainers_op_pipeline_sends_sao_ops_as_per_token_chunks():
 def test_the_trainers_step_planner_plans_the_fold_last_and_steps_like_the_plain_planner():
     """``SAOStepPlanner`` (the ThunderSync trainer's): rows as they arrive, the whitening fold once the last
     trajectory is planned, and the same barrier scale as ``SAOStreamPlanner.finalize`` on the same batch."""
-    from thundersync_verl.trainer.sao_trainer_step import BATCH_GROUP, SAOArrivals, SAOStepPlanner
-    from thundersync_verl.trainer.stream_plan import FoldOp
+    from thundersync_verl.algos.sao.sao_trainer_step import BATCH_GROUP, SAOArrivals, SAOStepPlanner
+    from thundersync_verl.step.stream_plan import FoldOp
 
     trajs = _trajs(3, n=3)
     step = SAOStepPlanner(_planner())

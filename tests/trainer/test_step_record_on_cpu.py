@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from thundersync_verl.trainer.step_record import StepRecorder
+from thundersync_verl.run.step_record import StepRecorder
 
 
 def _one_step(rec: StepRecorder, step: int, with_push: bool) -> None:
@@ -60,7 +60,7 @@ def test_timeline_every_draws_only_every_nth_step_and_zero_draws_none_while_trac
 
 
 def test_draw_trace_draws_every_finished_step_of_a_run_that_drew_none(tmp_path):
-    from thundersync_verl.trainer.timeline import draw_trace
+    from thundersync_verl.run.timeline import draw_trace
 
     rec = StepRecorder(str(tmp_path), mode="thundersync", n_rollout_slots=4, timeline_every=0)
     for step in (1, 2):

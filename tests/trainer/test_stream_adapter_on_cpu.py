@@ -18,7 +18,7 @@ def test_worker_base_and_registration_seams_exist():
 
 
 def test_streaming_worker_adds_its_methods_to_verls_worker():
-    from thundersync_verl.trainer.streaming_worker import StreamingActorWorker
+    from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     assert issubclass(StreamingActorWorker, va.tinker_actor_worker_base())
     for name in ("stream_begin_batch", "stream_backward", "stream_fold", "finalize_step", "stream_memory"):

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError
-from thundersync_verl.trainer.stream_plan import StreamPlanner, settings_from_verl_config
+from thundersync_verl.step.stream_plan import StreamPlanner, settings_from_verl_config
 
 ACTOR = "actor_rollout_ref.actor"
 

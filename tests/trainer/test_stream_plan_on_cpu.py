@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync_verl.core import StreamingInputError, StreamingStateError
-from thundersync_verl.trainer.stream_plan import BackwardOp, FoldOp, StreamPlanner, bucket_key
+from thundersync_verl.step.stream_plan import BackwardOp, FoldOp, StreamPlanner, bucket_key
 
 EPS = 1e-6
 

@@ -1,4 +1,4 @@
-"""The one streamed step (``trainer/streamed_step.py``) on GRPO, without Ray.
+"""The one streamed step (``step/streamed_step.py``) on GRPO, without Ray.
 
 The TransferQueue is a small in-memory stand-in whose records become visible at a given poll; the
 learner records what each call received. What is under test is the real step: arrival polling, the
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thundersync_verl.trainer.step_record import StepRecorder
-from thundersync_verl.trainer.stream_exec import OpPipeline
-from thundersync_verl.trainer.stream_loss import COEF_KEY, DEST_KEY
-from thundersync_verl.trainer.stream_plan import FoldOp, StreamPlanner
-from thundersync_verl.trainer.streamed_step import GRPOArrivals, StepContext, StreamedStep
-from thundersync_verl.trainer.trajectory_source import TrajectoryNeverArrived
+from thundersync_verl.run.step_record import StepRecorder
+from thundersync_verl.step.stream_exec import OpPipeline
+from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY
+from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
+from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
+from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 
 
 class _TQ:
@@ -191,7 +191,7 @@ def test_deterministic_step_sends_the_same_chunks_and_folds_whatever_the_timing(
 
 
 def test_batch_order_gate_hands_on_whole_blocks_in_batch_order():
-    from thundersync_verl.trainer.trajectory_source import BatchOrderGate
+    from thundersync_verl.step.trajectory_source import BatchOrderGate
 
     gate = BatchOrderGate(["p", "q"], 2, block=3)
     gate.add([("q_0_0", {}), ("p_1_0", {})])
@@ -207,7 +207,7 @@ def test_batch_order_gate_hands_on_whole_blocks_in_batch_order():
 
 def test_batch_order_gate_orders_a_groups_members_by_content_not_sample_index():
     """The same answers dealt to other sample indices (a replay serves identical first requests in call order)."""
-    from thundersync_verl.trainer.trajectory_source import BatchOrderGate
+    from thundersync_verl.step.trajectory_source import BatchOrderGate
 
     def released(answer_of: dict) -> list:
         gate = BatchOrderGate(["p"], 3, block=2, content=lambda keys: {k: answer_of[k] for k in keys})
@@ -240,7 +240,7 @@ class _BusyPipe:
         self.max_in_flight = max(self.max_in_flight, len(self._inflight))
 
     def collect(self, keep: int | None = None) -> None:
-        from thundersync_verl.trainer.stream_exec import execute_op
+        from thundersync_verl.step.stream_exec import execute_op
 
         self.polls_while_full += len(self._inflight) >= self.depth
         if self._inflight:
@@ -338,7 +338,7 @@ class _ClockedPipe(_BusyPipe):
     def drain(self) -> None:
         """The ops run on the recording learner once all are done (building the first chunk warms torch up for
         seconds, which would stall the clock)."""
-        from thundersync_verl.trainer.stream_exec import execute_op
+        from thundersync_verl.step.stream_exec import execute_op
 
         self.collect(keep=0)
         for op, rows in self.done:
@@ -434,7 +434,7 @@ def test_a_finished_step_frees_its_rows_without_the_cycle_collector(deterministi
 
 
 def test_row_lists_splits_every_layout_verl_stores_a_field_in_like_indexing_row_by_row():
-    from thundersync_verl.trainer.stream_exec import row_lists
+    from thundersync_verl.step.stream_exec import row_lists
 
     rows = [torch.tensor([0.5, -1.0, 2.0]), torch.tensor([3.0]), torch.tensor([-0.25, 4.0])]
     expected = [r.tolist() for r in rows]

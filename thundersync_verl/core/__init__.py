@@ -12,31 +12,31 @@ Why:
    estimators, normalisers, corrections and objectives it relies on. See README.md.
 """
 
-from .accumulator import StreamingGradientAccumulator
-from .barrier import BarrierReport
-from .budget import MemoryBudget
-from .buffers import BufferPool, GradLayout
-from .config_validation import StreamingSettings, validate_streaming_config
-from .corrections import (
+from thundersync_verl.core.accumulator import StreamingGradientAccumulator
+from thundersync_verl.core.barrier import BarrierReport
+from thundersync_verl.core.budget import MemoryBudget
+from thundersync_verl.core.buffers import BufferPool, GradLayout
+from thundersync_verl.core.config_validation import StreamingSettings, validate_streaming_config
+from thundersync_verl.core.corrections import (
     check_sign_independent,
     double_sided_token_mask,
     ppo_clip_token_weights,
     ratio_and_gate,
     rollout_is_weights,
 )
-from .errors import (
+from thundersync_verl.core.errors import (
     AccumulatorBudgetError,
     StreamingConfigError,
     StreamingError,
     StreamingInputError,
     StreamingStateError,
 )
-from .estimators import FunctionEstimator, GroupEstimator, GRPOEstimator, RLOOEstimator, estimator_from_verl
-from .gradients import GradientBuffers
-from .groups import ANY, NEG, POS
-from .ledger import BatchLedger
-from .normalizers import LOSS_AGG_MODES, BatchCounts, batch_scale, token_weight, token_weights
-from .objectives import (
+from thundersync_verl.core.estimators import FunctionEstimator, GroupEstimator, GRPOEstimator, RLOOEstimator, estimator_from_verl
+from thundersync_verl.core.gradients import GradientBuffers
+from thundersync_verl.core.groups import ANY, NEG, POS
+from thundersync_verl.core.ledger import BatchLedger
+from thundersync_verl.core.normalizers import LOSS_AGG_MODES, BatchCounts, batch_scale, token_weight, token_weights
+from thundersync_verl.core.objectives import (
     check_opd_turn_mode,
     entropy_from_logits,
     kl_per_token,
@@ -44,7 +44,7 @@ from .objectives import (
     opd_turn_loss,
     policy_surrogate,
 )
-from .scheduling import ChunkPlan, ScheduleHint
+from thundersync_verl.core.scheduling import ChunkPlan, ScheduleHint
 
 __all__ = [
     "ANY",

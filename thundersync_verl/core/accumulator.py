@@ -39,16 +39,16 @@ from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from .barrier import BarrierReport, compute_batch_gradient, finish_batch
-from .buffers import GradLayout
-from .chunks import add_chunk_grad
-from .errors import StreamingConfigError, StreamingInputError, rule_message
-from .folding import advance_commits, close_group, route, route_pending, store_independent
-from .gradients import GradientBuffers
-from .groups import ANY, NEG, POS, TrajectoryState, check_reward, check_same_reward, variant_of
-from .ledger import PATHS, BatchLedger
-from .normalizers import check_count
-from .scheduling import ChunkPlan, ScheduleHint, plan_chunk, rank_ready, split_into_chunks
+from thundersync_verl.core.barrier import BarrierReport, compute_batch_gradient, finish_batch
+from thundersync_verl.core.buffers import GradLayout
+from thundersync_verl.core.chunks import add_chunk_grad
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.folding import advance_commits, close_group, route, route_pending, store_independent
+from thundersync_verl.core.gradients import GradientBuffers
+from thundersync_verl.core.groups import ANY, NEG, POS, TrajectoryState, check_reward, check_same_reward, variant_of
+from thundersync_verl.core.ledger import PATHS, BatchLedger
+from thundersync_verl.core.normalizers import check_count
+from thundersync_verl.core.scheduling import ChunkPlan, ScheduleHint, plan_chunk, rank_ready, split_into_chunks
 
 __all__ = ["PATHS", "ChunkPlan", "StreamingGradientAccumulator"]
 

@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import StreamingConfigError, StreamingStateError, rule_message
-from .gradients import GradientBuffers
-from .ledger import BatchLedger
-from .normalizers import batch_scale
+from thundersync_verl.core.errors import StreamingConfigError, StreamingStateError, rule_message
+from thundersync_verl.core.gradients import GradientBuffers
+from thundersync_verl.core.ledger import BatchLedger
+from thundersync_verl.core.normalizers import batch_scale
 
 
 @dataclass(frozen=True)

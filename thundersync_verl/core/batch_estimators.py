@@ -32,7 +32,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
 WHITEN_EPS = 1e-8  # verl_F.masked_mean's and masked_whiten's epsilon
 BATCH_GROUP = "__batch__"  # the accumulator group of a batch-scope estimator

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from .errors import AccumulatorBudgetError, StreamingConfigError, rule_message
+from thundersync_verl.core.errors import AccumulatorBudgetError, StreamingConfigError, rule_message
 
 
 class MemoryBudget:

@@ -22,8 +22,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .budget import MemoryBudget
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.budget import MemoryBudget
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
 STORAGES = ("device", "host")
 

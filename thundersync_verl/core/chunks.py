@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .buffers import GradLayout
-from .errors import StreamingInputError, StreamingStateError, rule_message
-from .folding import advance_commits, route_open
-from .gradients import GradientBuffers
-from .groups import ANY, NEG, POS, variant_of
-from .ledger import BatchLedger
-from .normalizers import check_count
-from .scheduling import ChunkPlan
+from thundersync_verl.core.buffers import GradLayout
+from thundersync_verl.core.errors import StreamingInputError, StreamingStateError, rule_message
+from thundersync_verl.core.folding import advance_commits, route_open
+from thundersync_verl.core.gradients import GradientBuffers
+from thundersync_verl.core.groups import ANY, NEG, POS, variant_of
+from thundersync_verl.core.ledger import BatchLedger
+from thundersync_verl.core.normalizers import check_count
+from thundersync_verl.core.scheduling import ChunkPlan
 
 
 def add_chunk_grad(

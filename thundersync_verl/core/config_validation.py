@@ -3,7 +3,7 @@
 Why:
 1. Streaming is exact only for settings whose update it reproduces: one optimizer step per
    mini-batch on a whole number of complete groups (several mini-batches and PPO epochs stream,
-   ``trainer/minibatch_plan.py``), a linear policy term at ratio 1 for the first mini-batch. A few
+   ``step/minibatch_plan.py``), a linear policy term at ratio 1 for the first mini-batch. A few
    verl settings break that silently (batch statistics in the loss, PPO's clip against rollout
    log-probs at ratio != 1); they must be refused before training.
 2. The function takes plain Python values, not a verl or omegaconf object, so the core stays
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import StreamingConfigError, int_at_least, rule_message
-from .batch_estimators import check_arrival_scope
-from .estimators import GroupEstimator, estimator_from_verl
-from .normalizers import check_loss_agg_mode
-from .objectives import KL_KINDS
+from thundersync_verl.core.errors import StreamingConfigError, int_at_least, rule_message
+from thundersync_verl.core.batch_estimators import check_arrival_scope
+from thundersync_verl.core.estimators import GroupEstimator, estimator_from_verl
+from thundersync_verl.core.normalizers import check_loss_agg_mode
+from thundersync_verl.core.objectives import KL_KINDS
 
 LINEAR_POLICY_LOSSES = ("vanilla", "gpg", "bypass_mode")
 _ACTOR = "actor_rollout_ref.actor"
@@ -71,7 +71,7 @@ def parse_is_threshold(threshold: object) -> tuple[float, float | None]:
 
 
 def _check_steps(ppo_epochs: int, ppo_mini_batch_size: int, train_batch_size: int, rollout_n: int) -> None:
-    """Several mini-batches and epochs stream (``trainer/minibatch_plan.py``); the partition must be exact.
+    """Several mini-batches and epochs stream (``step/minibatch_plan.py``); the partition must be exact.
 
     verl cuts the batch into train_batch_size / ppo_mini_batch_size equal mini-batches (one optimizer
     step each) and repeats them ppo_epochs times; the first mini-batch streams at ratio 1, later ones

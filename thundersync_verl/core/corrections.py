@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
 LOG_RATIO_BOUND = 20.0  # verl's clamp of the log-ratio in the PPO loss and the IS weights
 

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .batch_estimators import GPGEstimator, OPOEstimator, ReinforcePlusPlusEstimator
-from .errors import StreamingConfigError, rule_message
+from thundersync_verl.core.batch_estimators import GPGEstimator, OPOEstimator, ReinforcePlusPlusEstimator
+from thundersync_verl.core.errors import StreamingConfigError, rule_message
 
 GRPO_EPSILON = 1e-6  # verl's default ``epsilon`` of compute_grpo_outcome_advantage
 
@@ -189,8 +189,8 @@ REFUSED = {
 # Estimators this package registers in verl that the group-wise stream planner does not take.
 PLUGIN_REFUSED = {
     "sao": "SAO's advantage is per token (GAE over the critic's values, whitened over the batch); it streams "
-           "through its own planner (trainer/sao_stream.py), not this group-wise one: the ThunderSync trainer "
-           "selects it for algorithm.adv_estimator=sao (trainer/sao_trainer_step.py)",
+           "through its own planner (algos/sao/sao_streaming.py), not this group-wise one: the ThunderSync trainer "
+           "selects it for algorithm.adv_estimator=sao (algos/sao/sao_trainer_step.py)",
 }
 
 

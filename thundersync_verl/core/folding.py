@@ -24,9 +24,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .gradients import GradientBuffers
-from .groups import ANY, GroupState, TrajectoryState, canonical_sorted, variant_of
-from .ledger import BatchLedger, group_owner, pending_owner
+from thundersync_verl.core.gradients import GradientBuffers
+from thundersync_verl.core.groups import ANY, GroupState, TrajectoryState, canonical_sorted, variant_of
+from thundersync_verl.core.ledger import BatchLedger, group_owner, pending_owner
 
 S0, S1 = ("s0",), ("s1",)  # affine path: sum_i H_i and sum_i (r_i - r_ref) H_i
 INDEPENDENT = "independent"  # canonical order: a trajectory's reward-independent gradient

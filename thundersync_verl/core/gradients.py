@@ -18,8 +18,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .buffers import GradLayout, axpy_, check_storage, copy_into_, zero_buffer
-from .errors import StreamingStateError, rule_message
+from thundersync_verl.core.buffers import GradLayout, axpy_, check_storage, copy_into_, zero_buffer
+from thundersync_verl.core.errors import StreamingStateError, rule_message
 
 Buffer = list[torch.Tensor]
 

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable
 
-from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
-from .estimators import GroupEstimator
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
+from thundersync_verl.core.estimators import GroupEstimator
 
 POS, NEG, ANY = "pos", "neg", "any"  # gradient variants: sign classes, or the single one
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence
 
-from .budget import MemoryBudget
-from .errors import StreamingConfigError, StreamingInputError, StreamingStateError, int_at_least, rule_message
-from .estimators import GroupEstimator
-from .groups import ANY, NEG, POS, GroupState, TrajectoryState, canonical_sorted, check_group_sizes
-from .normalizers import BatchCounts, check_loss_agg_mode
+from thundersync_verl.core.budget import MemoryBudget
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, StreamingStateError, int_at_least, rule_message
+from thundersync_verl.core.estimators import GroupEstimator
+from thundersync_verl.core.groups import ANY, NEG, POS, GroupState, TrajectoryState, canonical_sorted, check_group_sizes
+from thundersync_verl.core.normalizers import BatchCounts, check_loss_agg_mode
 
 PATHS = ("auto", "affine", "buckets")
 BATCH_OWNER = ("batch",)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
 
 LOSS_AGG_MODES = (
     "token-mean",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_LOG_RATIO_BOUND = 20.0  # verl clamps ref - logprob before exp in k3

@@ -10,7 +10,7 @@ Why this module exists:
    regenerates) the worst groups only when the pool holds more than the learner needs: a
    rejection then costs throughput nobody was waiting for.
 3. This module is the math only (standard library + torch for the measured drift), so the
-   sampler (``thundersync_verl/pace.py``) and the tests share one definition.
+   sampler (``thundersync_verl/algos/pace/pace_sampler.py``) and the tests share one definition.
 
 Formulas (v: the learner version the trajectory would update, verl's ``global_steps - 1``; v_land: the
 learner version when its group became sampleable, so the staleness accrued before completion and the
@@ -68,7 +68,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
 
 DRIFT_NOISE_NATS = 1e-4  # epsilon of (3m): a mean |log-prob gap| below it is re-scoring noise, not drift
 HISTOGRAM_EDGES = (0.5, 1.5, 2.5, 3.5)  # staleness buckets 0, 1, 2, 3, 4+ (integers land mid-bucket)

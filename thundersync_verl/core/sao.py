@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .corrections import LOG_RATIO_BOUND, double_sided_token_mask
-from .errors import StreamingConfigError, StreamingInputError, rule_message
+from thundersync_verl.core.corrections import LOG_RATIO_BOUND, double_sided_token_mask
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
 WHITEN_EPS = 1e-8  # verl's masked_whiten
 EXPLAINED_VAR_EPS = 1e-5  # verl's critic/vf_explained_var

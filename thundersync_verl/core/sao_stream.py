@@ -39,8 +39,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .errors import StreamingInputError, StreamingStateError, rule_message
-from .sao import WHITEN_EPS, fold_observation_rewards, masked_gae, mc_returns
+from thundersync_verl.core.errors import StreamingInputError, StreamingStateError, rule_message
+from thundersync_verl.core.sao import WHITEN_EPS, fold_observation_rewards, masked_gae, mc_returns
 
 SAO_BUCKET = "__sao_whiten__"  # the one bucket of a batch: G2 = sum over agent tokens of grad(-r m)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from .errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
-from .groups import canonical_sorted, variant_of
-from .ledger import BatchLedger, Item
+from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, int_at_least, rule_message
+from thundersync_verl.core.groups import canonical_sorted, variant_of
+from thundersync_verl.core.ledger import BatchLedger, Item
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from thundersync_verl.cli_args import Parser, positive_int
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.envs.swe import protocol
+from thundersync_verl.envs.swe import swe_protocol as protocol
 from thundersync_verl.envs.swe.instance import REQUIRED_FIELDS, InstanceError, SWEInstance
 
 MAX_LISTED = 5  # bad rows named in the refusal before "... and N more"

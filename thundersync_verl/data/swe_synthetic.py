@@ -32,10 +32,10 @@ from pathlib import Path
 
 from thundersync_verl.data.swe_smith import convert, write_parquet
 from thundersync_verl.data.synthetic_catalog import FAMILIES, Bug, Family
-from thundersync_verl.envs.swe.config import DEFAULT_TEST_COMMAND
+from thundersync_verl.envs.swe.swe_config import DEFAULT_TEST_COMMAND
 from thundersync_verl.envs.swe.instance import SWEInstance
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace
-from thundersync_verl.envs.swe.verifier import PASSING, run_tests
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
+from thundersync_verl.envs.swe.swe_verifier import PASSING, run_tests
 
 TEST_FILE = "tests/test_core.py"
 VALIDATION_TIMEOUT_S = 120.0

@@ -10,7 +10,7 @@
    in ``extra_fields``; trainers use it for timelines and staleness.
 4. ThunderSync OPD runs (the rollout client carries the teacher clients): each finished
    turn is scored by the teacher and published while the next tool call runs
-   (``agent/turn_teacher.py``); the trajectory returns only after all its turns
+   (``algos/opd/turn_teacher.py``); the trajectory returns only after all its turns
    are published, and says how many there are. Other runs are unaffected.
 """
 
@@ -24,13 +24,13 @@ import time
 import uuid
 from typing import Any
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.sandbox import run_python_async
-from thundersync_verl.agent.turn_teacher import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
-from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
+from thundersync_verl.algos.opd.turn_teacher import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
+from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
 
 def _append_trace(path, record: dict) -> None:
     """One JSON line per finished trajectory (timings for timelines and the simulator); no-op without a path."""
@@ -131,7 +131,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             extra[TURN_COUNT_KEY] = len(scoring)
             reply = self.turn_teacher.whole_trajectory_reply(trajectory_key(kwargs.get("uid"), kwargs.get("session_id")),
                                                              prompt_ids + response_ids[:n])
-            if reply is not None:  # verl's whole-trajectory teacher call would repeat the last turn's (verl_patches)
+            if reply is not None:  # verl's whole-trajectory teacher call would repeat the last turn's (verl_adapter.patches)
                 extra.update(reply)
                 extra[TEACHER_REUSED_KEY] = True
             record["teacher_reused"] = reply is not None

@@ -17,7 +17,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.latency import LatencyModel
 from thundersync_verl.envs.sandbox import SandboxResult, run_python_async

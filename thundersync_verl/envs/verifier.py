@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.envs import protocol
 from thundersync_verl.envs.sandbox import run_blocking, run_python_async

@@ -9,13 +9,13 @@ Why this package exists:
 3. It depends on numpy, matplotlib and the standard library only, so it runs anywhere.
 """
 
-from .config import ALGOS, GRANULARITIES, MODES, SimConfig
-from .dists import Dist, const, lognormal, mixture, pareto
-from .engine import simulate
-from .hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, SharedCores
-from .metrics import SimResult, comparison_table
-from .trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay, replay_config
-from .workload import Batch, RolloutSpec, SyntheticSource, WorkloadSpec
+from thundersync_verl.sim.sim_config import ALGOS, GRANULARITIES, MODES, SimConfig
+from thundersync_verl.sim.dists import Dist, const, lognormal, mixture, pareto
+from thundersync_verl.sim.sim_engine import simulate
+from thundersync_verl.sim.hardware import ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, SharedCores
+from thundersync_verl.sim.metrics import SimResult, comparison_table
+from thundersync_verl.sim.trace import TraceSource, fit_learner_costs, load_trace, measured_step_time, replay, replay_config
+from thundersync_verl.sim.workload import Batch, RolloutSpec, SyntheticSource, WorkloadSpec
 
 __all__ = [
     "ALGOS", "Batch", "ClusterSpec", "Dist", "GRANULARITIES", "GpuSpec", "LearnerCosts", "MODES", "ModelSpec",

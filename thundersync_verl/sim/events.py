@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import SimConfig
-from .hardware import LearnerCosts
-from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LanePolicy, LaneRun, LaneWork
-from .metrics import Ledger, SimResult
-from .workload import Batch
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.lane import IDLE_BUDGET, IDLE_ROLLOUT, LanePolicy, LaneRun, LaneWork
+from thundersync_verl.sim.metrics import Ledger, SimResult
+from thundersync_verl.sim.workload import Batch
 
 
 @dataclass

@@ -27,10 +27,10 @@ from collections import Counter, deque
 
 import numpy as np
 
-from .config import SimConfig
-from .events import landing_delay
-from .hardware import LearnerCosts
-from .metrics import Ledger, SimResult, clip_sum
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.events import landing_delay
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.metrics import Ledger, SimResult, clip_sum
 
 
 class _Stream:
@@ -114,7 +114,7 @@ class _State:
         self.land_heap: list = []  # (wall land, tid)
         self.pause_acc = 0.0
         self.started = self.rollout_version = self.version = 0
-        self.retired = 0  # trajectories rejected before training (sim/pace.py): regenerated, so out of the gate
+        self.retired = 0  # trajectories rejected before training (sim/sim_pace.py): regenerated, so out of the gate
         self.live: dict[int, tuple[float, int]] = {}  # in-flight tid -> (wall start, slot)
         self.version_of: dict[int, int] = {}  # tid -> weight version it started on
         self.group_left: dict[int, int] = {}
@@ -307,7 +307,7 @@ class _State:
 
 
 def simulate_fully_async(cfg: SimConfig, source, costs: LearnerCosts, state: _State | None = None) -> SimResult:
-    """The event loop; ``state`` swaps in a policy built on ``_State`` (sim/pace.py)."""
+    """The event loop; ``state`` swaps in a policy built on ``_State`` (sim/sim_pace.py)."""
     st = state or _State(cfg, source, costs)
     st.try_start(0.0)
     shared = st.shared is not None

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import SimConfig
-from .engine import simulate
-from .hardware import accumulator_bytes_per_rank, open_groups_within
-from .metrics import format_table
-from .presets import Setting
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.sim_engine import simulate
+from thundersync_verl.sim.hardware import accumulator_bytes_per_rank, open_groups_within
+from thundersync_verl.sim.metrics import format_table
+from thundersync_verl.sim.presets import Setting
 
 BUDGET_LADDER = (1, 2, 4, 8, 16, 32, 64)
 NEAR_BEST = 0.01  # a smaller budget / simpler granularity wins if within 1% of the best step time

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import SimConfig
-from .dists import lognormal, pareto
-from .hardware import (B200, ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, learner_costs_from_hardware,
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.dists import lognormal, pareto
+from thundersync_verl.sim.hardware import (B200, ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, learner_costs_from_hardware,
                        TRAIN_STATE_BYTES_PER_PARAM, open_groups_within, training_state_fits, weight_sync_seconds)
-from .workload import RolloutSpec, WorkloadSpec
+from thundersync_verl.sim.workload import RolloutSpec, WorkloadSpec
 
 PUBLISHED = "published"
 VENDOR = "vendor"

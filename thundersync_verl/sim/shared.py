@@ -21,11 +21,11 @@ import heapq
 
 import numpy as np
 
-from .config import SimConfig
-from .events import Placement, Recorder, count_tokens, landing_delay, lane_policy, lane_work, one_step_off
-from .hardware import LearnerCosts
-from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LaneRun, LaneWork, PendingUnits, chunk_seconds
-from .workload import Batch
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.events import Placement, Recorder, count_tokens, landing_delay, lane_policy, lane_work, one_step_off
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.lane import IDLE_BUDGET, IDLE_ROLLOUT, LaneRun, LaneWork, PendingUnits, chunk_seconds
+from thundersync_verl.sim.workload import Batch
 
 
 class _Clock:

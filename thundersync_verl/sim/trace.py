@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibrate import (Calibration, calibrate, decode_scale, fit_line, op_overlap, push_intervals,
+from thundersync_verl.sim.calibrate import (Calibration, calibrate, decode_scale, fit_line, op_overlap, push_intervals,
                         slot_residual)
-from .config import MODES, SimConfig
-from .hardware import LearnerCosts, SharedCores
-from .workload import Batch, batch_from_turns
+from thundersync_verl.sim.sim_config import MODES, SimConfig
+from thundersync_verl.sim.hardware import LearnerCosts, SharedCores
+from thundersync_verl.sim.workload import Batch, batch_from_turns
 
 TRAJ_KEYS = {"mode": str, "algo": str, "step": int, "group_id": str, "traj_id": str, "t_submit": float,
              "t_done": float, "t_reward": float, "turns": list, "reward_s": float, "response_tokens": int,

@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from .config import SimConfig
-from .engine import simulate
-from .hardware import LearnerCosts
-from .trace import write_trace
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.sim_engine import simulate
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.trace import write_trace
 
 _LEARNER_OPS = {"compute": "backward", "optimizer": "optimizer", "weight_sync": "weight_sync"}
 

@@ -27,7 +27,7 @@ Why this module exists:
    per-token compute (forward 2 P FLOPs of the 6 P of a forward and backward, hardware.py).
    A fit run that records the forward itself (`forward` records) gives it directly instead. The
    forwards a streamed run times inside its calls (`forward_s`: model entry to loss, per
-   micro-batch, trainer/forward_clock.py; fitted per row and token by `fit_fused_forward`) are
+   micro-batch, learner/forward_clock.py; fitted per row and token by `fit_fused_forward`) are
    NOT that price: verl's own forward calls took 2.0x them (shared-core GRPO Sync: 1.33 s per
    step measured, 0.66 s from the timed forwards of the ThunderSync run beside it) and 1.3x
    (emulated paper Sync: 3.28 against 2.52 s, timed by a later ThunderSync run of the same
@@ -124,9 +124,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .calibrate import Calibration, learner_busy, op_overlap, overlap_fraction
-from .hardware import LearnerCosts
-from .trace import Trace, fit_learner_costs, parse_mode, records_recompute_prefix
+from thundersync_verl.sim.calibrate import Calibration, learner_busy, op_overlap, overlap_fraction
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.trace import Trace, fit_learner_costs, parse_mode, records_recompute_prefix
 
 FORWARD_FLOP_SHARE = 1.0 / 3.0  # a forward is 2 P of the 6 P FLOPs per token of a forward and backward
 STREAMING_DRIVERS = ("thundersync", "fully_async")  # trainers whose driver takes each trajectory in as it lands

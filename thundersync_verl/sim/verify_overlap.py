@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import SimConfig
-from .events import Placement, Recorder, count_tokens, lane_policy, place_rollouts, reward_times
-from .hardware import LearnerCosts
-from .lane import IDLE_BUDGET, IDLE_ROLLOUT, LanePolicy, LaneRun, chunk_seconds
-from .metrics import SimResult
-from .workload import Batch
+from thundersync_verl.sim.sim_config import SimConfig
+from thundersync_verl.sim.events import Placement, Recorder, count_tokens, lane_policy, place_rollouts, reward_times
+from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.lane import IDLE_BUDGET, IDLE_ROLLOUT, LanePolicy, LaneRun, chunk_seconds
+from thundersync_verl.sim.metrics import SimResult
+from thundersync_verl.sim.workload import Batch
 
 VERIFY_OVERLAP_MODE = "thundersync+verify_overlap"  # the label of its results
 NOT_DONE, WAITING, EARLY, LATE = 0, 1, 2, 3  # a trajectory's first backward: not completed, pending, run

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dists import Dist, const, group_latents, lognormal
+from thundersync_verl.sim.dists import Dist, const, group_latents, lognormal
 
 DETAIL_LEVELS = ("full", "aggregate")
 

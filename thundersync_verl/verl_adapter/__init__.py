@@ -9,6 +9,10 @@
    three modules by who needs them: ``plugins`` (verl's registries and base classes), ``learner`` (the
    streaming worker's engine and data reaches) and ``trainer`` (the V1 trainer, OPD, SAO, the recipe check,
    the streamed critic).
+4. Beside them, what changes verl's behaviour lives here too, each in one module: ``patches`` (every
+   runtime patch, listed in ``patches/README.md``), ``patch_hooks`` (where patches hook in),
+   ``registrations`` (registrations that need heavier verl modules) and ``launch_check`` (the plugin's
+   config rules on verl's driver, before ``ray.init``). They are not re-exported through ``va``.
 """
 
 from __future__ import annotations
@@ -18,4 +22,5 @@ from thundersync_verl.verl_adapter.plugins import *  # noqa: F401,F403
 from thundersync_verl.verl_adapter.trainer import *  # noqa: F401,F403
 
 VERL_VERSION = "0.9.1"
-MODULES = ("plugins", "learner", "trainer")  # the adapter's modules (tests read each one's source)
+MODULES = ("plugins", "learner", "trainer")  # the reach modules, re-exported as va (tests read each one's source)
+BEHAVIOUR_MODULES = ("patches", "patch_hooks", "registrations", "launch_check")  # point 4

@@ -1,10 +1,10 @@
-"""What the streaming learner (``trainer/streaming_worker.py``) and its chunks reach in verl: the Tinker-style
+"""What the streaming learner (``learner/streaming_worker.py``) and its chunks reach in verl: the Tinker-style
 actor worker, engines, TensorDict / DataProto fields, the actor's loss, Megatron's model chunks."""
 
 from __future__ import annotations
 
 # -- streaming learner ---------------------------------------------------------------
-# The streaming worker (``thundersync_verl.trainer.streaming_worker``) builds on verl's
+# The streaming worker (``thundersync_verl.learner.streaming_worker``) builds on verl's
 # Tinker-style split API; every verl internal it touches is reached through these functions.
 def tinker_actor_worker_base():
     """verl's actor worker with split forward_backward / optimizer_step primitives."""

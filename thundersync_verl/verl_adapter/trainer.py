@@ -112,7 +112,7 @@ def replay_buffer_read(keys: list[str], partition_id: str, plain: list[str], ten
     return [{f: columns[f][i] for f in plain + tensors} for i in range(len(keys))]
 
 
-# -- SAO (``thundersync_verl/sao.py``) ------------------------------------------------------------
+# -- SAO (``thundersync_verl/algos/sao/sao_verl.py``) ------------------------------------------------------------
 def register_advantage_estimator(name: str, fn) -> None:
     """Register ``fn`` as ``algorithm.adv_estimator=name`` (verl's ``register_adv_est``; once)."""
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
@@ -184,7 +184,7 @@ def config_check_api():
         checkpoint_engines_unimportable=lambda: set(CheckpointEngineRegistry._import_errors))
 
 
-# -- streamed critic (``trainer/critic_stream.py``) --------------------------------------------
+# -- streamed critic (``algos/sao/critic_stream.py``) --------------------------------------------
 def critic_worker_base():
     """verl's critic worker (``TrainingWorker``, what the V1 trainer maps ``Role.Critic`` to) with the split API."""
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker
@@ -255,7 +255,7 @@ def critic_worker_group(worker_cls, config, *, n_workers: int, name_prefix: str 
 
 def update_critic_epochs(trainer, batch, metrics: dict, epochs: int):
     """verl's own ``_update_critic`` on ``batch`` with ``critic.ppo_epochs=epochs`` for this call only (SAO's critic
-    epochs after the streamed first one: ``trainer/sao_trainer_step.py`` point 3)."""
+    epochs after the streamed first one: ``algos/sao/sao_trainer_step.py`` point 3)."""
     from omegaconf import open_dict
 
     critic = trainer.config.critic

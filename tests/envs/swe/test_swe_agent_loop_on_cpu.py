@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.agent.turn_teacher import TURN_COUNT_KEY
+from thundersync_verl.algos.opd.turn_teacher import TURN_COUNT_KEY
 from thundersync_verl.data.swe_smith import convert
-from thundersync_verl.envs.swe import protocol
-from thundersync_verl.envs.swe.agent_loop import SWEAgentLoop
-from thundersync_verl.verl_patches import TEACHER_REUSED_KEY
+from thundersync_verl.envs.swe import swe_protocol as protocol
+from thundersync_verl.envs.swe.swe_agent_loop import SWEAgentLoop
+from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes" / "swe_smith"
 LOGPROB = -0.5

@@ -14,7 +14,7 @@ import pytest
 
 from thundersync_verl.data import swe_smith
 from thundersync_verl.data.swe_synthetic import catalog_bugs
-from thundersync_verl.envs.swe import protocol
+from thundersync_verl.envs.swe import swe_protocol as protocol
 from thundersync_verl.envs.swe.instance import REQUIRED_FIELDS, InstanceError, SWEInstance, instance_from_extra_info
 
 

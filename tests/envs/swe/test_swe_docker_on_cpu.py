@@ -25,7 +25,7 @@ import uuid
 import pytest
 
 from thundersync_verl.envs.swe import docker as swe_docker
-from thundersync_verl.envs.swe.config import DockerConfig, SWEConfig
+from thundersync_verl.envs.swe.swe_config import DockerConfig, SWEConfig
 from thundersync_verl.envs.swe.docker import DockerWorkspace, docker_available, exec_argv, remove_argv, run_argv
 
 STAND_IN = textwrap.dedent("""\
@@ -116,7 +116,7 @@ def test_start_tools_and_close_through_the_cli(synthetic_set, stand_in):
 
 @pytest.mark.slow  # about 30 s: as long as the cancelled `sleep 30` command
 def test_a_cancelled_trajectory_still_removes_its_container(synthetic_set, stand_in):
-    from thundersync_verl.envs.swe.agent_loop import _shutdown, _start
+    from thundersync_verl.envs.swe.swe_agent_loop import _shutdown, _start
 
     cfg, calls, containers = stand_in
     ws = DockerWorkspace(synthetic_set["instances"][0], cfg, seed_dir=synthetic_set["repos_dir"])

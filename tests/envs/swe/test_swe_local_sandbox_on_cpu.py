@@ -15,9 +15,9 @@ import pytest
 
 from thundersync_verl.envs.sandbox import netns_prefix
 from thundersync_verl.envs.swe.backends import open_workspace
-from thundersync_verl.envs.swe.config import SWEConfig
+from thundersync_verl.envs.swe.swe_config import SWEConfig
 from thundersync_verl.envs.swe.docker import DockerWorkspace
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace, WorkspaceError
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace, WorkspaceError
 
 
 def _run(coro):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from thundersync_verl.config import ThunderSyncConfig
-from thundersync_verl.envs.swe import protocol
-from thundersync_verl.envs.swe.config import SWEConfig
+from thundersync_verl.envs.swe import swe_protocol as protocol
+from thundersync_verl.envs.swe.swe_config import SWEConfig
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 MODES = sorted(p.stem for p in (RECIPES / "swe_smith" / "mode").glob("*.yaml"))

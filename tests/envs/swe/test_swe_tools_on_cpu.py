@@ -9,9 +9,10 @@ import asyncio
 
 import pytest
 
-from thundersync_verl.envs.swe import protocol, tools
-from thundersync_verl.envs.swe.protocol import Action, ActionError, parse_action
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace
+from thundersync_verl.envs.swe import tools
+from thundersync_verl.envs.swe import swe_protocol as protocol
+from thundersync_verl.envs.swe.swe_protocol import Action, ActionError, parse_action
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from thundersync_verl.envs.swe import verifier
-from thundersync_verl.envs.swe.config import DEFAULT_TEST_COMMAND
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace
+from thundersync_verl.envs.swe import swe_verifier as verifier
+from thundersync_verl.envs.swe.swe_config import DEFAULT_TEST_COMMAND
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
 
 
 async def _verdict(instance, repos_dir, change=None, *, command=DEFAULT_TEST_COMMAND, timeout_s=60.0):

@@ -27,10 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
-from thundersync_verl.backends.cpu.engine import HFGenerationEngine
+from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine
 from thundersync_verl.backends.replay.record import GenerateRecorder
 
 logger = logging.getLogger(__name__)

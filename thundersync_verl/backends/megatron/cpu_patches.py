@@ -43,7 +43,7 @@ LOCAL_TO_TE_NAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.laye
 
 
 def _record(name: str) -> None:
-    from thundersync_verl.patch_hooks import APPLIED
+    from thundersync_verl.verl_adapter.patch_hooks import APPLIED
 
     if name not in APPLIED:
         APPLIED.append(name)
@@ -159,7 +159,7 @@ def apply() -> None:
     """Install every patch (post-import hooks; no-op on a machine with an accelerator)."""
     if torch.cuda.is_available():
         return
-    from thundersync_verl.patch_hooks import when_imported
+    from thundersync_verl.verl_adapter.patch_hooks import when_imported
 
     if cpu_device.install_cuda_shims():
         _record("mcore_cuda_shims")

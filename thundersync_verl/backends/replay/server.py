@@ -30,7 +30,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from thundersync_verl import faults
+from thundersync_verl.run import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section

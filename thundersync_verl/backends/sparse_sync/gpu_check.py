@@ -77,7 +77,7 @@ def nccl_push(pushes: int = 3) -> dict:
     """Two GPU actors: the engine's NCCL transport moves full and sparse pushes; bitwise check on the receiver."""
     import ray
 
-    from thundersync_verl.backends.sparse_sync.checkpoint_engine import SparseSyncCore
+    from thundersync_verl.backends.sparse_sync.sparse_engine import SparseSyncCore
 
     @ray.remote(num_gpus=1)
     class Side:

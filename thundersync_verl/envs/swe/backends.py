@@ -10,7 +10,7 @@ from pathlib import Path
 
 from thundersync_verl.envs.swe.docker import DockerWorkspace
 from thundersync_verl.envs.swe.instance import SWEInstance
-from thundersync_verl.envs.swe.sandbox import LocalWorkspace, Workspace, WorkspaceError
+from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace, Workspace, WorkspaceError
 
 BACKENDS = ("local", "docker")
 

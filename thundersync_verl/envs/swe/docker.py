@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from thundersync_verl.envs.swe.instance import SWEInstance
-from thundersync_verl.envs.swe.sandbox import (DEFAULT_OUTPUT_BYTES, CommandResult, Workspace, WorkspaceError,
+from thundersync_verl.envs.swe.swe_sandbox import (DEFAULT_OUTPUT_BYTES, CommandResult, Workspace, WorkspaceError,
                                                communicate, relative_path, repository_folder)
 
 LABEL = "thundersync.swe=1"

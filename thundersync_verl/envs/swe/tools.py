@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from thundersync_verl.envs.swe.protocol import Action, ActionError
-from thundersync_verl.envs.swe.sandbox import Workspace, WorkspaceError
+from thundersync_verl.envs.swe.swe_protocol import Action, ActionError
+from thundersync_verl.envs.swe.swe_sandbox import Workspace, WorkspaceError
 
 VIEW_LINES = 200  # view_file shows at most this many lines per call
 

@@ -1,1 +1,0 @@
-"""Rollout-side pieces that agent loops use (no trainer imports)."""

@@ -1,0 +1,1 @@
+"""SAO: verl registrations, the streamed actor and critic updates, the trainer step."""

@@ -1,0 +1,399 @@
+"""The streamed critic update: verl's critic worker plus streaming methods, and the driver side that feeds it.
+
+Why:
+1. verl's value loss at the step-start weights is 0.5 * agg(max((V-G)^2, (clip(V, V_old +- c) - G)^2)) with
+   V = V_old (the values were computed at these weights), so the clip is inactive and its gradient is
+   sum_t (V_old_t - G_t) grad V_t times the token-mean normaliser 1/N (N: agent tokens of the batch).
+   A trajectory's coefficients c_t = V_old_t - G_t are final when it arrives with its reward and the critic's
+   values (``core/sao_stream.py`` point 5): its backward runs then, straight into the critic's gradient; only
+   1/N waits for the barrier. The result is verl's ``_update_critic`` with one epoch and one mini-batch.
+2. Worker: ``StreamingCriticWorker`` is verl's critic worker (``TrainingWorker`` with the split
+   forward_backward / optimizer_step API) plus
+       stream_begin_batch(meta)        validate the critic config, zero the gradient
+       stream_token_backward(chunk)    loss dp_size * sum_{i,t} c_{i,t} V_{i,t}(theta) into the gradient
+       stream_token_backward_nowait(c) the same, returning at once (wait for all before finalize_step)
+       finalize_step(scale)            grad *= scale, verl's clip, optimizer step, LR step, zero
+       gather_flat_params()            all parameters as one float64 vector (equivalence checks)
+   Gradient accumulation and the step are the project's ``StreamLearner`` (``learner/engines``), given
+   the critic's engine through ``verl_adapter.engine_owner_view``. The chunk's loss is installed through
+   the worker's loss-function seam for the call only, so verl's own ``train_mini_batch`` keeps its value loss.
+3. What cannot stream is refused before any work, read from the ``CriticConfig`` verl's trainer binds into
+   the value loss (``set_loss_fn(partial(value_loss, config=critic_cfg))``):
+   - ``critic.strategy`` other than fsdp/fsdp2 (Megatron's value engine is not checked here);
+   - ``critic.loss_agg_mode`` other than token-mean (only its deferred normaliser is verified here);
+   - several critic mini-batches per batch (``critic.ppo_mini_batch_size`` != ``data.train_batch_size``):
+     a later mini-batch's values would be read at weights that exist only after an earlier step;
+   - ``critic.ppo_epochs`` = E > 1 unless the caller states it runs the rest (meta ``critic_later_epochs``
+     = E - 1): the stream is the FIRST epoch only, its barrier takes no LR step, and the caller then runs
+     verl's ``train_mini_batch`` with ``epochs=E-1`` on the same batch. Every epoch's clip is against the
+     stored step-start values, so verl's epochs 2..E are exactly that call (its last iteration steps the LR
+     scheduler, once per batch as verl does); ``tests/trainer/test_critic_stream_engine_on_cpu.py`` checks it.
+4. dp_size: as every streamed chunk, the loss is a sum times dp_size (FSDP2 averages over ranks, so the
+   reduced gradient is the sum over all ranks' rows); the driver pads a chunk to a multiple of dp_size with
+   rows whose coefficients are all zero (``stream_loss.build_token_chunk``).
+5. Safety metric: a chunk carries the stored values (``ts_old_values``); the loss reports
+   max |V(theta) - V_old| over scored tokens (``stream/critic_value_drift_max``). At the step start it is
+   rounding; a value above ``critic.cliprange_value`` would mean verl's clip is active and the stream is not
+   verl's step (e.g. values computed at other weights).
+Driver flow: planner.begin_batch(ids) -> planner.arrive(CriticRow) ... -> client.run(planner.next_chunks())
+-> client.finalize(planner.finalize()).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Sequence
+
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
+from thundersync_verl.core.errors import rule_message
+from thundersync_verl.core.sao_stream import critic_token_coefficients
+from thundersync_verl.learner.engines import StreamLearner, make_learner
+from thundersync_verl.learner.stream_checks import check_scale, check_token_chunk
+from thundersync_verl.learner.stream_loss import COEF_KEY, TOKEN_COEF_KEY, build_token_chunk, exact_micro_batch_size
+
+OLD_VALUES_KEY = "ts_old_values"  # [B, R] the stored values the coefficients were built from (point 5)
+LATER_EPOCHS_KEY = "critic_later_epochs"  # batch meta: epochs the caller runs with train_mini_batch afterwards
+DRIFT_METRIC = "stream/critic_value_drift_max"
+SCORED_METRIC = "stream/scored_tokens"
+SUPPORTED_MODES = ("token-mean",)
+VERIFIED_STRATEGIES = ("fsdp", "fsdp2")  # engine keys (critic.strategy) checked against verl's critic update
+
+
+def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
+    raise cls(rule_message(rule, why, fix))
+
+
+# ----- worker side --------------------------------------------------------------------------------
+def critic_token_loss(model_output, data, dp_group=None):
+    """dp_size * sum_{i,t} ts_coef_i * ts_token_coef_{i,t} * V_{i,t}(theta) for one micro-batch (verl signature)."""
+    values = va.unpad_response(model_output["values"], data)  # [B, T], aligned as verl's value_loss reads them
+    has_old = OLD_VALUES_KEY in data.keys()
+    fields = va.padded_fields(data, COEF_KEY, TOKEN_COEF_KEY, *([OLD_VALUES_KEY] if has_old else []))
+    token_coef = fields[TOKEN_COEF_KEY].to(device=values.device, dtype=values.dtype)  # [B, T]
+    if token_coef.shape != values.shape:
+        _fail(f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the critic's values have {tuple(values.shape)}",
+              "each coefficient multiplies the value of the response token at the same position",
+              "build the chunk with critic_stream.critic_chunk")
+    coef = token_coef * fields[COEF_KEY].to(device=values.device, dtype=values.dtype).unsqueeze(-1)  # [B, T]
+    scored = token_coef != 0  # [B, T]
+    metrics = {SCORED_METRIC: int(scored.sum())}
+    if has_old:
+        old = fields[OLD_VALUES_KEY].to(device=values.device, dtype=values.dtype)  # [B, T]
+        metrics[DRIFT_METRIC] = float(((values.detach() - old).abs() * scored).max()) if bool(scored.any()) else 0.0
+    dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
+    return (coef * values).sum() * dp_size, metrics
+
+
+def critic_settings(critic_cfg: Any, meta: dict) -> int:
+    """The worker's check of the critic config for streaming (point 3); returns the later epochs (0 or E - 1)."""
+    if critic_cfg is None:
+        _fail("the critic worker has no value loss bound to a CriticConfig",
+              "streaming reads critic.loss_agg_mode, ppo_epochs and ppo_mini_batch_size from the config verl's "
+              "value loss uses", "call set_loss_fn(partial(value_loss, config=critic_cfg)) first, as verl's trainer "
+              "does (verl_adapter.critic_worker_group)", StreamingConfigError)
+    read = critic_cfg.get if hasattr(critic_cfg, "get") else (lambda k, d=None: getattr(critic_cfg, k, d))
+    mode, epochs, mini = read("loss_agg_mode", "token-mean"), int(read("ppo_epochs", 1)), int(read("ppo_mini_batch_size"))
+    if mode not in SUPPORTED_MODES:
+        _fail(f"critic.loss_agg_mode={mode!r} cannot stream", "the streamed critic defers the token-mean normaliser "
+              "1/N only; other modes are not verified against verl's value loss",
+              f"set critic.loss_agg_mode to one of {list(SUPPORTED_MODES)}, or update the critic with verl's "
+              "_update_critic at the barrier", StreamingConfigError)
+    if "train_batch_size" not in meta or int(meta["train_batch_size"]) != mini:
+        _fail(f"streaming the critic needs one mini-batch per batch: critic.ppo_mini_batch_size={mini}, "
+              f"data.train_batch_size={meta.get('train_batch_size')!r}", "a later mini-batch's coefficients need "
+              "values at weights that exist only after an earlier critic step",
+              "set critic.ppo_mini_batch_size = data.train_batch_size and pass train_batch_size in the batch meta",
+              StreamingConfigError)
+    later = int(meta.get(LATER_EPOCHS_KEY, 0))
+    if later != epochs - 1:
+        _fail(f"critic.ppo_epochs={epochs}: the stream is the first epoch only (batch meta "
+              f"{LATER_EPOCHS_KEY}={later}, expected {epochs - 1})",
+              "epochs 2.. run at weights that exist only after the first step; their clip is against the stored "
+              "step-start values, so verl's train_mini_batch with epochs=ppo_epochs-1 on the same batch runs them",
+              f"pass {{{LATER_EPOCHS_KEY!r}: {epochs - 1}}} and, after finalize_step, call train_mini_batch "
+              f"(epochs={epochs - 1}) on the batch; or set critic.ppo_epochs=1", StreamingConfigError)
+    return later
+
+
+class _CriticBatch:
+    def __init__(self, later_epochs: int):
+        self.later_epochs, self.failed = later_epochs, None
+        self.chunks = self.rows = self.tokens = 0
+        self.drift = 0.0
+
+
+_Base = va.critic_worker_base()
+register, Dispatch, _ = va.worker_register_api()
+TRAIN_MESH = va.train_mesh_dispatch()
+
+
+class StreamingCriticWorker(_Base):
+    """verl's critic ``TrainingWorker`` with the streaming methods of the module docstring (point 2)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        self._cs: _CriticBatch | None = None
+        self._cs_lock = threading.Lock()
+        self._cs_learner: StreamLearner | None = None
+
+    def _learner(self) -> StreamLearner:
+        if self._cs_learner is None:
+            self._cs_learner = make_learner(va.engine_owner_view(self))
+        return self._cs_learner
+
+    def _state(self, call: str) -> _CriticBatch:
+        if self._cs is None:
+            _fail(f"{call} called with no streaming critic batch open", "streamed critic gradients belong to one "
+                  "batch valued at one set of weights", "call stream_begin_batch(meta) first (again after every "
+                  "finalize_step)", StreamingStateError)
+        if self._cs.failed is not None:
+            _fail(f"{call} refused: an earlier call of this batch failed ({self._cs.failed})",
+                  "the batch's critic gradient is incomplete", "drop the batch: call stream_begin_batch(meta) and "
+                  "stream it again", StreamingStateError)
+        return self._cs
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str):
+        if not self._cs_lock.acquire(blocking=False):
+            _fail(f"{call} called while another streaming critic call is running", "backward and step of one batch "
+                  "must run in order", "wait for each call's result before sending the next", StreamingStateError)
+        try:
+            yield
+        finally:
+            self._cs_lock.release()
+
+    def _agree(self, ok: bool) -> bool:
+        """True on every rank iff ``ok`` holds on every data-parallel rank (one all-reduce)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        group = va.dp_group_of(self.engine)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stream_begin_batch(self, meta: dict) -> None:
+        """Start a batch: check the critic config (point 3), zero the gradient. ``meta``: ``train_batch_size``
+        (data.train_batch_size) and, with critic.ppo_epochs = E > 1, ``critic_later_epochs`` = E - 1."""
+        strategy = va.actor_strategy(va.engine_owner_view(self))
+        if strategy not in VERIFIED_STRATEGIES:
+            _fail(f"critic.strategy={strategy!r}: the streamed critic is verified on {list(VERIFIED_STRATEGIES)} only",
+                  "the chunk loss reads the engine's value output and the learner its gradient; this engine's were not "
+                  "checked against verl's critic update", "set critic.strategy=fsdp2, or update the critic with "
+                  "verl's _update_critic at the barrier", StreamingConfigError)
+        later = critic_settings(va.bound_critic_config(self.loss_fn), dict(meta or {}))
+        with self._exclusive("stream_begin_batch"):
+            self._learner().begin_batch()
+            self._cs = _CriticBatch(later)
+
+    @register(dispatch_mode=TRAIN_MESH)
+    def stream_token_backward(self, chunk):
+        """Backward of one critic chunk (``critic_chunk``) into the gradient; one result row per rank."""
+        return self._backward(chunk, "stream_token_backward")
+
+    @register(dispatch_mode=TRAIN_MESH, blocking=False)
+    def stream_token_backward_nowait(self, chunk):
+        """``stream_token_backward`` returning at once (verl's future). Chunks add into one gradient, so their
+        order does not matter; the caller waits for every one (``.get()``) before ``finalize_step``."""
+        return self._backward(chunk, "stream_token_backward_nowait")
+
+    def _backward(self, chunk, call: str):
+        from tensordict import TensorDict
+
+        with self._exclusive(call):
+            state = self._state(call)
+            check_token_chunk(chunk)
+            if not self._agree(bool(torch.isfinite(chunk[TOKEN_COEF_KEY]).all())):
+                _fail(f"every {TOKEN_COEF_KEY} of a critic chunk must be finite", "one NaN poisons the critic's "
+                      "batch gradient", "check the critic's values and the returns before building the chunk")
+            dynamic, configured = bool(self.engine_config.use_dynamic_bsz), self.engine_config.micro_batch_size_per_gpu
+            if not dynamic and "micro_batch_size_per_gpu" not in chunk.keys():
+                va.assign_non_tensor(chunk, micro_batch_size_per_gpu=exact_micro_batch_size(chunk.batch_size[0],
+                                                                                             configured))
+            previous = self.loss_fn
+            self.loss_fn = critic_token_loss
+            try:
+                output = self._learner().forward_backward(lambda: self.forward_backward(chunk))
+            except Exception as exc:
+                state.failed = f"{call}: {type(exc).__name__}: {exc}"
+                raise
+            finally:
+                self.loss_fn = previous
+            metrics = (va.non_tensor(output, "metrics", {}) or {}) if output is not None else {}
+            drift = max(_flat(metrics.get(DRIFT_METRIC, [0.0])))
+            tokens = int(sum(_flat(metrics.get(SCORED_METRIC, [0]))))
+            state.chunks, state.rows, state.tokens = state.chunks + 1, state.rows + int(chunk.batch_size[0]), \
+                state.tokens + tokens
+            state.drift = max(state.drift, drift)
+            out = {"ts_loss": float(metrics.get("loss", float("nan"))), "ts_value_drift_max": drift,
+                   "ts_scored": float(tokens)}
+            return TensorDict({k: torch.tensor([v], dtype=torch.float64) for k, v in out.items()}, batch_size=[1])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finalize_step(self, scale: float) -> dict:
+        """The barrier: grad *= scale, verl's clip, optimizer step, LR step (not when later epochs follow), zero."""
+        with self._exclusive("finalize_step"):
+            state = self._state("finalize_step")
+            scale = check_scale(scale)
+            try:
+                step = self._learner().finalize(scale, lr_step=state.later_epochs == 0)
+            except Exception as exc:
+                state.failed = f"finalize_step: {type(exc).__name__}: {exc}"
+                raise
+            self._cs = None
+            return {**step, "stream/chunks": state.chunks, "stream/rows": state.rows,
+                    "stream/scored_tokens": state.tokens, DRIFT_METRIC: state.drift,
+                    "stream/later_epochs": state.later_epochs}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather_flat_params(self) -> torch.Tensor:
+        """All critic parameters, all-gathered and flattened to one float64 CPU vector (a collective)."""
+        return self._learner().flat_params()
+
+
+def _flat(values) -> list[float]:
+    if isinstance(values, (list, tuple)):
+        return [x for v in values for x in _flat(v)]
+    return [float(values)]
+
+
+# ----- driver side --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CriticRow:
+    """One trajectory for the critic: its agent mask, the critic's values at the step start and its returns."""
+
+    traj_id: Hashable
+    prompt: tuple[int, ...]
+    response: tuple[int, ...]
+    agent_mask: tuple[int, ...]
+    values: tuple[float, ...]
+    returns: tuple[float, ...]
+
+    def __post_init__(self):
+        for name in ("prompt", "response", "agent_mask", "values", "returns"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        n = len(self.response)
+        if not n or not self.prompt or any(len(getattr(self, k)) != n for k in ("agent_mask", "values", "returns")):
+            _fail(f"critic row {self.traj_id!r}: a non-empty prompt and response, and agent_mask, values and "
+                  f"returns with one entry per response token ({n})", "the critic's coefficients are per token",
+                  "pass the unpadded per-token lists of the response")
+        if not all(math.isfinite(float(x)) for x in self.values + self.returns):
+            _fail(f"critic row {self.traj_id!r}: values and returns must be finite", "one NaN poisons the critic's "
+                  "gradient", "check the critic's forward and the rewards")
+
+    @classmethod
+    def of(cls, traj, returns: Sequence[float]) -> "CriticRow":
+        """From a trajectory with ``traj_id, prompt, response, agent_mask, values`` (e.g. ``SAOTrajectory``)."""
+        return cls(traj.traj_id, traj.prompt, traj.response, traj.agent_mask, traj.values, tuple(returns))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(1 for m in self.agent_mask if m)
+
+
+def critic_chunk(rows: Sequence[CriticRow], *, dp_size: int, pad_token_id: int, temperature: float = 1.0):
+    """The per-token chunk of ``rows`` for ``StreamingCriticWorker.stream_token_backward``: c_t = V_t - G_t on
+    agent tokens (``core.sao_stream.critic_token_coefficients``), the stored values, padded to dp_size rows."""
+    rows = list(rows)
+    coefs = [critic_token_coefficients(r.values, r.returns, r.agent_mask) for r in rows]
+    chunk = build_token_chunk([r.prompt for r in rows], [r.response for r in rows], coefs, dp_size=dp_size,
+                              pad_token_id=pad_token_id, temperature=temperature)
+    width = int(chunk[TOKEN_COEF_KEY].shape[1])
+    old = torch.zeros(int(chunk.batch_size[0]), width, dtype=torch.float32)  # [B, R], padding rows 0
+    for b, r in enumerate(rows):
+        old[b, : len(r.values)] = torch.tensor(r.values, dtype=torch.float32)
+    chunk[OLD_VALUES_KEY] = old
+    return chunk
+
+
+class CriticStreamPlanner:
+    """Arrivals -> critic rows in chunks; the token-mean normaliser 1/N at the barrier (point 1)."""
+
+    def __init__(self, *, loss_agg_mode: str = "token-mean", max_chunk_size: int = 4):
+        if loss_agg_mode not in SUPPORTED_MODES:
+            _fail(f"critic.loss_agg_mode={loss_agg_mode!r} cannot stream", "only the token-mean normaliser is "
+                  "deferred here", f"set critic.loss_agg_mode to one of {list(SUPPORTED_MODES)}", StreamingConfigError)
+        if int(max_chunk_size) < 1:
+            _fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
+                  "use e.g. 4", StreamingConfigError)
+        self.max_chunk_size = int(max_chunk_size)
+        self._ids: set | None = None
+
+    def begin_batch(self, traj_ids: Iterable[Hashable]) -> None:
+        ids = list(traj_ids)
+        if not ids or len(set(ids)) != len(ids):
+            _fail("a critic batch needs distinct trajectory ids, at least one", "each trajectory is counted once in "
+                  "the normaliser", "pass each id once")
+        self._ids, self._seen, self._ready, self.num_tokens = set(ids), set(), [], 0
+
+    def arrive(self, row: CriticRow) -> None:
+        """The trajectory's values and returns exist: its coefficients are final."""
+        if self._ids is None:
+            _fail("no critic batch open", "rows belong to one batch", "call begin_batch first", StreamingStateError)
+        if row.traj_id not in self._ids or row.traj_id in self._seen:
+            _fail(f"critic row {row.traj_id!r} is not in this batch or arrived twice", "each trajectory of the batch "
+                  "is counted once", "list it in begin_batch and send it once")
+        self._seen.add(row.traj_id)
+        self._ready.append(row)
+        self.num_tokens += row.num_tokens
+
+    def next_chunks(self, max_chunk_size: int | None = None) -> list[tuple[CriticRow, ...]]:
+        size = int(max_chunk_size or self.max_chunk_size)
+        ready, self._ready = self._ready, []
+        return [tuple(ready[i : i + size]) for i in range(0, len(ready), size)]
+
+    def finalize(self) -> float:
+        """The barrier scale 1/N (N: agent tokens of the batch)."""
+        if self._ids is None or self._seen != self._ids or self._ready:
+            _fail(f"critic finalize refused: {len(self._seen) if self._ids else 0} of {len(self._ids or ())} "
+                  "trajectories arrived and were sent", "the normaliser counts every agent token of the batch",
+                  "arrive every trajectory and run next_chunks() first", StreamingStateError)
+        if self.num_tokens == 0:
+            _fail("critic finalize refused: the batch has no agent tokens", "the normaliser divides by them",
+                  "drop the batch", StreamingStateError)
+        self._ids = None
+        return 1.0 / self.num_tokens
+
+
+def critic_stream_meta(config) -> dict:
+    """The batch meta for ``stream_begin_batch`` from verl's trainer config (``data``, ``critic``)."""
+    epochs = int(config.critic.ppo_epochs)
+    return {"train_batch_size": int(config.data.train_batch_size), LATER_EPOCHS_KEY: max(epochs - 1, 0)}
+
+
+class CriticStreamClient:
+    """Sends critic chunks and the barrier to a worker group of ``StreamingCriticWorker``, one blocking call each."""
+
+    def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None):
+        self.wg, self.pad_token_id, self.temperature = worker_group, int(pad_token_id), float(temperature)
+        self.dp_size = int(dp_size or va.train_dp_size(worker_group))
+        self._pending: list = []
+
+    def begin_batch(self, meta: dict) -> None:
+        self._pending = []
+        self.wg.stream_begin_batch(meta)
+
+    def chunk(self, rows: Sequence[CriticRow]):
+        return critic_chunk(rows, dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
+
+    def run(self, chunks: Sequence[Sequence[CriticRow]], *, wait: bool = True) -> list:
+        """One backward per chunk; ``wait=False`` sends them without waiting (``finalize`` waits for them)."""
+        if wait:
+            return [self.wg.stream_token_backward(self.chunk(rows)) for rows in chunks]
+        futures = [self.wg.stream_token_backward_nowait(self.chunk(rows)) for rows in chunks]
+        self._pending += futures
+        return futures
+
+    def wait(self) -> list:
+        """The results of the backwards sent with ``wait=False``, once all have run."""
+        done, self._pending = [f.get() for f in self._pending], []
+        return done
+
+    def finalize(self, scale: float) -> dict:
+        self.wait()
+        return self.wg.finalize_step(scale)[0]

@@ -1,0 +1,173 @@
+"""The streaming learner on verl's Megatron engine (TP / PP / DP, with or without the distributed optimizer).
+
+Why:
+1. Megatron accumulates every backward into its DDP grad buffer and reduces it in
+   ``finalize_model_grads``, which verl runs at the end of EVERY ``forward_backward_batch``. A
+   streamed call runs with that switched off (``grads.no_finalize``); the barrier scales the
+   buffer by the deferred normaliser, finalises ONCE, then runs verl's engine step (Megatron's
+   optimizer: grad-norm clipping over the scaled, reduced gradient, then the update) and LR step.
+2. The streamed loss ignores verl's per-call ``batch_num_tokens`` and is multiplied by
+   ``dp_size`` (``stream_loss.py``); Megatron averages over data-parallel ranks and verl's
+   engine undoes the schedule's division by the micro-batch count, so each call adds exactly
+   ``sum_i coef_i * grad(sum_t w_{i,t} log pi)`` over all ranks' rows, as on FSDP2. That round
+   trip (verl's loss x n, the schedule's / n, Megatron's loss scale 1 in fp32) seeds the backward
+   with fl(fl(1/n) * n): exactly 1 for every n <= 40 micro-batches (a streamed chunk of at most the
+   micro-batch size is n = 1), 1 - 2^-24 for 38 of the n <= 256, as in verl's own step.
+3. Buckets: a copy of the flat grad buffers (P / (TP x PP) values), or, with the distributed
+   optimizer, the reduce-scattered region this rank keeps (P / (TP x PP x DP)); see ``grads.py``.
+   A bucket backward sets the direct gradient aside (one copy, skipped while it is still zero).
+4. Settings that would make a streamed step differ are refused before anything runs, with the
+   rule, why and the fix: virtual pipeline stages (not verified exact here), parameter offload
+   (verl releases the grad buffer between calls), overlapped grad reduce (Megatron expects a
+   fixed number of calls per step), Megatron-FSDP, per-token loss scaling (context parallel).
+5. verl's KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``) need nothing
+   Megatron-specific: the chunk's loss reads the engine's own log-probs and ``calculate_entropy``
+   output (verl's vocab-parallel entropy, on the last pipeline stage), the reference log-probs ride
+   in the chunk, and a bucket chunk's KL/entropy part is a second streamed call outside
+   ``isolated()`` (``stream_loss.py`` point 6): one more backward into the same buffer, under the
+   same deferred normaliser and single finalize. Checked against verl's Megatron ``update_actor``
+   (``tests/megatron/test_megatron_kl_entropy_on_cpu.py``, ``benchmarks/equivalence.py --kl``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends.megatron import grads as mg
+from thundersync_verl.core import GradLayout, StreamingConfigError
+from thundersync_verl.core.buffers import axpy_, copy_into_
+from thundersync_verl.core.errors import rule_message
+from thundersync_verl.learner.engines.base import StreamLearner
+
+_REFUSALS = {
+    "virtual_pipeline_model_parallel_size": (
+        "streaming on Megatron does not support virtual pipeline stages (virtual_pipeline_model_parallel_size={})",
+        "interleaved schedules split each call's micro-batches into groups per stage; streamed calls of any size "
+        "have not been verified exact against verl's update here",
+        "set actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null (plain PP is supported)"),
+    "param_offload": (
+        "streaming on Megatron needs megatron.param_offload=false (got {})",
+        "verl's engine context releases the grad buffer when it offloads parameters after each call, "
+        "which would erase the gradient streamed so far",
+        "set actor_rollout_ref.actor.megatron.param_offload=false (optimizer_offload may stay on)"),
+    "use_megatron_fsdp": (
+        "streaming on Megatron does not support use_megatron_fsdp={}",
+        "Megatron-FSDP shards the grad buffer during backward; the streamed buckets assume DDP's flat buffer",
+        "set actor_rollout_ref.actor.megatron.use_megatron_fsdp=false"),
+    "calculate_per_token_loss": (
+        "streaming on Megatron does not support calculate_per_token_loss={} (context parallelism)",
+        "Megatron then divides the gradient by the token count of each finalised call, which streaming defers",
+        "set actor_rollout_ref.actor.megatron.context_parallel_size=1"),
+    "overlap_grad_reduce": (
+        "streaming on Megatron needs override_ddp_config.overlap_grad_reduce=false (got {})",
+        "overlapped reduction expects the same number of backward calls in every step; streamed steps vary",
+        "remove overlap_grad_reduce from actor_rollout_ref.actor.megatron.override_ddp_config"),
+}
+
+
+class MegatronLearner(StreamLearner):
+    name = "megatron"
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self._stash: list[torch.Tensor] | None = None
+        self._isolating = False
+        self._direct_nonzero = False  # no copy is needed to set aside a gradient that is still zero
+
+    def _engine(self):
+        return va.actor_engine(self.worker)
+
+    def _chunks(self) -> list:
+        return va.megatron_chunks(self._engine())
+
+    def _sharded(self) -> bool:
+        return bool(mg.ddp_config(self._chunks()).use_distributed_optimizer)
+
+    def check(self) -> None:
+        """Raise ``StreamingConfigError`` for a setting a streamed step cannot honour (identical on every rank)."""
+        chunks = self._chunks()
+        found = dict(va.megatron_streaming_blockers(self._engine()),
+                     overlap_grad_reduce=bool(mg.ddp_config(chunks).overlap_grad_reduce))
+        vpp = found["virtual_pipeline_model_parallel_size"]
+        for key, (rule, why, fix) in _REFUSALS.items():
+            refused = (vpp not in (None, 1) or len(chunks) > 1) if key == "virtual_pipeline_model_parallel_size" \
+                else bool(found[key])
+            if refused:
+                raise StreamingConfigError(rule_message(rule.format(found[key]), why, fix))
+
+    def timed_module(self):
+        """The model chunk, without pipeline stages (with them forwards and backwards interleave)."""
+        from megatron.core import parallel_state
+
+        chunks = self._chunks()
+        return chunks[0] if len(chunks) == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1 else None
+
+    def begin_batch(self) -> None:
+        self.check()
+        self._engine().optimizer_zero_grad()
+        self._stash, self._isolating, self._direct_nonzero = None, False, False
+
+    def bucket_layout(self) -> GradLayout:
+        chunks = self._chunks()
+        tensors = mg.own_regions(chunks) if self._sharded() else mg.grad_buffers(chunks)
+        return GradLayout.from_tensors(tensors)
+
+    def forward_backward(self, run):
+        with mg.no_finalize(self._chunks()):
+            output = run()
+        if not self._isolating:
+            self._direct_nonzero = True
+        return output
+
+    @contextlib.contextmanager
+    def isolated(self):
+        buffers = mg.grad_buffers(self._chunks())
+        self._stash = [b.clone() for b in buffers] if self._direct_nonzero else None
+        for b in buffers:
+            b.zero_()
+        self._isolating = True
+        try:
+            yield
+        finally:
+            self._isolating = False
+            if self._stash is None:
+                for b in buffers:
+                    b.zero_()
+            else:
+                copy_into_(buffers, self._stash)
+            self._stash = None
+
+    def bucket_gradient(self):
+        chunks = self._chunks()
+        if self._sharded():
+            return mg.reduce_scatter_shards(chunks)  # this rank's region, summed over data-parallel ranks
+        return mg.grad_buffers(chunks)
+
+    def fold(self, bucket, coef: float) -> None:
+        chunks = self._chunks()
+        axpy_(mg.own_regions(chunks) if self._sharded() else mg.grad_buffers(chunks), bucket, coef)
+        self._direct_nonzero = True
+
+    def finalize(self, scale: float, lr_step: bool = True) -> dict:
+        engine, chunks = self._engine(), self._chunks()
+        for b in mg.grad_buffers(chunks):
+            b.mul_(scale)
+        mg.finalize(chunks)  # once: DP reduce(-scatter), sequence-parallel norms, tied embeddings
+        with engine.train_mode(zero_grad_on_exit=True):
+            grad_norm = engine.optimizer_step()  # Megatron's optimizer clips the reduced gradient, then steps
+        lr = engine.lr_scheduler_step() if lr_step else float("nan")  # mini-batch steps before the last: no LR step
+        self._direct_nonzero = False
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def flat_params(self) -> torch.Tensor:
+        """All ranks' local parameters, concatenated in rank order (replicas appear once per replica)."""
+        with torch.no_grad():
+            local = torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in mg.local_parameters(self._chunks())])
+        if not torch.distributed.is_initialized():
+            return local
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, local)
+        return torch.cat(parts)

@@ -1,0 +1,1 @@
+"""Around the steps of a run: checkpoints and resume, step records, timelines, probes, faults, results."""

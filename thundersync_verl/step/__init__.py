@@ -1,0 +1,1 @@
+"""The driver side of a streamed step: verl trainer hooks, the loop, planning, arrivals, dispatch."""

@@ -1,0 +1,441 @@
+"""One streamed step for every algorithm: arrivals in, planned backwards out, one optimizer step.
+
+Why:
+1. GRPO and OPD stream the same way: poll what landed in verl's TransferQueue, hand it to a
+   planner, send the planner's ops to the learner (queued, ``OpPipeline``), and take ONE optimizer
+   step once the batch is complete. Only what "landed" means differs (whole trajectories, or scored
+   turns plus finished trajectories) and which planner turns it into ops. So there is one loop here
+   (``StreamedStep.run``), one timeout, one polling interval and one coalescing rule, and a small
+   algorithm object per algorithm (``GRPOArrivals`` below, ``OPDArrivals`` in ``opd_trainer_step.py``).
+2. Per-step state lives in one ``StepState``; the step reads what it needs from ``StepContext``
+   (given by the trainer) and writes nothing back onto the trainer.
+3. Stages, each in one file: arrival (``trajectory_source.py``, ``opd_trainer_step.TurnSource``) ->
+   plan (``stream_plan.py`` / ``opd_stream.py``) -> backward/fold (``stream_exec.py`` -> the learner's
+   ``streaming_worker.py``) -> barrier (the planner's ``finalize``) -> step (``finalize_step``) -> push
+   (the trainer's ``on_step_end``).
+   With several mini-batches (``minibatch_plan.py``) the planner's ``StepOp`` s come in the op stream:
+   the pipeline drains, the learner steps (no LR step) and a new learner batch opens for the next
+   mini-batch; the last step is still ``finalize``'s.
+4. The next learner call is planned just in time (``_plan_at``): when the calls the learner holds are expected to
+   end (``core/call_cost.py``, learnt from the run's own calls) minus the lead a plan takes to reach the learner,
+   the driver lists the TransferQueue once and queues what landed. Planned only once the learner was idle, each
+   call left it waiting for the plan, the chunk and the dispatch (0.48 s a step on the emulated device; 0.25-0.29
+   s with this planning). The free-slot GRPO planning uses it; the batch-order gate, OPD and SAO plan as before.
+5. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
+   raises before ``finalize_step``, so the optimizer never steps on part of a batch. With several
+   mini-batches the steps of the mini-batches already complete stay applied (each is a whole mini-batch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from thundersync_verl.run.step_record import StepRecorder, first_rank
+from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, rollout_as_old_log_probs
+from thundersync_verl.step.minibatch_plan import PPOBackwardOp, StepOp
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, FoldOp, StreamPlanner
+from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
+
+
+POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
+
+
+class Planner(Protocol):
+    """What the step asks of a planner (``StreamPlanner``, ``OPDTurnPlanner``)."""
+
+    loss_agg_mode: str
+    max_chunk_size: int
+
+    @property
+    def ready_count(self) -> int: ...  # arrivals whose backward is not planned yet
+
+    def next_ops(self) -> list: ...
+
+    def finalize(self) -> FinalizeOp: ...
+
+    def memory(self) -> dict: ...
+
+
+@dataclass
+class StepContext:
+    """What a streamed step needs from the trainer (read only)."""
+
+    worker_group: Any  # the streaming learner (``streaming_worker.StreamingActorWorker`` group)
+    tq: Any  # verl's TransferQueue client module
+    recorder: StepRecorder
+    make_pipeline: Callable[[Callable], OpPipeline]  # on_done -> the batch's learner queue
+    forward_at_theta_k: Callable[[list, list], dict]  # learner_forward=separate: verl's forward, its metrics
+    uids: list[str]  # the batch's prompts
+    n: int  # trajectories per prompt
+    timeout_s: float  # thundersync.trajectory_timeout_s
+    poll_s: float  # thundersync.poll_s
+    coalesce: bool  # thundersync.coalesce
+    fused_forward: bool  # thundersync.learner_forward == "fused"
+    memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
+    ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
+    deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
+    values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
+
+
+@dataclass
+class StepState:
+    """Everything one streamed step has seen and measured."""
+
+    t_start: float
+    rows: dict = field(default_factory=dict)  # trajectory key -> row (stream_exec.fetch_rows)
+    keys: list = field(default_factory=list)  # landed trajectories, in arrival order
+    tags: list = field(default_factory=list)
+    forward_metrics: dict = field(default_factory=dict)  # learner_forward=separate
+    lp_gap: float = float("-inf")  # max |log p_rollout - log p_learner| measured by the backwards
+    kl_sum: float = 0.0  # OPD: log pi - log p_teacher summed over scored tokens, from the backwards
+    kl_tokens: float = 0.0
+    rollout_makespan_s: float = 0.0
+    listings: int = 0  # TransferQueue listings (controller RPCs on the host's cores) the driver made for the batch
+    budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
+    planned_ahead: int = 0  # plans made while the learner still computed, timed to reach it as it goes idle
+    minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
+    peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
+    sums: dict = field(default_factory=dict)  # other per-op counts summed over the step (SAO: masked / scored tokens)
+
+
+@dataclass
+class Arrivals:
+    trajectories: list = field(default_factory=list)  # (key, tag)
+    turns: list = field(default_factory=list)  # (OPDTurn, tag), OPD only
+
+    def __bool__(self) -> bool:
+        return bool(self.trajectories or self.turns)
+
+
+class ArrivalSource:
+    """The batch's trajectories and, for OPD, its scored turns, as they land (one poll, one timeout).
+
+    ``done`` turns true once a poll STARTS with every trajectory landed: an agent loop publishes a
+    trajectory's turns before the trajectory, so that poll still collects the last turns. With a
+    ``gate`` (GRPO, ``thundersync.deterministic``) landed trajectories are handed on only when
+    ``release`` is true and their block is whole; ``done`` then also waits for the gate to empty.
+    """
+
+    def __init__(self, trajectories: TrajectorySource, turns=None, gate: BatchOrderGate | None = None):
+        self.trajectories, self.turns, self.gate = trajectories, turns, gate
+        self.done = False
+
+    def poll(self, release: bool = True) -> Arrivals:
+        landed_before = self.trajectories.done
+        turns = self.turns.poll() if self.turns is not None else []
+        trajs = [] if landed_before else self.trajectories.poll()
+        if self.gate is not None:
+            self.gate.add(trajs)
+            trajs = self.gate.take() if release else []
+            landed_before = landed_before and self.gate.empty
+        self.done = landed_before if self.turns is not None else self.trajectories.done and (
+            self.gate is None or self.gate.empty)
+        return Arrivals(trajs, turns)
+
+    def never_arrived(self) -> TrajectoryNeverArrived:
+        src = self.trajectories
+        missing = sorted(src.uids - {k.split("_")[0] for k in src.seen})
+        return TrajectoryNeverArrived(
+            f"{src.expected - len(src.seen)} trajectories of this batch did not arrive within {src.timeout_s:.0f}s "
+            f"(prompts still open: {missing[:5]}). The optimizer step was NOT taken. Raise "
+            "thundersync.trajectory_timeout_s if your tools or teacher are that slow, or check the rollout servers.")
+
+
+class StreamedStep:
+    """The streamed step of one batch (module docstring). ``algo``: ``GRPOArrivals`` / ``OPDArrivals``."""
+
+    def __init__(self, ctx: StepContext, algo):
+        self.ctx, self.algo, self.planner = ctx, algo, algo.planner
+        self.state = StepState(t_start=ctx.recorder.t_step_start)
+        trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
+        turns = algo.begin(ctx)
+        gate = None
+        if ctx.deterministic:
+            if turns is not None:
+                raise ValueError("thundersync.deterministic=true orders whole trajectories; OPD streams turns, which "
+                                 "it cannot order. Set thundersync.deterministic=false for OPD.")
+            gate = BatchOrderGate(ctx.uids, ctx.n, algo.planner.max_chunk_size, content=self._row_content)
+        self.source = ArrivalSource(trajectories, turns, gate)
+        self.pipe = ctx.make_pipeline(self._op_done)
+        self._held = 0  # ready rows the last plan could not place
+        self._pause, self._next_listing = ctx.poll_s, 0.0  # the TransferQueue listing schedule (``_wait``)
+        # free-slot, just-in-time planning (``_next_ops``, ``_plan_at``): coalescing GRPO without the batch-order gate
+        self._capped = ctx.coalesce and not ctx.deterministic and hasattr(self.planner, "held_count")
+        self._ahead = False  # the last ``_plan_now`` said yes only because the learner is about to go idle
+        self._listed_for: float | None = None  # the plan moment the last just-in-time listing was made for
+        self._t_listing: float | None = None  # when the last listing began
+
+    def run(self) -> tuple[dict, StepState]:
+        """Stream the batch and step once; returns the learner's step metrics and the step's state."""
+        ctx, planner = self.ctx, self.planner
+        meta = {"loss_agg_mode": planner.loss_agg_mode, **getattr(planner, "verl_settings", {})}  # the learner re-checks
+        if getattr(planner, "independent_buckets", False):  # minibatch_plan point 7
+            meta[INDEPENDENT_BUCKETS_KEY] = True
+        if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
+            meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
+        self._meta = meta
+        ctx.worker_group.stream_begin_batch(meta)
+        try:
+            while not self.source.done or planner.ready_count:
+                self._admit(self._wait())
+                if ctx.coalesce and not self._plan_now():
+                    if self.source.done and self.pipe.in_flight:  # nothing left to poll for: wait for a free slot
+                        self.pipe.collect(keep=self.pipe.in_flight - 1)
+                    continue
+                ops = self._next_ops()
+                self.state.budget_waits += bool(self._held)
+                self.state.planned_ahead += bool(self._ahead and ops)
+                for op in ops:
+                    self._submit(op)
+                self._t_listing = None  # a plan without a listing of its own begins at its submit
+                if not ops and self.source.done:
+                    time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
+            self.state.listings = self.source.trajectories.listings
+            times = self.source.trajectories.arrival_time.values()
+            self.state.rollout_makespan_s = max(times, default=self.state.t_start) - self.state.t_start
+            if ctx.fused_forward and self.state.keys:  # bypass: verl's old_log_probs are the rollout's, for
+                rollout_as_old_log_probs(ctx.tq, self.state.keys)  # verl's advantages; while the learner finishes
+            self.pipe.drain()
+            self.algo.check_complete(self.state)
+            final = planner.finalize()
+            t0 = time.time()
+            out = ctx.worker_group.finalize_step(final.scale)
+            ctx.recorder.learner_op("optimizer", t0, time.time())
+        finally:
+            self.algo.close()
+            # The pipeline's callback and the gate's row reader are this step's bound methods: cycles that hold
+            # every row of the batch (token lists, log-probs) until Python's rare full collection. Broken here,
+            # the rows go with the step (a long run's driver grew ~160 KB a step without it; benchmarks/soak.py).
+            self.pipe = self.source = None
+        return out, self.state
+
+    def metrics(self, out) -> dict:
+        """verl's and ThunderSync's metrics of the finished step."""
+        state = self.state
+        metrics = dict(state.forward_metrics)
+        if math.isfinite(state.lp_gap):
+            metrics["training/rollout_logprob_diff_max"] = state.lp_gap
+        metrics.update(self.ctx.recorder.finish_step(out, self.planner.memory()))
+        first = first_rank(out)
+        metrics["thundersync/peak_bucket_bytes"] = max(state.peak_bucket_bytes, first.get(
+            "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
+        metrics["thundersync/budget_waits"] = state.budget_waits
+        metrics["thundersync/listings"] = state.listings
+        metrics["thundersync/planned_ahead"] = state.planned_ahead
+        metrics.update(self.algo.metrics(self.state, self.ctx))
+        return metrics
+
+    # ----- stages ---------------------------------------------------------------------------
+    def _submit(self, op) -> None:
+        """Queue ``op`` on the learner; a mini-batch's ``StepOp`` steps in order, then opens the next mini-batch."""
+        if not isinstance(op, StepOp):
+            self.pipe.submit(op, self.state.rows, tokens=self._op_tokens(op), t_plan=self._t_listing)
+            return
+        self.pipe.drain()  # every backward of this mini-batch is in the gradient
+        t0 = time.time()
+        step = self.ctx.worker_group.finalize_step(op.scale, op.lr_step)
+        self.ctx.recorder.learner_op("optimizer", t0, time.time())
+        self.state.minibatch_steps += 1
+        first = first_rank(step)
+        if hasattr(first, "get"):
+            self.state.peak_bucket_bytes = max(self.state.peak_bucket_bytes, int(first.get("thundersync/peak_bucket_bytes", 0)))
+        self.ctx.worker_group.stream_begin_batch(self._meta)  # tickets restart at 0: a new pipeline
+        self.pipe = self.ctx.make_pipeline(self._op_done)
+
+    def _plan_now(self) -> bool:
+        """Plan while the learner is idle, for a full chunk, at the end, or just in time for the learner to go
+        on without a gap (``_plan_at``), and only into a free pipeline slot; else arrivals share the next chunk.
+
+        Rows the last plan held back (their buckets did not fit the memory budget) can only run once
+        something new lands (a group closing frees its buckets), so they alone never trigger a plan.
+        """
+        ready, self._ahead = self.planner.ready_count, False
+        if ready == 0 or (ready <= self._held and not self.source.done):
+            return False
+        if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
+            return False
+        if self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done:
+            return True
+        plan_at = self._plan_at()
+        self._ahead = plan_at is not None and time.time() >= plan_at
+        return self._ahead
+
+    def _plan_at(self) -> float | None:
+        """When to plan the next call so that it reaches the learner as the learner finishes the calls in flight
+        (``core/call_cost.py``): the expected end of the queue minus the lead from a plan to the learner. None
+        without an estimate yet, and outside the free-slot planning (``_next_ops``)."""
+        if not self._capped:
+            return None
+        idle_at = getattr(self.pipe, "learner_idle_at", lambda: None)()
+        cost = getattr(self.pipe, "cost", None)
+        if idle_at is None or getattr(cost, "lead_s", None) is None:
+            return None
+        return idle_at - cost.margin_s
+
+    def _next_ops(self) -> list:
+        """The planner's next ops. Coalescing, a GRPO plan fills the pipeline's free slots only (``next_ops``'s
+        ``max_backwards``): the driver goes back to polling instead of blocking on a full pipeline, and the rows
+        left over join later arrivals in larger chunks (fewer learner calls, each with its fixed cost). The
+        deterministic gate fixes every chunk's rows itself, so it plans all it released at once, as before."""
+        planner = self.planner
+        if not self._capped:
+            ops = planner.next_ops()
+            self._held = planner.ready_count  # rows left: held back by the memory budget
+            return ops
+        # >= 1 free slot here (``_plan_now``). A fold takes a slot too, and folds are never held back: with more folds
+        # than free slots, the driver waits for the head call before queueing the rest.
+        free = self.pipe.depth - self.pipe.in_flight
+        ops = planner.next_ops(max_backwards=max(0, free - planner.queued_folds))
+        self._held = planner.held_count
+        return ops
+
+    def _wait(self) -> Arrivals:
+        """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go.
+
+        Each empty poll doubles the pause, from ``poll_s`` up to ``max(poll_s, POLL_CAP_S)``: a listing is
+        an RPC to the TransferQueue controller, and at a fixed 10 ms the driver and the controller took a
+        quarter of a host core away from the agent loops and the verifier that produce the arrivals. Listings
+        keep that schedule across plans: only an arrival resets the pause, so a plan that a finished learner
+        call triggers adds no listing (with the deterministic gate every pass lists, as a listing is also when
+        the gate hands on its next block). The one listing added is at each moment to plan ahead (``_plan_at``),
+        so that the next call takes every row that landed until then. Waking the driver the moment a learner
+        call finished (``ray.wait`` on the call instead of the pause) showed no gain in paired runs on the
+        emulated device (within their noise), so the pause stays a plain sleep.
+        """
+        while True:
+            self.pipe.collect()
+            if self.ctx.coalesce and self._plan_now():
+                return Arrivals()
+            plan_at = self._plan_at() if self.pipe.in_flight else None
+            # the moment to plan ahead came and a slot is free: one listing first, so the call takes all that landed
+            just_in_time = (plan_at is not None and plan_at != self._listed_for and time.time() >= plan_at
+                            and self.pipe.in_flight < self.pipe.depth)
+            if (time.time() >= self._next_listing or just_in_time or self.source.done
+                    or self.source.gate is not None):
+                if just_in_time:
+                    self._listed_for = plan_at
+                self._t_listing = time.time()  # a plan that follows begins here (the pipeline's lead)
+                arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
+                self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
+                self._next_listing = time.time() + self._pause
+                if arrivals or self.source.done:
+                    return arrivals
+                if time.time() - self.state.t_start > self.ctx.timeout_s:
+                    raise self.source.never_arrived()
+            wake = self._next_listing
+            if plan_at is not None and (plan_at != self._listed_for or self.planner.ready_count > self._held):
+                wake = min(wake, max(plan_at, time.time() + self.ctx.poll_s))  # past it, the head call is late
+            time.sleep(max(0.0, wake - time.time()))
+
+    def _admit(self, arrivals: Arrivals) -> None:
+        t_seen, state = time.time(), self.state
+        for turn, tag in arrivals.turns:
+            self.algo.admit_turn(turn, tag, state, t_seen)
+        if not arrivals.trajectories:
+            return
+        keys = [k for k, _ in arrivals.trajectories]
+        missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
+        state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self.ctx.fused_forward) if missing else {})
+        rows = {k: state.rows[k] for k in keys}
+        gate = self.source.gate
+        planned = {}
+        for key, tag in arrivals.trajectories:
+            planned[key] = key if gate is None else gate.alias[key]  # deterministic: ids by batch place, not random uids
+            state.rows[planned[key]] = rows[key]
+            self.ctx.recorder.trajectory(key, rows[key]["extra"], rows[key]["reward"], t_reward=t_seen)
+            state.keys.append(key)
+            state.tags.append(tag)
+        tags = [t for _, t in arrivals.trajectories]
+        tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+        # on arrival: fixed models score the rows (KL loss: the reference; SAO: the critic at the step-start weights)
+        for name, score in (("ref_lp", self.ctx.ref_log_probs), ("values", self.ctx.values)):
+            if score is not None:
+                t0 = time.time()
+                for key, value in score(keys, tags).items():
+                    rows[key][name] = value
+                self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+        self._old_log_probs(keys, tags, rows, tokens)
+        for key, _ in arrivals.trajectories:  # the planner sees a row once everything it needs is on it
+            self.algo.admit_trajectory(planned[key], rows[key], state, t_seen)
+        if hasattr(self.algo, "admitted"):  # SAO: the critic's backwards of these rows
+            self.algo.admitted()
+
+    def _old_log_probs(self, keys: list, tags: list, rows: dict, tokens: int) -> None:
+        """verl's old log-probs of landed rows: the rollout's (fused: on the rows already, ``fetch_rows``; verl's
+        field is written once per step, in ``run``), or verl's forward at θ_k (separate)."""
+        if self.ctx.fused_forward:  # each backward's own forward at θ_k is verl's old-log-prob check
+            return
+        t0 = time.time()
+        part = self.ctx.forward_at_theta_k(keys, tags)
+        self.ctx.recorder.learner_op("forward", t0, time.time(), tokens=tokens)
+        for name, value in part.items():
+            if name.endswith("_max"):
+                self.state.forward_metrics[name] = max(self.state.forward_metrics.get(name, float("-inf")), value)
+            else:
+                self.state.forward_metrics.setdefault(name, value)
+
+    def _row_content(self, keys: list) -> dict[str, tuple]:
+        """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
+        self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self.ctx.fused_forward))
+        return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
+
+    def _op_tokens(self, op) -> int | None:
+        """A GRPO op's prompt and response tokens (its cost for ``CallCost``; a fold has none); None for others."""
+        if isinstance(op, FoldOp):
+            return 0
+        if isinstance(op, (BackwardOp, PPOBackwardOp)):
+            return items_tokens(self.state.rows, op.items)
+        return None
+
+    def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
+        state = self.state
+        if "lp_gap" in stats:
+            state.lp_gap = max(state.lp_gap, stats["lp_gap"])
+        state.kl_sum += stats.get("kl_sum", 0.0)
+        state.kl_tokens += stats.get("kl_tokens", 0.0)
+        for key in ("sao_masked", "sao_scored"):
+            if key in stats:
+                state.sums[key] = state.sums.get(key, 0.0) + stats[key]
+        kind, items, tokens = self.algo.describe_op(op, state, t0)
+        self.ctx.recorder.learner_op(kind, t0, t1, items=items, tokens=tokens, forward_s=stats.get("forward_s"))
+
+
+def items_tokens(rows: dict, items) -> int:
+    """Prompt and response tokens of a GRPO op's ``(group, key)`` items."""
+    return sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for _, k in items)
+
+
+class GRPOArrivals:
+    """GRPO: a landed trajectory is one arrival of its group (``StreamPlanner.arrive``)."""
+
+    def __init__(self, planner: StreamPlanner):
+        self.planner = planner
+
+    def begin(self, ctx: StepContext):
+        groups = [f"{i:08d}" for i in range(len(ctx.uids))] if ctx.deterministic else ctx.uids  # BatchOrderGate.alias
+        self.planner.begin_batch({gid: ctx.n for gid in groups})
+        return None  # no turn source
+
+    def admit_turn(self, turn, tag, state: StepState, t_seen: float) -> None:
+        raise TypeError("GRPO streams whole trajectories; a scored turn arrived")
+
+    def admit_trajectory(self, key: str, row: dict, state: StepState, t_seen: float) -> None:
+        self.planner.arrive(key.split("_")[0], key, row["reward"], row["num_tokens"])
+
+    def describe_op(self, op, state: StepState, t0: float) -> tuple[str, tuple, int]:
+        items = getattr(op, "items", ())
+        kind = "backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"
+        return kind, items, items_tokens(state.rows, items)
+
+    def check_complete(self, state: StepState) -> None:
+        return None  # the planner's finalize refuses an incomplete batch
+
+    def metrics(self, state: StepState, ctx: StepContext) -> dict:
+        """Several mini-batches (``MiniBatchPlanner``): optimizer steps and each step's policy lag."""
+        return self.planner.metrics() if hasattr(self.planner, "metrics") else {}
+
+    def close(self) -> None:
+        return None
