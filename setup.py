@@ -42,8 +42,9 @@ setup(
     ],
     extras_require={
         "cpu": CPU_EXTRAS,
-        # mkdocs: the docs site (make docs)
-        "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout", "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
+        # pytest-xdist: make test runs the test files on two workers; mkdocs: the docs site (make docs)
+        "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout", "pytest-xdist==3.8.0",
+                              "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         "gpu": ["vllm", "flash-attn", "transformer-engine", "wandb"],
     },
     entry_points={

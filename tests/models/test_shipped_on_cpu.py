@@ -115,3 +115,19 @@ def test_cli_refuses_ship_without_rebuild():
     out = subprocess.run([sys.executable, "-m", "thundersync_verl.models", "--ship", "path"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "--rebuild" in out.stderr
+
+
+def test_concurrent_installs_into_one_cache_all_succeed_and_none_removes_anothers(tmp_path):
+    """Test workers (or several runs) on one machine share the model cache: each installs through its own
+    staging folder; one rename wins, the others find the same verified files and keep them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from thundersync_verl.models.shipped import install_shipped
+
+    dest = tmp_path / "cache" / "student"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: install_shipped("student", dest), range(4)))
+    assert results == [True] * 4
+    assert install_shipped("student", dest)  # once more over the finished folder: kept, not replaced
+    assert not [p for p in dest.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+    assert (dest / "config.json").is_file()

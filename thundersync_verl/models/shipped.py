@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -65,9 +65,7 @@ def install_shipped(variant: str, dest: str | Path, seed: int = 0, *, shipped_di
         return False
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = dest.parent / f".{dest.name}.installing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.installing-", dir=dest.parent))  # one per installer
     try:
         expected = read_manifest(shipped_dir)["variants"][variant]
         for name, digest in expected.items():
@@ -79,9 +77,14 @@ def install_shipped(variant: str, dest: str | Path, seed: int = 0, *, shipped_di
                     f"shipped file {shipped_dir / variant / name} must match its sha256 in {MANIFEST}",
                     "a damaged or hand-edited copy would train a different model under the same version hash",
                     "reinstall the package, or rebuild with `python -m thundersync_verl.models --rebuild`"))
-        if dest.exists():
-            shutil.rmtree(dest)
-        staging.rename(dest)
+        complete = lambda: all((dest / name).is_file() for name in expected)  # noqa: E731
+        if dest.exists() and not complete():
+            shutil.rmtree(dest, ignore_errors=True)  # what an interrupted install left
+        try:
+            staging.rename(dest)
+        except OSError:  # another process installed the same verified files first: use theirs, never remove them
+            if not complete():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"{variant}: using the shipped copy (version {version_hash(seed=seed)}), installed at {dest}")
