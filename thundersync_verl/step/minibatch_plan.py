@@ -39,6 +39,7 @@ from thundersync_verl.core import StreamingConfigError, StreamingInputError, Str
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.groups import canonical_sorted
 from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner, independent_key
+from thundersync_verl.step.contracts import PlannerDefaults
 
 Item = tuple[Hashable, Hashable]
 
@@ -68,7 +69,7 @@ class StepOp:
     policy_lag: int  # optimizer steps of this batch before this mini-batch's backwards
 
 
-class MiniBatchPlanner:
+class MiniBatchPlanner(PlannerDefaults):
     """The ``Planner`` of a batch with several optimizer steps (module docstring)."""
 
     def __init__(self, first: StreamPlanner, *, minibatch_groups: int, epochs: int = 1, independent_buckets: bool = False):

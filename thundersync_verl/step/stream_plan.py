@@ -48,6 +48,7 @@ from thundersync_verl.core import (
 from thundersync_verl.core.batch_estimators import ArrivalView
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.normalizers import check_count
+from thundersync_verl.step.contracts import PlannerDefaults
 
 Item = tuple[Hashable, Hashable]
 
@@ -92,7 +93,7 @@ def independent_key(key: str) -> str:
     return f"{key}|independent"
 
 
-class StreamPlanner:
+class StreamPlanner(PlannerDefaults):
     """Turns trajectory arrivals into worker operations (see the module docstring)."""
 
     def __init__(
@@ -134,6 +135,7 @@ class StreamPlanner:
         self._buckets: dict[Hashable, set[float]] = {}
         self._queued: list[FoldOp] = []
         self.held_count = 0  # ready trajectories the memory budget held back at the last plan
+        self.fills_free_slots = True  # coalescing plans only as many backwards as the pipeline has free slots
 
     @classmethod
     def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":

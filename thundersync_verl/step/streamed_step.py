@@ -31,9 +31,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from thundersync_verl.run.step_record import StepRecorder, first_rank
+from thundersync_verl.step.contracts import Algorithm, AlgorithmDefaults, Planner
 from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, rollout_as_old_log_probs
 from thundersync_verl.step.minibatch_plan import PPOBackwardOp, StepOp
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, FoldOp, StreamPlanner
@@ -41,22 +42,6 @@ from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNe
 
 
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
-
-
-class Planner(Protocol):
-    """What the step asks of a planner (``StreamPlanner``, ``OPDTurnPlanner``)."""
-
-    loss_agg_mode: str
-    max_chunk_size: int
-
-    @property
-    def ready_count(self) -> int: ...  # arrivals whose backward is not planned yet
-
-    def next_ops(self) -> list: ...
-
-    def finalize(self) -> FinalizeOp: ...
-
-    def memory(self) -> dict: ...
 
 
 @dataclass
@@ -147,8 +132,9 @@ class ArrivalSource:
 class StreamedStep:
     """The streamed step of one batch (module docstring). ``algo``: ``GRPOArrivals`` / ``OPDArrivals``."""
 
-    def __init__(self, ctx: StepContext, algo):
-        self.ctx, self.algo, self.planner = ctx, algo, algo.planner
+    def __init__(self, ctx: StepContext, algo: Algorithm):
+        self.ctx, self.algo = ctx, algo
+        self.planner: Planner = algo.planner
         self.state = StepState(t_start=ctx.recorder.t_step_start)
         trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
         turns = algo.begin(ctx)
@@ -163,7 +149,7 @@ class StreamedStep:
         self._held = 0  # ready rows the last plan could not place
         self._pause, self._next_listing = ctx.poll_s, 0.0  # the TransferQueue listing schedule (``_wait``)
         # free-slot, just-in-time planning (``_next_ops``, ``_plan_at``): coalescing GRPO without the batch-order gate
-        self._capped = ctx.coalesce and not ctx.deterministic and hasattr(self.planner, "held_count")
+        self._capped = ctx.coalesce and not ctx.deterministic and self.planner.fills_free_slots
         self._ahead = False  # the last ``_plan_now`` said yes only because the learner is about to go idle
         self._listed_for: float | None = None  # the plan moment the last just-in-time listing was made for
         self._t_listing: float | None = None  # when the last listing began
@@ -171,8 +157,8 @@ class StreamedStep:
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
         ctx, planner = self.ctx, self.planner
-        meta = {"loss_agg_mode": planner.loss_agg_mode, **getattr(planner, "verl_settings", {})}  # the learner re-checks
-        if getattr(planner, "independent_buckets", False):  # minibatch_plan point 7
+        meta = {"loss_agg_mode": planner.loss_agg_mode, **planner.verl_settings}  # the learner re-checks
+        if planner.independent_buckets:  # minibatch_plan point 7
             meta[INDEPENDENT_BUCKETS_KEY] = True
         if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
             meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
@@ -360,8 +346,7 @@ class StreamedStep:
         self._old_log_probs(keys, tags, rows, tokens)
         for key, _ in arrivals.trajectories:  # the planner sees a row once everything it needs is on it
             self.algo.admit_trajectory(planned[key], rows[key], state, t_seen)
-        if hasattr(self.algo, "admitted"):  # SAO: the critic's backwards of these rows
-            self.algo.admitted()
+        self.algo.admitted()  # SAO: the critic's backwards of these rows
 
     def _old_log_probs(self, keys: list, tags: list, rows: dict, tokens: int) -> None:
         """verl's old log-probs of landed rows: the rollout's (fused: on the rows already, ``fetch_rows``; verl's
@@ -408,7 +393,7 @@ def items_tokens(rows: dict, items) -> int:
     return sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for _, k in items)
 
 
-class GRPOArrivals:
+class GRPOArrivals(AlgorithmDefaults):
     """GRPO: a landed trajectory is one arrival of its group (``StreamPlanner.arrive``)."""
 
     def __init__(self, planner: StreamPlanner):
@@ -430,12 +415,6 @@ class GRPOArrivals:
         kind = "backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"
         return kind, items, items_tokens(state.rows, items)
 
-    def check_complete(self, state: StepState) -> None:
-        return None  # the planner's finalize refuses an incomplete batch
-
     def metrics(self, state: StepState, ctx: StepContext) -> dict:
         """Several mini-batches (``MiniBatchPlanner``): optimizer steps and each step's policy lag."""
-        return self.planner.metrics() if hasattr(self.planner, "metrics") else {}
-
-    def close(self) -> None:
-        return None
+        return self.planner.metrics()

@@ -54,6 +54,7 @@ from thundersync_verl.core.normalizers import check_loss_agg_mode
 from thundersync_verl.core.objectives import check_opd_turn_mode
 from thundersync_verl.learner.stream_loss import build_token_chunk
 from thundersync_verl.step.stream_plan import FinalizeOp
+from thundersync_verl.step.contracts import PlannerDefaults
 
 OPD_LOSS_MODES = ("k1", "kl")  # verl's estimators whose value is log pi - log p_teacher
 GRANULARITIES = ("turn", "trajectory")
@@ -194,7 +195,7 @@ def _check_pair(a: OPDTurn, b: OPDTurn) -> None:
               "or against a different history", "pass each turn's prefix from the same trajectory record")
 
 
-class OPDTurnPlanner:
+class OPDTurnPlanner(PlannerDefaults):
     """Bookkeeping of one batch of OPD turns: validation, chunking, the deferred normaliser."""
 
     def __init__(self, *, loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None,

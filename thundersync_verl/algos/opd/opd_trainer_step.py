@@ -37,6 +37,7 @@ from thundersync_verl.algos.opd.turn_teacher import (
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.algos.opd.opd_stream import OPDTurn, OPDTurnPlanner, opd_planner_from_verl_config, turns_of_trajectory
+from thundersync_verl.step.contracts import AlgorithmDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class _StepBook:
                 if len(self.turns.get(traj, {})) != n]
 
 
-class OPDArrivals:
+class OPDArrivals(AlgorithmDefaults):
     """OPD in ``streamed_step.StreamedStep``: scored turns and finished trajectories (module docstring).
 
     One per batch: ``begin`` opens the batch's turn source and ``close`` clears its turns.

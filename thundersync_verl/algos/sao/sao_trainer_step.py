@@ -40,6 +40,7 @@ from thundersync_verl.algos.sao.critic_stream import (VERIFIED_STRATEGIES, Criti
 from thundersync_verl.algos.sao.sao_streaming import NAME, SAOBackwardOp, SAOStreamPlanner, SAOTrajectory
 from thundersync_verl.step.stream_plan import FinalizeOp, FoldOp
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived, TrajectorySource
+from thundersync_verl.step.contracts import AlgorithmDefaults, PlannerDefaults
 
 BATCH_GROUP = "__sao_batch__"  # the FoldOp's group id: the whole batch is SAO's one "group"
 
@@ -102,7 +103,7 @@ def planner_from_config(config, ts) -> "SAOStepPlanner":
     return SAOStepPlanner(inner)
 
 
-class SAOStepPlanner:
+class SAOStepPlanner(PlannerDefaults):
     """``SAOStreamPlanner`` behind the planner interface of ``StreamedStep`` (point 2)."""
 
     verl_settings = {"adv_estimator": NAME}  # the batch meta: the worker checks the actor config for SAO
@@ -185,7 +186,7 @@ class CriticStream:
                 "critic/lr": out.get("lr", 0.0), "thundersync/critic_chunks": self.chunks}
 
 
-class SAOArrivals:
+class SAOArrivals(AlgorithmDefaults):
     """SAO: a landed trajectory, valued by the critic on arrival, is one ``SAOTrajectory`` (point 1)."""
 
     def __init__(self, planner: SAOStepPlanner, critic: CriticStream | None = None):

@@ -1,0 +1,89 @@
+"""What the streamed step asks of a planner and of an algorithm: every member, stated once.
+
+Why:
+1. ``StreamedStep`` (``streamed_step.py``) drives every algorithm through two objects: a planner (which rows
+   share a backward, where each goes, the barrier) and an algorithm (what "landed" means and how it reaches the
+   planner). Each protocol below lists every member the step uses, so the step never probes with ``hasattr``
+   and a new algorithm sees what it must provide.
+2. ``PlannerDefaults`` and ``AlgorithmDefaults`` give the members most implementations leave at a neutral value
+   (no verl estimator settings, no companion buckets, no free-slot planning, no metrics); an implementation
+   inherits them and overrides what it does differently. ``tests/trainer/test_contracts_on_cpu.py`` checks that
+   every planner and algorithm the trainer builds has every member.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Planner(Protocol):
+    """Turns arrivals into learner ops: ``StreamPlanner``, ``MiniBatchPlanner``, ``OPDTurnPlanner``, ``SAOStepPlanner``."""
+
+    loss_agg_mode: str
+    max_chunk_size: int
+    verl_settings: dict  # verl estimator settings the learner re-checks against its own config ({}: none)
+    independent_buckets: bool  # bucketed rows keep their KL/entropy part in a companion bucket (mini-batches)
+    fills_free_slots: bool  # coalescing: next_ops(max_backwards=k) plans only as many backwards as free slots
+    held_count: int  # ready rows the last plan held back (the memory budget); read when fills_free_slots
+    queued_folds: int  # folds planned but not sent; read when fills_free_slots
+
+    @property
+    def ready_count(self) -> int: ...  # arrivals whose backward is not planned yet
+
+    def next_ops(self) -> list: ...
+
+    def finalize(self) -> Any: ...  # the barrier: a FinalizeOp with the deferred normaliser
+
+    def memory(self) -> dict: ...
+
+    def metrics(self) -> dict: ...  # the planner's per-step figures ({}: none)
+
+
+class PlannerDefaults:
+    """The neutral value of each optional planner member."""
+
+    verl_settings: dict = {}
+    independent_buckets = False
+    fills_free_slots = False
+    held_count = 0
+    queued_folds = 0
+
+    def metrics(self) -> dict:
+        return {}
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """One algorithm in the step: ``GRPOArrivals``, ``OPDArrivals``, ``SAOArrivals``."""
+
+    planner: Planner
+
+    def begin(self, ctx) -> Any: ...  # opens the batch; returns its turn source, or None (whole trajectories)
+
+    def admit_turn(self, turn, tag, state, t_seen: float) -> None: ...
+
+    def admit_trajectory(self, key: str, row: dict, state, t_seen: float) -> None: ...
+
+    def admitted(self) -> None: ...  # after a poll's trajectories are admitted (SAO: the critic's backwards)
+
+    def describe_op(self, op, state, t0: float) -> tuple[str, tuple, int]: ...
+
+    def check_complete(self, state) -> None: ...
+
+    def metrics(self, state, ctx) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class AlgorithmDefaults:
+    """The neutral value of each optional algorithm member."""
+
+    def admitted(self) -> None:
+        return None
+
+    def check_complete(self, state) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
