@@ -32,7 +32,7 @@ from thundersync_verl.core.sao_stream import trajectory_gae
 from thundersync_verl.algos.sao.critic_stream import (
     LATER_EPOCHS_KEY, CriticRow, CriticStreamClient, CriticStreamPlanner, StreamingCriticWorker,
 )
-from thundersync_verl.learner.stream_loss import pad_batch
+from thundersync_verl.step.chunk_layout import pad_batch
 
 CRITIC_LR = 0.05
 

@@ -24,7 +24,7 @@ from thundersync_harness.engine_setup import GROUP_SIZE, Traj, TurnTraj
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingInputError
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.learner.stream_loss import build_stream_chunk
+from thundersync_verl.step.chunk_layout import build_stream_chunk
 from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp
 
 
@@ -68,7 +68,7 @@ def rollout_batch(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int
     response's last token, the group uid, and the old log-probs from ``compute_log_prob``."""
     import numpy as np
 
-    from thundersync_verl.learner.stream_loss import pad_batch
+    from thundersync_verl.step.chunk_layout import pad_batch
 
     rows = [trajs[i] for i in row_order]
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id)
@@ -113,7 +113,7 @@ def sync_opd_step(wg, trajs: list[TurnTraj], row_order: list[int], pad_token_id:
     """
     import numpy as np
 
-    from thundersync_verl.learner.stream_loss import pad_batch
+    from thundersync_verl.step.chunk_layout import pad_batch
 
     rows = [trajs[i] for i in row_order]
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id,

@@ -12,7 +12,7 @@ Why:
 3. Synchronous: verl's own ``compute_log_prob``, ``compute_ref_log_prob`` (whole batch),
    ``compute_advantage`` and ``update_actor`` with ``calculate_entropy`` as verl's trainer sets it.
    Streamed: the planner routes rows direct or into buckets; each chunk's reference log-probs are
-   computed on arrival (``stream_loss.attach_ref_log_probs``) before its backward.
+   computed on arrival (``chunk_layout.attach_ref_log_probs``) before its backward.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, verl_config
 from thundersync_harness.engine_steps import StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.learner.stream_loss import attach_ref_log_probs, build_stream_chunk
+from thundersync_verl.step.chunk_layout import attach_ref_log_probs, build_stream_chunk
 from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
 
 ACTOR, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"

@@ -87,7 +87,7 @@ def regrouped(parts: list[list[int]], micro: int) -> tuple[list[int], int]:
 def _padded_batch(trajs: list[Traj], rows: list[int], pad_token_id: int):
     import numpy as np
 
-    from thundersync_verl.learner.stream_loss import pad_batch
+    from thundersync_verl.step.chunk_layout import pad_batch
 
     chosen = [trajs[i] for i in rows]
     tensors = pad_batch([t.prompt for t in chosen], [t.response for t in chosen], pad_token_id)

@@ -66,7 +66,7 @@ def make_sao_batch(seed: int, groups: int, vocab: int) -> dict:
 
 
 def _data_proto(rows: list[TurnTraj], batch: dict, pad_token_id: int):
-    from thundersync_verl.learner.stream_loss import pad_batch
+    from thundersync_verl.step.chunk_layout import pad_batch
 
     tensors = pad_batch([t.prompt for t in rows], [t.response for t in rows], pad_token_id,
                         response_masks=[t.mask for t in rows])

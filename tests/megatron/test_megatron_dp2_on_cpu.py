@@ -43,7 +43,7 @@ def test_dp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(gr
 
 def test_dp2_bucket_budget_refuses_a_bucket_that_does_not_fit_and_the_batch_goes_on(group):
     from thundersync_verl.core import StreamingStateError
-    from thundersync_verl.learner.stream_loss import build_stream_chunk
+    from thundersync_verl.step.chunk_layout import build_stream_chunk
 
     wg, pad = group.wg, group.pad_id
     one = wg.stream_memory()[0]["stream/buffer_bytes"]  # one bucket: this rank's DP region of the grad buffer

@@ -33,7 +33,7 @@ def test_pp2_a_batch_dropped_half_way_leaves_no_trace_in_the_next_step(group):
     # a batch dropped half-way (begin again) leaves no trace: the next full stream still equals verl
     from thundersync_harness.engine_setup import make_trajectories
     from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
-    from thundersync_verl.learner.stream_loss import build_stream_chunk
+    from thundersync_verl.step.chunk_layout import build_stream_chunk
 
     wg, pad = group.wg, group.pad_id
     trajs, arrival = make_trajectories(11, GROUPS, group.vocab)

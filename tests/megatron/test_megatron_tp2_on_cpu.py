@@ -37,7 +37,7 @@ def test_tp2_engine_forward_matches_the_hf_model(group):
     # verl's own compute_log_prob on the Megatron engine (mbridge weights split over 2 TP ranks,
     # local layer spec, padded causal mask) gives the HF model's log-probs
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.learner.stream_loss import pad_batch
+    from thundersync_verl.step.chunk_layout import pad_batch
 
     prompts = [[11, 12, 13, 40], [20, 21], [50, 51, 52], [60]]  # 4 rows: one log-prob micro-batch
     responses = [[14, 15, 16, 17, 18], [30, 31, 32], [70, 71], [80, 81, 82, 83, 84, 85, 86]]

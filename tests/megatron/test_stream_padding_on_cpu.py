@@ -17,7 +17,7 @@ import torch
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.step import stream_exec
-from thundersync_verl.learner.stream_loss import COEF_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY
 from thundersync_verl.step.stream_plan import BackwardOp
 
 ROWS = {f"t{i}": {"prompt": [11, 12 + i], "response": [20 + i] * (2 + i), "mask": [1] * (2 + i)} for i in range(5)}

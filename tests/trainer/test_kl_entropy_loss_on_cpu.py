@@ -15,14 +15,8 @@ import pytest
 import torch
 
 from thundersync_verl.core import LOSS_AGG_MODES, StreamingConfigError, StreamingInputError, batch_scale
-from thundersync_verl.learner.stream_loss import (
-    PART_KEY,
-    IndependentTerms,
-    build_stream_chunk,
-    make_stream_loss,
-    set_chunk_part,
-    stream_policy_loss,
-)
+from thundersync_verl.step.chunk_layout import PART_KEY, IndependentTerms, build_stream_chunk
+from thundersync_verl.learner.stream_loss import make_stream_loss, set_chunk_part, stream_policy_loss
 
 VOCAB = 11
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 2, 1]]

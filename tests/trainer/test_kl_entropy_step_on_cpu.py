@@ -12,7 +12,7 @@ import torch
 
 from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.stream_exec import OpPipeline
-from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY, REF_LP_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY, REF_LP_KEY
 from thundersync_verl.step.stream_plan import StreamPlanner
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 

@@ -16,7 +16,7 @@ import torch
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import LOSS_AGG_MODES, StreamingConfigError, StreamingInputError, batch_scale
 from thundersync_verl.learner.minibatch_loss import PPOLossSettings, build_ppo_chunk, ppo_chunk_loss
-from thundersync_verl.learner.stream_loss import REF_LP_KEY, ROLLOUT_LP_KEY, build_stream_chunk
+from thundersync_verl.step.chunk_layout import REF_LP_KEY, ROLLOUT_LP_KEY, build_stream_chunk
 
 VOCAB = 11
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 2, 1], [4, 4]]

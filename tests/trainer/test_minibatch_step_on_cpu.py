@@ -20,7 +20,7 @@ from thundersync_verl.learner.minibatch_loss import PPO_KEY
 from thundersync_verl.step.minibatch_plan import MiniBatchPlanner
 from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.stream_exec import OpPipeline
-from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY, ROLLOUT_LP_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY, ROLLOUT_LP_KEY
 from thundersync_verl.step.stream_plan import StreamPlanner
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.step.thundersync_trainer import build_planner, validate_thundersync_config

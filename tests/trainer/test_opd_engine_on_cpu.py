@@ -14,7 +14,7 @@ import torch
 from thundersync_harness.engine_setup import make_turn_trajectories, score_turns, turn_arrival
 from thundersync_harness.engine_steps import relative_gap, stream_opd_step, sync_opd_step, train
 from thundersync_verl.core import StreamingInputError
-from thundersync_verl.learner.stream_loss import TEACHER_KEY, build_stream_chunk, build_token_chunk
+from thundersync_verl.step.chunk_layout import TEACHER_KEY, build_stream_chunk, build_token_chunk
 
 pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine with a teacher, started once per module, then real steps
 GROUPS = 2

@@ -25,14 +25,8 @@ from thundersync_verl.algos.opd.opd_stream import (
     opd_planner_from_verl_config,
     turns_of_trajectory,
 )
-from thundersync_verl.learner.stream_loss import (
-    ADV_CLAMP_KEY,
-    COEF_KEY,
-    TEACHER_KEY,
-    TOKEN_COEF_KEY,
-    build_token_chunk,
-    stream_token_loss,
-)
+from thundersync_verl.step.chunk_layout import ADV_CLAMP_KEY, COEF_KEY, TEACHER_KEY, TOKEN_COEF_KEY, build_token_chunk
+from thundersync_verl.learner.stream_loss import stream_token_loss
 
 PAD = 0
 PROMPT = (5, 6, 7)

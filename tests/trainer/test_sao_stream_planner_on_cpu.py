@@ -237,7 +237,7 @@ def test_critic_coefficients_with_a_deferred_normaliser_give_verls_value_loss_gr
 
 def test_the_trainers_op_pipeline_sends_sao_ops_as_per_token_chunks():
     from thundersync_verl.step.stream_exec import _request
-    from thundersync_verl.learner.stream_loss import SEQ_KEY, TOKEN_COEF_KEY
+    from thundersync_verl.step.chunk_layout import SEQ_KEY, TOKEN_COEF_KEY
 
     planner = _planner()
     trajs = _trajs(6, 2)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from thundersync_verl.core import StreamingInputError
-from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY, build_stream_chunk, make_stream_loss, pad_batch
+from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY, build_stream_chunk, pad_batch
+from thundersync_verl.learner.stream_loss import make_stream_loss
 from thundersync_verl import verl_adapter as va
 
 PAD = 0

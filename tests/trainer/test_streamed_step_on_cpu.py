@@ -13,7 +13,7 @@ import torch
 
 from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.stream_exec import OpPipeline
-from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY
 from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived

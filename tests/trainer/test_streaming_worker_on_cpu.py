@@ -13,7 +13,7 @@ import torch
 from thundersync_harness.engine_setup import make_trajectories
 from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
-from thundersync_verl.learner.stream_loss import build_stream_chunk
+from thundersync_verl.step.chunk_layout import build_stream_chunk
 
 pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine, started once per module (20-40 s), then real steps
 GROUPS = 2
@@ -57,7 +57,7 @@ def test_a_call_that_arrives_before_its_predecessor_waits_for_it(harness):
     import ray
 
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.learner.stream_loss import SEQ_KEY
+    from thundersync_verl.step.chunk_layout import SEQ_KEY
 
     wg, pad = harness["wg"], harness["pad"]
     wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
@@ -76,7 +76,7 @@ def test_a_streamed_call_reports_its_forwards_seconds_inside_its_own(harness):
     import ray
 
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.learner.stream_loss import SEQ_KEY
+    from thundersync_verl.step.chunk_layout import SEQ_KEY
 
     wg, pad = harness["wg"], harness["pad"]
     wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})
@@ -93,7 +93,7 @@ def test_a_reused_ticket_is_refused_with_the_rule(harness):
     import ray
 
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.learner.stream_loss import SEQ_KEY
+    from thundersync_verl.step.chunk_layout import SEQ_KEY
 
     wg, pad = harness["wg"], harness["pad"]
     wg.stream_begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": GROUPS})

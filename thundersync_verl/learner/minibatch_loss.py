@@ -29,8 +29,8 @@ from typing import Any, Sequence
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingInputError, token_weights
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.learner.stream_loss import (COEF_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, IndependentTerms,
-                                                  build_stream_chunk, independent_loss)
+from thundersync_verl.step.chunk_layout import COEF_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, IndependentTerms, build_stream_chunk
+from thundersync_verl.learner.stream_loss import independent_loss
 
 PPO_KEY = "ts_ppo"  # non-tensor: True on a PPO chunk (minibatch_plan.PPOBackwardOp)
 PPO_KL_METRIC = "stream/ppo_kl"

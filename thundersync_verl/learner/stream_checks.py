@@ -8,7 +8,7 @@ import math
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingInputError
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.learner.stream_loss import COEF_KEY, DEST_KEY, TEACHER_KEY, TOKEN_COEF_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY, TEACHER_KEY, TOKEN_COEF_KEY
 
 
 def check_chunk(chunk) -> str:
@@ -19,7 +19,7 @@ def check_chunk(chunk) -> str:
             rule_message(
                 f"a chunk needs a non-tensor {DEST_KEY!r}: 'direct' or a bucket key string (got {dest!r})",
                 "the worker must know whether the gradient joins the batch now or waits for its group",
-                "build chunks with stream_loss.build_stream_chunk(..., dest=...)",
+                "build chunks with chunk_layout.build_stream_chunk(..., dest=...)",
             )
         )
     if COEF_KEY not in chunk.keys() or chunk[COEF_KEY].dim() != 1:
@@ -27,7 +27,7 @@ def check_chunk(chunk) -> str:
             rule_message(
                 f"a chunk needs a 1-D tensor {COEF_KEY!r} with one coefficient per row",
                 "each trajectory's gradient is weighted by its own coefficient (A_i, or 1 for a bucket)",
-                "build chunks with stream_loss.build_stream_chunk",
+                "build chunks with chunk_layout.build_stream_chunk",
             )
         )
     return dest
@@ -44,7 +44,7 @@ def check_token_chunk(chunk) -> None:
                 f"a per-token chunk needs a [B, R] tensor {TOKEN_COEF_KEY!r} (and {TEACHER_KEY!r} of the same "
                 f"shape, if any) with B = {rows} rows (got {shapes})",
                 "each response token is weighted by its own coefficient",
-                "build per-token chunks with stream_loss.build_token_chunk and send GRPO chunks to stream_backward",
+                "build per-token chunks with chunk_layout.build_token_chunk and send GRPO chunks to stream_backward",
             )
         )
 

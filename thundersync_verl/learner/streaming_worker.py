@@ -54,21 +54,8 @@ from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.learner.forward_clock import ForwardClock
 from thundersync_verl.learner.engines import StreamLearner, make_learner
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.learner.stream_loss import (
-    exact_micro_batch_size,
-    COEF_KEY,
-    IndependentTerms,
-    KL_SUM_METRIC,
-    KL_TOKENS_METRIC,
-    LP_DIFF_METRIC,
-    REF_LP_KEY,
-    SEQ_KEY,
-    TEACHER_KEY,
-    TOKEN_COEF_KEY,
-    make_stream_loss,
-    make_token_stream_loss,
-    set_chunk_part,
-)
+from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY, IndependentTerms, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, REF_LP_KEY, SEQ_KEY, TEACHER_KEY, TOKEN_COEF_KEY
+from thundersync_verl.learner.stream_loss import make_stream_loss, make_token_stream_loss, set_chunk_part
 from thundersync_verl.learner.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC, is_sao_chunk, sao_settings, sao_token_loss
 from thundersync_verl.learner.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
@@ -232,7 +219,7 @@ class StreamingActorWorker(_Base):
 
     @register(dispatch_mode=ACTOR_MESH)
     def stream_token_backward(self, chunk):
-        """Backward of one PER-TOKEN chunk (``stream_loss.build_token_chunk``), e.g. OPD turns.
+        """Backward of one PER-TOKEN chunk (``chunk_layout.build_token_chunk``), e.g. OPD turns.
 
         Same destinations, checks and result as ``stream_backward``; the loss weights each
         response token by ``ts_token_coef`` (times the OPD advantage when the chunk carries
@@ -294,7 +281,7 @@ class StreamingActorWorker(_Base):
             raise StreamingInputError(rule_message(
                 f"actor_rollout_ref.actor.use_kl_loss is on but the chunk has no {REF_LP_KEY}",
                 "the KL term compares every scored token's log-prob with the reference model's",
-                "compute them per arrival (stream_loss.attach_ref_log_probs) before sending the chunk"))
+                "compute them per arrival (chunk_layout.attach_ref_log_probs) before sending the chunk"))
         split = loss_fn is None and state.terms.active and dest != DIRECT  # policy -> bucket, KL/entropy -> .grad
         companion = split and state.independent_buckets  # ... or into its companion bucket (mini-batches)
         if dest != DIRECT and dest not in state.buckets:

@@ -38,7 +38,7 @@ from thundersync_verl.learner.minibatch_loss import build_ppo_chunk
 from thundersync_verl.step.minibatch_plan import PPOBackwardOp
 from thundersync_verl.algos.opd.opd_stream import OPDStreamClient, TurnBackwardOp
 from thundersync_verl.algos.sao.sao_streaming import SAOBackwardOp, sao_chunk
-from thundersync_verl.learner.stream_loss import SEQ_KEY, build_stream_chunk
+from thundersync_verl.step.chunk_layout import SEQ_KEY, build_stream_chunk
 from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]

@@ -54,7 +54,7 @@ from thundersync_verl.algos.sao.sao_trainer_step import (CriticStream, SAOArriva
                                                        sao_enabled, validate_sao_config)
 from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.stream_exec import OpPipeline, rollout_as_old_log_probs
-from thundersync_verl.learner.stream_loss import IndependentTerms, exact_micro_batch_size
+from thundersync_verl.step.chunk_layout import IndependentTerms, exact_micro_batch_size
 from thundersync_verl.step.stream_plan import StreamPlanner, settings_from_verl_config
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.run.timeline import TimelineFeed

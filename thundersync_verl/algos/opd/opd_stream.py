@@ -52,7 +52,7 @@ from thundersync_verl.core import StreamingConfigError, StreamingInputError, Str
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.normalizers import check_loss_agg_mode
 from thundersync_verl.core.objectives import check_opd_turn_mode
-from thundersync_verl.learner.stream_loss import build_token_chunk
+from thundersync_verl.step.chunk_layout import build_token_chunk
 from thundersync_verl.step.stream_plan import FinalizeOp
 from thundersync_verl.step.contracts import PlannerDefaults
 

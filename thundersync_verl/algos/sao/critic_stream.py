@@ -30,7 +30,7 @@ Why:
      scheduler, once per batch as verl does); ``tests/trainer/test_critic_stream_engine_on_cpu.py`` checks it.
 4. dp_size: as every streamed chunk, the loss is a sum times dp_size (FSDP2 averages over ranks, so the
    reduced gradient is the sum over all ranks' rows); the driver pads a chunk to a multiple of dp_size with
-   rows whose coefficients are all zero (``stream_loss.build_token_chunk``).
+   rows whose coefficients are all zero (``chunk_layout.build_token_chunk``).
 5. Safety metric: a chunk carries the stored values (``ts_old_values``); the loss reports
    max |V(theta) - V_old| over scored tokens (``stream/critic_value_drift_max``). At the step start it is
    rounding; a value above ``critic.cliprange_value`` would mean verl's clip is active and the stream is not
@@ -55,7 +55,7 @@ from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.sao_stream import critic_token_coefficients
 from thundersync_verl.learner.engines import StreamLearner, make_learner
 from thundersync_verl.learner.stream_checks import check_scale, check_token_chunk
-from thundersync_verl.learner.stream_loss import COEF_KEY, TOKEN_COEF_KEY, build_token_chunk, exact_micro_batch_size
+from thundersync_verl.step.chunk_layout import COEF_KEY, TOKEN_COEF_KEY, build_token_chunk, exact_micro_batch_size
 
 OLD_VALUES_KEY = "ts_old_values"  # [B, R] the stored values the coefficients were built from (point 5)
 LATER_EPOCHS_KEY = "critic_later_epochs"  # batch meta: epochs the caller runs with train_mini_batch afterwards

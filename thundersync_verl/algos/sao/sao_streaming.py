@@ -41,7 +41,7 @@ from thundersync_verl.core.corrections import double_sided_token_mask
 from thundersync_verl.core.normalizers import check_loss_agg_mode, token_weight
 from thundersync_verl.core.sao import sao_policy_loss
 from thundersync_verl.core.sao_stream import SAO_BUCKET, WhitenLedger, actor_token_coefficients, trajectory_gae
-from thundersync_verl.learner.stream_loss import COEF_KEY, LP_DIFF_METRIC, ROLLOUT_LP_KEY, TOKEN_COEF_KEY, build_token_chunk
+from thundersync_verl.step.chunk_layout import COEF_KEY, LP_DIFF_METRIC, ROLLOUT_LP_KEY, TOKEN_COEF_KEY, build_token_chunk
 from thundersync_verl.step.stream_plan import FinalizeOp
 
 NAME = "sao"
