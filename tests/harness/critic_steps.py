@@ -29,9 +29,8 @@ from thundersync_harness.engine_steps import gap_rows, relative_gap, train
 from thundersync_harness.sao_steps import GAMMA, LAM, regrouped
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.sao_stream import trajectory_gae
-from thundersync_verl.algos.sao.critic_stream import (
-    LATER_EPOCHS_KEY, CriticRow, CriticStreamClient, CriticStreamPlanner, StreamingCriticWorker,
-)
+from thundersync_verl.algos.sao.critic_stream import LATER_EPOCHS_KEY, CriticRow, CriticStreamClient, CriticStreamPlanner
+from thundersync_verl.algos.sao.critic_worker import StreamingCriticWorker
 from thundersync_verl.step.chunk_layout import pad_batch
 
 CRITIC_LR = 0.05

@@ -22,15 +22,8 @@ import torch
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.sao_stream import SAO_BUCKET
-from thundersync_verl.algos.sao.sao_streaming import (
-    MASKED_METRIC,
-    SAOStreamClient,
-    SAOStreamPlanner,
-    SAOTrajectory,
-    is_sao_chunk,
-    sao_settings,
-    sao_token_loss,
-)
+from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SAOStreamClient, SAOStreamPlanner, SAOTrajectory
+from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_settings, sao_token_loss
 
 PAD = 0
 EPS_LOW, EPS_HIGH = 0.3, 5.0

@@ -57,7 +57,8 @@ from thundersync_verl.core.errors import rule_message
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY, IndependentTerms, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, REF_LP_KEY, SEQ_KEY, TEACHER_KEY, TOKEN_COEF_KEY
 from thundersync_verl.learner.stream_loss import make_stream_loss, make_token_stream_loss, set_chunk_part
 from thundersync_verl.learner.minibatch_loss import ppo_chunk_loss
-from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC, is_sao_chunk, sao_settings, sao_token_loss
+from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC
+from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_settings, sao_token_loss
 from thundersync_verl.learner.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key, settings_from_verl_config
 

@@ -224,7 +224,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
         self.role_worker_mapping[api.Role.Actor] = ray.remote(StreamingActorWorker)
         if self.sao and api.Role.Critic in self.role_worker_mapping:  # SAO: the critic's update streams too
-            from thundersync_verl.algos.sao.critic_stream import StreamingCriticWorker
+            from thundersync_verl.algos.sao.critic_worker import StreamingCriticWorker
 
             self.role_worker_mapping[api.Role.Critic] = ray.remote(StreamingCriticWorker)
 

@@ -11,7 +11,7 @@ Why:
    ``next_ops``, ``finalize``): once the last trajectory is planned, its ``next_ops`` also returns the
    whitening fold (``FoldOp``: bucket x -mean), so the fold runs on the learner queue like GRPO's folds;
    ``finalize`` then hands the normaliser times inv_std to the one optimizer step.
-3. The critic's update streams too (``CriticStream``, the worker in ``critic_stream.py``): once a trajectory has
+3. The critic's update streams too (``CriticStream``, the worker in ``critic_worker.py``): once a trajectory has
    its values and Monte-Carlo returns its value-loss coefficients c_t = V_t - G_t are final, so its critic
    backward is sent at once (not waited for); the 1/N normaliser and the critic's optimizer step follow the
    actor's step. That is verl's first critic epoch; with ``critic.ppo_epochs`` = E > 1 the trainer then runs
@@ -25,7 +25,7 @@ Why:
    weights, ``learner_forward=separate`` (the band mask needs the rollout's log-probs in each chunk),
    OPD; for the critic: a strategy other than fsdp/fsdp2, ``critic.loss_agg_mode`` other than token-mean,
    several critic mini-batches per batch. The workers re-check (``sao_stream.sao_settings``,
-   ``critic_stream.critic_settings``).
+   ``critic_worker.critic_settings``).
 """
 
 from __future__ import annotations
