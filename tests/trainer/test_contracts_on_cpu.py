@@ -67,3 +67,20 @@ def test_the_step_never_probes_its_planner_or_algorithm():
     source = STEP.read_text()
     probes = re.findall(r"(?:hasattr|getattr)\((?:self\.)?(?:planner|algo)\b[^)]*\)", source)
     assert not probes, probes
+
+
+def test_every_op_a_planner_emits_has_one_entry_in_the_dispatch_table():
+    """stream_exec.OP_KINDS is the one place an op type meets the learner: method, chunk, figures, lane."""
+    from thundersync_verl.algos.opd.opd_stream import TurnBackwardOp
+    from thundersync_verl.algos.sao.sao_streaming import SAOBackwardOp
+    from thundersync_verl.step.minibatch_plan import PPOBackwardOp
+    from thundersync_verl.step.stream_exec import OP_KINDS, op_kind
+    from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
+
+    assert set(OP_KINDS) == {FoldOp, BackwardOp, PPOBackwardOp, TurnBackwardOp, SAOBackwardOp}
+    assert {k.name for k in OP_KINDS.values()} == {"fold", "backward"}
+    assert [t.__name__ for t, k in OP_KINDS.items() if k.row_items] == ["PPOBackwardOp", "BackwardOp"]
+    with pytest.raises(TypeError, match="list its type in stream_exec.OP_KINDS"):
+        op_kind(object())
+    source = STEP.read_text() + (STEP.parent / "stream_exec.py").read_text()
+    assert not re.findall(r"isinstance\(op, \(?(?:Fold|Backward|PPOBackward|TurnBackward|SAOBackward)Op", source)

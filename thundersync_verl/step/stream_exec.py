@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import ray
@@ -101,39 +102,77 @@ def execute_op(worker_group, op, rows: dict[str, dict], *, pad_token_id: int, te
     return _stats(op, _parts(_wait(getattr(worker_group, method)(*args))))
 
 
+def _opd_chunk(op, rows, **layout):  # OPD: the op holds its rows; ``rows`` is not needed
+    return OPDStreamClient(None, **layout).chunk(op)  # the chunk alone: no learner call
+
+
+def _sao_chunk(op, rows, **layout):  # SAO: the op holds its rows, per-token coefficients and band
+    return sao_chunk(op, **layout)
+
+
+def _ppo_chunk(op, rows, **layout):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
+    chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+    return build_ppo_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
+                           [r["rollout_lp"] for r in chunk_rows], response_masks=[r["mask"] for r in chunk_rows],
+                           ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
+
+
+def _grpo_chunk(op, rows, **layout):
+    chunk_rows = [rows[traj_id] for _, traj_id in op.items]
+    return build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
+                              op.dest, response_masks=[r["mask"] for r in chunk_rows],
+                              rollout_log_probs=_row_field(chunk_rows, "rollout_lp"),
+                              ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
+
+
+def _opd_stats(op, parts: list) -> dict:
+    return {"kl_sum": _stat(parts, "ts_kl_sum", sum), "kl_tokens": _stat(parts, "ts_kl_tokens", sum)}
+
+
+def _sao_stats(op, parts: list) -> dict:
+    if op.dest != "direct":  # its bucket row has the same tokens as its direct row: counted once
+        return {}
+    return {"sao_masked": _stat(parts, "ts_sao_masked", sum), "sao_scored": _stat(parts, "ts_sao_scored", sum)}
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """How one type of planner op reaches the learner: the worker method, the chunk it sends, its own figures."""
+
+    name: str  # "fold" or "backward" (the step record's lane)
+    method: str  # the streaming worker's method
+    chunk: Callable | None  # (op, rows, dp_size=, pad_token_id=, temperature=) -> chunk; None: the op is its payload
+    stats: Callable = lambda op, parts: {}  # (op, the worker's metric parts) -> this op type's own figures
+    row_items: bool = False  # the op's items name the step's fetched rows, (group, key): their tokens are its cost
+
+
+OP_KINDS: dict[type, OpKind] = {  # every op type a planner emits, in one table (looked up along the op's MRO)
+    FoldOp: OpKind("fold", "stream_fold", None),
+    TurnBackwardOp: OpKind("backward", "stream_token_backward", _opd_chunk, _opd_stats),
+    SAOBackwardOp: OpKind("backward", "stream_token_backward", _sao_chunk, _sao_stats),
+    PPOBackwardOp: OpKind("backward", "stream_backward", _ppo_chunk, row_items=True),
+    BackwardOp: OpKind("backward", "stream_backward", _grpo_chunk, row_items=True),
+}
+
+
+def op_kind(op) -> OpKind:
+    """The table entry of ``op``'s type (or of the nearest base type listed)."""
+    for cls in type(op).__mro__:
+        if cls in OP_KINDS:
+            return OP_KINDS[cls]
+    raise TypeError(f"unknown stream op {op!r}: list its type in stream_exec.OP_KINDS")
+
+
 def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, queued: bool, seq: int = 0):
     """``(worker method, args)`` for one op; a queued call carries its ticket ``seq``."""
-    suffix = "_queued" if queued else ""
-    if isinstance(op, FoldOp):
-        return "stream_fold" + suffix, ((op.folds, seq) if queued else (op.folds,))
+    kind, suffix = op_kind(op), "_queued" if queued else ""
+    if kind.chunk is None:
+        return kind.method + suffix, ((op.folds, seq) if queued else (op.folds,))
     dp_size = va.actor_dp_size(worker_group)  # verl's split: TP/PP/CP peers share one part, so no padding for them
-    if isinstance(op, TurnBackwardOp):  # OPD: the op holds its rows; ``rows`` is not needed
-        chunk = OPDStreamClient(worker_group, pad_token_id=pad_token_id, temperature=temperature,
-                                dp_size=dp_size).chunk(op)
-        method = "stream_token_backward"
-    elif isinstance(op, SAOBackwardOp):  # SAO: the op holds its rows, per-token coefficients and band
-        chunk = sao_chunk(op, dp_size=dp_size, pad_token_id=pad_token_id, temperature=temperature)
-        method = "stream_token_backward"
-    elif isinstance(op, PPOBackwardOp):  # a later mini-batch: verl's PPO loss against the rollout's log-probs
-        chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-        chunk = build_ppo_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
-                                [r["rollout_lp"] for r in chunk_rows], dp_size=dp_size, pad_token_id=pad_token_id,
-                                temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
-                                ref_log_probs=_row_field(chunk_rows, "ref_lp"))
-        method = "stream_backward"
-    elif isinstance(op, BackwardOp):
-        chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-        chunk = build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
-                                   op.dest, dp_size=dp_size, pad_token_id=pad_token_id,
-                                   temperature=temperature, response_masks=[r["mask"] for r in chunk_rows],
-                                   rollout_log_probs=_row_field(chunk_rows, "rollout_lp"),
-                                   ref_log_probs=_row_field(chunk_rows, "ref_lp"))
-        method = "stream_backward"
-    else:
-        raise TypeError(f"unknown stream op {op!r}")
+    chunk = kind.chunk(op, rows, dp_size=dp_size, pad_token_id=pad_token_id, temperature=temperature)
     if queued:
         va.assign_non_tensor(chunk, **{SEQ_KEY: int(seq)})
-    return method + suffix, (chunk,)
+    return kind.method + suffix, (chunk,)
 
 
 def _row_field(chunk_rows: list, key: str) -> list | None:
@@ -142,13 +181,11 @@ def _row_field(chunk_rows: list, key: str) -> list | None:
 
 
 def _stats(op, parts: list) -> dict:
-    if isinstance(op, FoldOp):
+    kind = op_kind(op)
+    if kind.chunk is None:
         return {}
-    stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max), "forward_s": _stat(parts, "ts_forward_s", max)}
-    if isinstance(op, TurnBackwardOp):
-        stats.update(kl_sum=_stat(parts, "ts_kl_sum", sum), kl_tokens=_stat(parts, "ts_kl_tokens", sum))
-    if isinstance(op, SAOBackwardOp) and op.dest == "direct":  # its bucket row has the same tokens: counted once
-        stats.update(sao_masked=_stat(parts, "ts_sao_masked", sum), sao_scored=_stat(parts, "ts_sao_scored", sum))
+    stats = {"lp_gap": _stat(parts, "ts_lp_diff_max", max), "forward_s": _stat(parts, "ts_forward_s", max),
+             **kind.stats(op, parts)}
     return {k: v for k, v in stats.items() if not math.isnan(v)}
 
 
@@ -243,7 +280,7 @@ class OpPipeline:
 
 
 def _kind(op) -> str:
-    return "fold" if isinstance(op, FoldOp) else "backward"
+    return op_kind(op).name
 
 
 def _wait(result):

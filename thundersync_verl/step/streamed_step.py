@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 from thundersync_verl.run.step_record import StepRecorder, first_rank
 from thundersync_verl.step.contracts import Algorithm, AlgorithmDefaults, Planner
-from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, rollout_as_old_log_probs
-from thundersync_verl.step.minibatch_plan import PPOBackwardOp, StepOp
-from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, BackwardOp, FinalizeOp, FoldOp, StreamPlanner
+from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, op_kind, rollout_as_old_log_probs
+from thundersync_verl.step.minibatch_plan import StepOp
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, FinalizeOp, StreamPlanner
 from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
 
 
@@ -369,11 +369,10 @@ class StreamedStep:
 
     def _op_tokens(self, op) -> int | None:
         """A GRPO op's prompt and response tokens (its cost for ``CallCost``; a fold has none); None for others."""
-        if isinstance(op, FoldOp):
+        kind = op_kind(op)
+        if kind.name == "fold":
             return 0
-        if isinstance(op, (BackwardOp, PPOBackwardOp)):
-            return items_tokens(self.state.rows, op.items)
-        return None
+        return items_tokens(self.state.rows, op.items) if kind.row_items else None
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
         state = self.state
@@ -412,8 +411,7 @@ class GRPOArrivals(AlgorithmDefaults):
 
     def describe_op(self, op, state: StepState, t0: float) -> tuple[str, tuple, int]:
         items = getattr(op, "items", ())
-        kind = "backward" if isinstance(op, (BackwardOp, PPOBackwardOp)) else "fold"
-        return kind, items, items_tokens(state.rows, items)
+        return op_kind(op).name, items, items_tokens(state.rows, items)
 
     def metrics(self, state: StepState, ctx: StepContext) -> dict:
         """Several mini-batches (``MiniBatchPlanner``): optimizer steps and each step's policy lag."""
