@@ -49,3 +49,11 @@ def test_the_old_history_folders_are_gone():
     assert not (PACKAGE / "trainer").exists() and not (PACKAGE / "agent").exists()
     for folder in ("step", "learner", "learner/engines", "algos/opd", "algos/sao", "algos/pace", "run", "recipes"):
         assert (PACKAGE / folder / "__init__.py").is_file(), folder
+
+
+def test_paths_found_from_a_module_still_point_where_they_did():
+    """A module that moved folders must not lose the paths it finds from its own file."""
+    from thundersync_verl.demo import REPO_ROOT
+    from thundersync_verl.recipes.check import DEFAULT_ROOT
+
+    assert DEFAULT_ROOT == REPO_ROOT / "recipes" and (DEFAULT_ROOT / "cpu_tiny" / "grpo.yaml").is_file()

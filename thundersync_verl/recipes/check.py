@@ -32,7 +32,7 @@ from pathlib import Path
 
 from thundersync_verl.recipes import rules as recipe_rules
 
-DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "recipes"  # the checkout's recipes/ (this file: thundersync_verl/recipes/)
 USAGE = "usage: thundersync recipes check [--root DIR] [--only TEXT] [--verbose]"
 _ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)")
 
