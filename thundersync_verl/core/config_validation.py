@@ -42,6 +42,15 @@ class StreamingSettings:
     ratio_is_one: bool  # old log-probs recomputed by the learner at the batch's weights
 
 
+def config_value(cfg, path: str, default=None):
+    """``cfg.a.b.c`` for ``path="a.b.c"`` on a hydra/OmegaConf config, a mapping or an object; ``default`` where a
+    part is missing or the value is None."""
+    node = cfg
+    for part in path.split("."):
+        node = None if node is None else (node.get(part, None) if hasattr(node, "get") else getattr(node, part, None))
+    return default if node is None else node
+
+
 def _fail(rule: str, reason: str, fix: str) -> None:
     raise StreamingConfigError(rule_message(rule, reason, fix))
 

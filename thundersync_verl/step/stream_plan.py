@@ -49,6 +49,7 @@ from thundersync_verl.core.batch_estimators import ArrivalView
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.core.normalizers import check_count
 from thundersync_verl.step.contracts import PlannerDefaults
+from thundersync_verl.core.config_validation import config_value as _get
 
 Item = tuple[Hashable, Hashable]
 
@@ -311,14 +312,6 @@ class StreamPlanner(PlannerDefaults):
 
 
 # ----- config ----------------------------------------------------------------------------
-def _get(cfg: Any, path: str, default: Any = None) -> Any:
-    node = cfg
-    for part in path.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
-
 
 def settings_from_verl_config(config: Any, *, train_batch_size: int | None = None, adv_estimator: str | None = None,
                               norm_adv_by_std_in_grpo: bool | None = None, loss_agg_mode: str | None = None) -> StreamingSettings:

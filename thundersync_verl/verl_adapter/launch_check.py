@@ -22,17 +22,10 @@ from typing import Any
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 from thundersync_verl.envs.swe.swe_config import SWEConfig
+from thundersync_verl.core.config_validation import config_value as _get
 
 OWN_SECTIONS = {"thundersync": ThunderSyncConfig, "swe": SWEConfig}  # top-level sections this project adds to verl's
 
-
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        node = node.get(part) if node is not None and hasattr(node, "get") else None
-        if node is None:
-            return default
-    return node
 
 
 def own_section_errors(config: Any) -> list[StreamingConfigError]:

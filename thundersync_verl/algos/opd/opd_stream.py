@@ -55,6 +55,7 @@ from thundersync_verl.core.objectives import check_opd_turn_mode
 from thundersync_verl.step.chunk_layout import build_token_chunk
 from thundersync_verl.step.stream_plan import FinalizeOp
 from thundersync_verl.step.contracts import PlannerDefaults
+from thundersync_verl.core.config_validation import config_value as _get
 
 OPD_LOSS_MODES = ("k1", "kl")  # verl's estimators whose value is log pi - log p_teacher
 GRANULARITIES = ("turn", "trajectory")
@@ -351,12 +352,6 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
 
 
 # ----- config ---------------------------------------------------------------------------------
-def _get(cfg: Any, path: str, default: Any = None) -> Any:
-    node = cfg
-    for part in path.split("."):
-        node = None if node is None else (node.get(part, None) if hasattr(node, "get") else getattr(node, part, None))
-    return default if node is None else node
-
 
 def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPDTurnPlanner:
     """An ``OPDTurnPlanner`` matching verl's ``distillation`` settings; refuses what turns cannot stream.
