@@ -97,6 +97,8 @@ def independent_key(key: str) -> str:
 class StreamPlanner(PlannerDefaults):
     """Turns trajectory arrivals into worker operations (see the module docstring)."""
 
+    fills_free_slots = True  # coalescing plans only as many backwards as the pipeline has free slots
+
     def __init__(
         self,
         *,
@@ -136,7 +138,6 @@ class StreamPlanner(PlannerDefaults):
         self._buckets: dict[Hashable, set[float]] = {}
         self._queued: list[FoldOp] = []
         self.held_count = 0  # ready trajectories the memory budget held back at the last plan
-        self.fills_free_slots = True  # coalescing plans only as many backwards as the pipeline has free slots
 
     @classmethod
     def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":
