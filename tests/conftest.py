@@ -69,9 +69,3 @@ def latency_sleeps(monkeypatch):
     monkeypatch.setattr(asyncio, "sleep", Sleeps.sleep)
     return Sleeps
 
-
-def pytest_collection_modifyitems(config, items):
-    """The files with slow tests first: ``make test`` hands whole files to two workers in collection order, so the
-    long launches start at once and the many short tests fill the gaps, instead of two long files ending the run."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each part is kept
