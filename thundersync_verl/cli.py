@@ -7,6 +7,7 @@ Heavy imports happen per subcommand.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 

@@ -21,12 +21,12 @@ import torch
 from thundersync_harness import main_ppo_runs as runs
 from thundersync_verl.run.resume import STATE_FILE
 
-pytestmark = pytest.mark.slow  # three main_ppo launches (minutes on 2 cores)
+pytestmark = pytest.mark.slow  # two main_ppo launches and the shared recording (minutes on 2 cores)
 
 
 @pytest.mark.timeout(2400)
-def test_resumed_run_restores_the_checkpoint_bitwise_and_continues(tmp_path, tiny_random_lm):
-    rec = runs.record(tmp_path, tiny_random_lm, steps=2)
+def test_resumed_run_restores_the_checkpoint_bitwise_and_continues(tmp_path, tmp_path_factory, tiny_random_lm):
+    rec = runs.shared_recording(tmp_path_factory, tiny_random_lm, steps=2)
     ckpt_a = tmp_path / "ckpt_a"
     ordered = ["thundersync.deterministic=true"]
     rows_a, w_a = runs.replayed(tmp_path, tiny_random_lm, rec, "a", "thundersync",

@@ -8,7 +8,7 @@ Why:
 2. It must change nothing computed: on the same replayed trajectories, Sync with and without the key
    scores the same and pushes the same update (within verl's own rounding floor), and ThunderSync with
    the key streams at staleness 0 on the same scores.
-Slow: four ``main_ppo`` launches (about 4 minutes on 2 cores).
+Slow: three ``main_ppo`` launches and the shared recording (about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ WRAPPER = textwrap.dedent('''
 def recording(tmp_path_factory, tiny_random_lm):
     work = tmp_path_factory.mktemp("reward_in_agent_loop")
     (work / "where_scored.py").write_text(WRAPPER)
-    return work, runs.record(work, tiny_random_lm, steps=1)
+    return work, runs.shared_recording(tmp_path_factory, tiny_random_lm)
 
 
 def _run(work, model, rec, name: str, mode: str, in_loop: bool):

@@ -8,11 +8,16 @@ Why:
    learner's parameters after step k, whatever the mode, so updates are compared on the real pushes.
 3. One launcher for the e2e tests that need it (``launch``: the bare process, for runs that must fail), so each
    test states only its overrides.
+4. A launch costs about 45 s on 2 cores, of which the step is 8: the GRPO recording is made once per test run and
+   shared by every test process that replays it (``shared_recording``: a file lock in the run's temporary root,
+   which pytest-xdist's workers share), keyed by the model's bytes so a test with another model records its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -95,6 +100,25 @@ def record(work: Path, model: Path, steps: int, *, recipe: str = "grpo", extra: 
     main_ppo(work, model, "record", "sync", [f"{REPLAY}.path={path}", f"{REPLAY}.synthesize=paper", *extra],
              steps=steps, recipe=recipe)
     return path
+
+
+def shared_recording(tmp_path_factory, model: Path, steps: int = 2) -> Path:
+    """The GRPO recipe's ``paper``-shaped recording of ``steps`` Sync steps, made once for every test process of this
+    run (a replay of fewer steps reads its first ones). Not shared between runs: a code change re-records."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's root, one per run
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(model.iterdir()) if p.is_file())).hexdigest()[:12]
+    work = root / f"grpo_recording_{digest}_{steps}"
+    with FileLock(f"{work}.lock"):
+        done = work / "recorded"
+        if not done.is_file():
+            shutil.rmtree(work, ignore_errors=True)  # a failed attempt's half-written run
+            work.mkdir()
+            record(work, model, steps)
+            done.touch()
+    return work / "recording.jsonl"
 
 
 def replayed(work: Path, model: Path, recording: Path, name: str, mode: str, extra: list[str], *, steps: int = 1,

@@ -15,9 +15,10 @@ Why:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from thundersync_verl.core.errors import StreamingConfigError, int_at_least, rule_message
+from thundersync_verl.core.errors import StreamingConfigError, fail, int_at_least
 from thundersync_verl.core.batch_estimators import check_arrival_scope
 from thundersync_verl.core.estimators import GroupEstimator, estimator_from_verl
 from thundersync_verl.core.normalizers import check_loss_agg_mode
@@ -51,8 +52,7 @@ def config_value(cfg, path: str, default=None):
     return default if node is None else node
 
 
-def _fail(rule: str, reason: str, fix: str) -> None:
-    raise StreamingConfigError(rule_message(rule, reason, fix))
+_fail = functools.partial(fail, cls=StreamingConfigError)
 
 
 def _positive_int(key: str, value: object) -> int:

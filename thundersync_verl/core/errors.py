@@ -48,6 +48,11 @@ def rule_message(rule: str, reason: str, fix: str) -> str:
     return f"{rule}\n  why: {reason}\n  fix: {fix}"
 
 
+def fail(rule: str, reason: str, fix: str, cls: type[StreamingError] = StreamingInputError):
+    """Raise ``cls`` (an input error unless told) with the rule / why / fix message."""
+    raise cls(rule_message(rule, reason, fix))
+
+
 def int_at_least(value: object, minimum: int) -> bool:
     """Whether ``value`` is an int (a bool is not) no smaller than ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -39,14 +39,11 @@ from typing import Hashable, Sequence
 
 import torch
 
-from thundersync_verl.core.errors import StreamingInputError, StreamingStateError, rule_message
+from thundersync_verl.core.errors import StreamingStateError, fail
 from thundersync_verl.core.sao import WHITEN_EPS, fold_observation_rewards, masked_gae, mc_returns
 
 SAO_BUCKET = "__sao_whiten__"  # the one bucket of a batch: G2 = sum over agent tokens of grad(-r m)
 
-
-def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
-    raise cls(rule_message(rule, why, fix))
 
 
 def _row(values: Sequence[float] | torch.Tensor, dtype=torch.float64) -> torch.Tensor:
@@ -63,11 +60,11 @@ def trajectory_gae(rewards: Sequence[float], values: Sequence[float], agent_mask
     """
     r, v, m = _row(rewards, dtype), _row(values, dtype), _row(agent_mask, dtype)
     if not (r.shape == v.shape == m.shape) or r.shape[1] == 0:
-        _fail(f"rewards, values and agent_mask must have one entry per response token (got {r.shape[1]}, "
+        fail(f"rewards, values and agent_mask must have one entry per response token (got {r.shape[1]}, "
               f"{v.shape[1]}, {m.shape[1]})", "GAE reads them token by token",
               "pass the trajectory's per-token rewards, the critic's values and its response mask, unpadded")
     if not bool(torch.isfinite(r).all() and torch.isfinite(v).all()):
-        _fail("rewards and critic values must be finite", "one NaN poisons every advantage of the batch "
+        fail("rewards and critic values must be finite", "one NaN poisons every advantage of the batch "
               "through the whitening statistics", "check the reward function and the critic's forward")
     folded = fold_observation_rewards(r, m)  # [1, T]
     gae = masked_gae(folded, v, m, gamma, lam)  # [1, T]
@@ -99,7 +96,7 @@ class WhitenLedger:
 
     def add(self, traj_id: Hashable, gae: torch.Tensor, agent_mask: Sequence[int]) -> None:
         if traj_id in self._gae:
-            _fail(f"trajectory {traj_id!r} arrived twice", "its tokens would be counted twice in the batch "
+            fail(f"trajectory {traj_id!r} arrived twice", "its tokens would be counted twice in the batch "
                   "mean and variance", "add each trajectory once per batch")
         keep = torch.as_tensor(agent_mask).reshape(-1) != 0  # [T]
         self._gae[traj_id] = gae.reshape(-1)[keep].to(torch.float64)  # [n_agent]
@@ -114,12 +111,12 @@ class WhitenLedger:
     def fold(self) -> WhitenFold:
         """mean and rsqrt(unbiased var + 1e-8) over every agent token, as ``core.sao.masked_whiten``."""
         if not self._gae:
-            _fail("no trajectory in the batch", "the whitening statistics need its agent tokens",
+            fail("no trajectory in the batch", "the whitening statistics need its agent tokens",
                   "add every trajectory before the barrier", StreamingStateError)
         x = torch.cat([self._gae[k] for k in sorted(self._gae, key=repr)])  # [N] canonical order
         n = int(x.numel())
         if n < 2:
-            _fail(f"whitening needs at least 2 agent tokens in the batch (got {n})",
+            fail(f"whitening needs at least 2 agent tokens in the batch (got {n})",
                   "the unbiased variance of fewer than two values is undefined",
                   "train on batches with at least two response tokens", StreamingStateError)
         mean = x.sum() / n
@@ -137,10 +134,10 @@ def actor_token_coefficients(gae: torch.Tensor, agent_mask: Sequence[int], *,
     mask = [1.0 if m else 0.0 for m in torch.as_tensor(agent_mask).reshape(-1).tolist()]
     g = gae.reshape(-1).tolist()
     if len(g) != len(mask):
-        _fail(f"gae has {len(g)} tokens, agent_mask {len(mask)}", "coefficients align with response tokens",
+        fail(f"gae has {len(g)} tokens, agent_mask {len(mask)}", "coefficients align with response tokens",
               "pass the trajectory's own GAE and mask")
     if not all(math.isfinite(x) for x in g):
-        _fail("GAE values must be finite", "one NaN poisons the batch gradient", "check rewards and critic values")
+        fail("GAE values must be finite", "one NaN poisons the batch gradient", "check rewards and critic values")
     out = {"direct": [x * m for x, m in zip(g, mask)]}
     if whiten:
         out[SAO_BUCKET] = mask
@@ -152,6 +149,6 @@ def critic_token_coefficients(values: Sequence[float], returns: Sequence[float],
     """(V_t - G_t) on agent tokens, 0 elsewhere: grad of 0.5 sum_t (V_t - G_t)^2 is sum_t coef_t grad V_t (point 5)."""
     v, g, m = (torch.as_tensor(x, dtype=torch.float64).reshape(-1) for x in (values, returns, agent_mask))
     if not (v.shape == g.shape == m.shape):
-        _fail("values, returns and agent_mask must align token by token", "the value loss pairs V_t with G_t",
+        fail("values, returns and agent_mask must align token by token", "the value loss pairs V_t with G_t",
               "pass the trajectory's critic values, MC returns and response mask")
     return ((v - g) * (m != 0)).tolist()

@@ -48,8 +48,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
-from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError, batch_scale
-from thundersync_verl.core.errors import rule_message
+from thundersync_verl.core import StreamingConfigError, StreamingStateError, batch_scale
+from thundersync_verl.core.errors import fail
 from thundersync_verl.core.normalizers import check_loss_agg_mode
 from thundersync_verl.core.objectives import check_opd_turn_mode
 from thundersync_verl.step.chunk_layout import build_token_chunk
@@ -166,22 +166,19 @@ class TurnBackwardOp:
         return tuple(i for t in self.turns for i in getattr(t, "items", ((t.traj_id, t.turn),)))
 
 
-def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
-    raise cls(rule_message(rule, why, fix))
-
 
 def _check_turn(turn: OPDTurn) -> None:
     if not isinstance(turn.turn, int) or turn.turn < 0 or not turn.prompt:
-        _fail(f"turn index must be an int >= 0 and the prompt non-empty (got turn={turn.turn!r}, "
+        fail(f"turn index must be an int >= 0 and the prompt non-empty (got turn={turn.turn!r}, "
               f"{len(turn.prompt)} prompt tokens)", "turns are matched to their trajectory by index; "
               "verl's layout locates a response by its prompt", "number turns 0, 1, 2, ... per trajectory")
     if not (0 <= turn.action_start < len(turn.response)):
-        _fail(f"action_start must satisfy 0 <= action_start < len(response)={len(turn.response)} "
+        fail(f"action_start must satisfy 0 <= action_start < len(response)={len(turn.response)} "
               f"(got {turn.action_start})", "a turn row ends with at least one action token to score",
               "pass the turn's prefix up to the end of its action, and where its action starts")
     values = [float(x) for x in turn.teacher_log_probs]
     if len(values) != turn.num_tokens or not all(math.isfinite(v) for v in values):
-        _fail(f"turn {turn.turn} of {turn.traj_id!r} needs {turn.num_tokens} finite teacher log-probs "
+        fail(f"turn {turn.turn} of {turn.traj_id!r} needs {turn.num_tokens} finite teacher log-probs "
               f"(got {len(values)})", "each action token's advantage needs the teacher's log-prob of it",
               "score the turn with the teacher (algos/opd/turn_teacher.py) and add it with those log-probs")
 
@@ -190,7 +187,7 @@ def _check_pair(a: OPDTurn, b: OPDTurn) -> None:
     """Turns a (earlier) and b (later) of one trajectory must share their history."""
     ok = a.prompt == b.prompt and b.response[: len(a.response)] == a.response and b.action_start >= len(a.response)
     if not ok:
-        _fail(f"turns {a.turn} and {b.turn} of trajectory {a.traj_id!r} are inconsistent: the later turn's "
+        fail(f"turns {a.turn} and {b.turn} of trajectory {a.traj_id!r} are inconsistent: the later turn's "
               "prefix must extend the earlier turn's, and its action must start after the earlier turn ends",
               "turns of one trajectory are prefixes of one sequence; otherwise a token would be scored twice "
               "or against a different history", "pass each turn's prefix from the same trajectory record")
@@ -203,14 +200,14 @@ class OPDTurnPlanner(PlannerDefaults):
                  opd_clamp: float | None = None, max_chunk_size: int = 8, granularity: str = "turn"):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
         if granularity not in GRANULARITIES:
-            _fail(f"thundersync.opd.granularity must be one of {GRANULARITIES}, got {granularity!r}",
+            fail(f"thundersync.opd.granularity must be one of {GRANULARITIES}, got {granularity!r}",
                   "turn: each turn's prefix row runs when the teacher has scored it (earliest start, prefix recompute); "
                   "trajectory: one row per trajectory when its last turn is scored (one forward+backward per trajectory)",
                   "set thundersync.opd.granularity=turn or trajectory", StreamingConfigError)
         self.granularity = granularity
         check_opd_turn_mode(loss_agg_mode)
         if int(max_chunk_size) < 1 or (opd_clamp is not None and not float(opd_clamp) > 0):
-            _fail(f"max_chunk_size must be >= 1 and opd_clamp positive or None (got {max_chunk_size!r}, {opd_clamp!r})",
+            fail(f"max_chunk_size must be >= 1 and opd_clamp positive or None (got {max_chunk_size!r}, {opd_clamp!r})",
                   "a chunk holds at least one turn; a clamp bounds |log pi - log p_teacher|",
                   "use e.g. max_chunk_size=8 and verl's distillation_loss.loss_max_clamp", StreamingConfigError)
         self.loss_agg_mode = loss_agg_mode
@@ -223,7 +220,7 @@ class OPDTurnPlanner(PlannerDefaults):
         """Start a batch of these trajectories (all sampled at the current weights)."""
         ids = list(traj_ids)
         if not ids or len(set(ids)) != len(ids):
-            _fail(f"a batch needs distinct trajectory ids, at least one (got {len(ids)}, {len(set(ids))} distinct)",
+            fail(f"a batch needs distinct trajectory ids, at least one (got {len(ids)}, {len(set(ids))} distinct)",
                   "every turn is attributed to exactly one trajectory of the batch", "pass each trajectory id once")
         self._trajs = {t: {} for t in ids}
         self._ended: dict[Hashable, int] = {}
@@ -232,7 +229,7 @@ class OPDTurnPlanner(PlannerDefaults):
 
     def _batch(self) -> dict:
         if self._trajs is None:
-            _fail("no OPD batch open", "turns belong to one batch sampled at one set of weights",
+            fail("no OPD batch open", "turns belong to one batch sampled at one set of weights",
                   "call begin_batch(traj_ids) first (and again after every finalize)", StreamingStateError)
         return self._trajs
 
@@ -241,12 +238,12 @@ class OPDTurnPlanner(PlannerDefaults):
         trajs = self._batch()
         _check_turn(turn)
         if turn.traj_id not in trajs:
-            _fail(f"trajectory {turn.traj_id!r} is not in this batch", "its weights may differ from the batch's",
+            fail(f"trajectory {turn.traj_id!r} is not in this batch", "its weights may differ from the batch's",
                   "list every trajectory in begin_batch")
         known = trajs[turn.traj_id]
         ended = self._ended.get(turn.traj_id)
         if turn.turn in known or (ended is not None and turn.turn >= ended):
-            _fail(f"turn {turn.turn} of {turn.traj_id!r} was already added or is past its end ({ended} turns)",
+            fail(f"turn {turn.turn} of {turn.traj_id!r} was already added or is past its end ({ended} turns)",
                   "a turn added twice would be counted twice in the batch gradient", "add each turn once")
         for other in known.values():
             _check_pair(*sorted((other, turn), key=lambda t: t.turn))
@@ -267,11 +264,11 @@ class OPDTurnPlanner(PlannerDefaults):
         """The trajectory finished with ``num_turns`` turns (some may still be on their way)."""
         trajs = self._batch()
         if traj_id not in trajs or traj_id in self._ended or not isinstance(num_turns, int) or num_turns < 0:
-            _fail(f"end_trajectory({traj_id!r}, {num_turns!r}): unknown or already ended trajectory, or a bad count",
+            fail(f"end_trajectory({traj_id!r}, {num_turns!r}): unknown or already ended trajectory, or a bad count",
                   "the barrier waits for exactly the announced turns",
                   "call it once per trajectory with its turn count")
         if any(j >= num_turns for j in trajs[traj_id]):
-            _fail(f"trajectory {traj_id!r} already has turn {max(trajs[traj_id])} but ends with {num_turns} turns",
+            fail(f"trajectory {traj_id!r} already has turn {max(trajs[traj_id])} but ends with {num_turns} turns",
                   "the turn count decides which turns the barrier waits for", "pass the trajectory's real turn count")
         self._ended[traj_id] = num_turns
         if self.granularity == "trajectory":
@@ -313,14 +310,14 @@ class OPDTurnPlanner(PlannerDefaults):
         """The deferred normaliser, once every turn of every trajectory has been planned."""
         work = self.missing()
         if work:
-            _fail("finalize refused: " + "; ".join(work[:6]), "the optimizer step must see every turn of every "
+            fail("finalize refused: " + "; ".join(work[:6]), "the optimizer step must see every turn of every "
                   "trajectory (a turn whose teacher scoring failed is not dropped)", "score and add the missing "
                   "turns, call next_ops() and run its ops, or drop the batch", StreamingStateError)
         n_seq = len(self._trajs)
         scale = batch_scale(self.loss_agg_mode, num_tokens=self.num_tokens, num_sequences=n_seq,
                             dp_size=1, loss_scale_factor=self.loss_scale_factor)
         if scale is None or not math.isfinite(scale):
-            _fail("finalize refused: the batch has no scored tokens", f"the {self.loss_agg_mode} normaliser divides "
+            fail("finalize refused: the batch has no scored tokens", f"the {self.loss_agg_mode} normaliser divides "
                   "by that count", "drop the batch instead of stepping", StreamingStateError)
         self._trajs = None
         return FinalizeOp(scale, self.num_tokens, n_seq)
@@ -335,7 +332,7 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
     """
     teacher = [0.0] * len(response) if teacher_log_probs is None else list(teacher_log_probs)
     if not (len(response) == len(response_mask) == len(teacher)):
-        _fail("response, response_mask and teacher_log_probs must have one entry per response token",
+        fail("response, response_mask and teacher_log_probs must have one entry per response token",
               "turns are the runs of scored tokens", "pass the trajectory's aligned per-token lists")
     turns, j, t = [], 0, 0
     while t < len(response):
@@ -377,7 +374,7 @@ def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPD
     ]
     bad = [(fix, why) for ok, fix, why in checks if not ok]
     if bad:
-        _fail("OPD turn streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
+        fail("OPD turn streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
               "set " + ", ".join(f for f, _ in bad), StreamingConfigError)
     from thundersync_verl.config import ThunderSyncConfig  # imports verl: only when a run's config is read
 
@@ -417,7 +414,7 @@ class OPDStreamClient:
         results = []
         for op in ops:
             if not isinstance(op, TurnBackwardOp):
-                _fail(f"unknown op {type(op).__name__}", "the OPD client sends turn chunks only",
+                fail(f"unknown op {type(op).__name__}", "the OPD client sends turn chunks only",
                       "pass the list returned by OPDTurnPlanner.next_ops()")
             results.append(self.wg.stream_token_backward(self.chunk(op)))
         return results

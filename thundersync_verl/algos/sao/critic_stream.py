@@ -48,8 +48,8 @@ from typing import Hashable, Iterable, Sequence
 import torch
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
-from thundersync_verl.core.errors import rule_message
+from thundersync_verl.core import StreamingConfigError, StreamingStateError
+from thundersync_verl.core.errors import fail
 from thundersync_verl.core.sao_stream import critic_token_coefficients
 from thundersync_verl.step.chunk_layout import TOKEN_COEF_KEY, build_token_chunk
 
@@ -60,9 +60,6 @@ SCORED_METRIC = "stream/scored_tokens"
 SUPPORTED_MODES = ("token-mean",)
 VERIFIED_STRATEGIES = ("fsdp", "fsdp2")  # engine keys (critic.strategy) checked against verl's critic update
 
-
-def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
-    raise cls(rule_message(rule, why, fix))
 
 
 # ----- driver side --------------------------------------------------------------------------------
@@ -82,11 +79,11 @@ class CriticRow:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         n = len(self.response)
         if not n or not self.prompt or any(len(getattr(self, k)) != n for k in ("agent_mask", "values", "returns")):
-            _fail(f"critic row {self.traj_id!r}: a non-empty prompt and response, and agent_mask, values and "
+            fail(f"critic row {self.traj_id!r}: a non-empty prompt and response, and agent_mask, values and "
                   f"returns with one entry per response token ({n})", "the critic's coefficients are per token",
                   "pass the unpadded per-token lists of the response")
         if not all(math.isfinite(float(x)) for x in self.values + self.returns):
-            _fail(f"critic row {self.traj_id!r}: values and returns must be finite", "one NaN poisons the critic's "
+            fail(f"critic row {self.traj_id!r}: values and returns must be finite", "one NaN poisons the critic's "
                   "gradient", "check the critic's forward and the rewards")
 
     @classmethod
@@ -119,10 +116,10 @@ class CriticStreamPlanner:
 
     def __init__(self, *, loss_agg_mode: str = "token-mean", max_chunk_size: int = 4):
         if loss_agg_mode not in SUPPORTED_MODES:
-            _fail(f"critic.loss_agg_mode={loss_agg_mode!r} cannot stream", "only the token-mean normaliser is "
+            fail(f"critic.loss_agg_mode={loss_agg_mode!r} cannot stream", "only the token-mean normaliser is "
                   "deferred here", f"set critic.loss_agg_mode to one of {list(SUPPORTED_MODES)}", StreamingConfigError)
         if int(max_chunk_size) < 1:
-            _fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
+            fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
                   "use e.g. 4", StreamingConfigError)
         self.max_chunk_size = int(max_chunk_size)
         self._ids: set | None = None
@@ -130,16 +127,16 @@ class CriticStreamPlanner:
     def begin_batch(self, traj_ids: Iterable[Hashable]) -> None:
         ids = list(traj_ids)
         if not ids or len(set(ids)) != len(ids):
-            _fail("a critic batch needs distinct trajectory ids, at least one", "each trajectory is counted once in "
+            fail("a critic batch needs distinct trajectory ids, at least one", "each trajectory is counted once in "
                   "the normaliser", "pass each id once")
         self._ids, self._seen, self._ready, self.num_tokens = set(ids), set(), [], 0
 
     def arrive(self, row: CriticRow) -> None:
         """The trajectory's values and returns exist: its coefficients are final."""
         if self._ids is None:
-            _fail("no critic batch open", "rows belong to one batch", "call begin_batch first", StreamingStateError)
+            fail("no critic batch open", "rows belong to one batch", "call begin_batch first", StreamingStateError)
         if row.traj_id not in self._ids or row.traj_id in self._seen:
-            _fail(f"critic row {row.traj_id!r} is not in this batch or arrived twice", "each trajectory of the batch "
+            fail(f"critic row {row.traj_id!r} is not in this batch or arrived twice", "each trajectory of the batch "
                   "is counted once", "list it in begin_batch and send it once")
         self._seen.add(row.traj_id)
         self._ready.append(row)
@@ -153,11 +150,11 @@ class CriticStreamPlanner:
     def finalize(self) -> float:
         """The barrier scale 1/N (N: agent tokens of the batch)."""
         if self._ids is None or self._seen != self._ids or self._ready:
-            _fail(f"critic finalize refused: {len(self._seen) if self._ids else 0} of {len(self._ids or ())} "
+            fail(f"critic finalize refused: {len(self._seen) if self._ids else 0} of {len(self._ids or ())} "
                   "trajectories arrived and were sent", "the normaliser counts every agent token of the batch",
                   "arrive every trajectory and run next_chunks() first", StreamingStateError)
         if self.num_tokens == 0:
-            _fail("critic finalize refused: the batch has no agent tokens", "the normaliser divides by them",
+            fail("critic finalize refused: the batch has no agent tokens", "the normaliser divides by them",
                   "drop the batch", StreamingStateError)
         self._ids = None
         return 1.0 / self.num_tokens

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from thundersync_verl.algos.sao.critic_stream import (
-    DRIFT_METRIC, LATER_EPOCHS_KEY, OLD_VALUES_KEY, SCORED_METRIC, SUPPORTED_MODES, VERIFIED_STRATEGIES, _fail,
+    DRIFT_METRIC, LATER_EPOCHS_KEY, OLD_VALUES_KEY, SCORED_METRIC, SUPPORTED_MODES, VERIFIED_STRATEGIES,
 )
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, StreamingStateError
+from thundersync_verl.core.errors import fail
 from thundersync_verl.learner.engines import StreamLearner, make_learner
 from thundersync_verl.learner.stream_checks import check_scale, check_token_chunk
 from thundersync_verl.step.chunk_layout import COEF_KEY, TOKEN_COEF_KEY, exact_micro_batch_size
@@ -26,7 +27,7 @@ def critic_token_loss(model_output, data, dp_group=None):
     fields = va.padded_fields(data, COEF_KEY, TOKEN_COEF_KEY, *([OLD_VALUES_KEY] if has_old else []))
     token_coef = fields[TOKEN_COEF_KEY].to(device=values.device, dtype=values.dtype)  # [B, T]
     if token_coef.shape != values.shape:
-        _fail(f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the critic's values have {tuple(values.shape)}",
+        fail(f"{TOKEN_COEF_KEY} has shape {tuple(token_coef.shape)} but the critic's values have {tuple(values.shape)}",
               "each coefficient multiplies the value of the response token at the same position",
               "build the chunk with critic_stream.critic_chunk")
     coef = token_coef * fields[COEF_KEY].to(device=values.device, dtype=values.dtype).unsqueeze(-1)  # [B, T]
@@ -42,26 +43,26 @@ def critic_token_loss(model_output, data, dp_group=None):
 def critic_settings(critic_cfg: Any, meta: dict) -> int:
     """The worker's check of the critic config for streaming (point 3); returns the later epochs (0 or E - 1)."""
     if critic_cfg is None:
-        _fail("the critic worker has no value loss bound to a CriticConfig",
+        fail("the critic worker has no value loss bound to a CriticConfig",
               "streaming reads critic.loss_agg_mode, ppo_epochs and ppo_mini_batch_size from the config verl's "
               "value loss uses", "call set_loss_fn(partial(value_loss, config=critic_cfg)) first, as verl's trainer "
               "does (verl_adapter.critic_worker_group)", StreamingConfigError)
     read = critic_cfg.get if hasattr(critic_cfg, "get") else (lambda k, d=None: getattr(critic_cfg, k, d))
     mode, epochs, mini = read("loss_agg_mode", "token-mean"), int(read("ppo_epochs", 1)), int(read("ppo_mini_batch_size"))
     if mode not in SUPPORTED_MODES:
-        _fail(f"critic.loss_agg_mode={mode!r} cannot stream", "the streamed critic defers the token-mean normaliser "
+        fail(f"critic.loss_agg_mode={mode!r} cannot stream", "the streamed critic defers the token-mean normaliser "
               "1/N only; other modes are not verified against verl's value loss",
               f"set critic.loss_agg_mode to one of {list(SUPPORTED_MODES)}, or update the critic with verl's "
               "_update_critic at the barrier", StreamingConfigError)
     if "train_batch_size" not in meta or int(meta["train_batch_size"]) != mini:
-        _fail(f"streaming the critic needs one mini-batch per batch: critic.ppo_mini_batch_size={mini}, "
+        fail(f"streaming the critic needs one mini-batch per batch: critic.ppo_mini_batch_size={mini}, "
               f"data.train_batch_size={meta.get('train_batch_size')!r}", "a later mini-batch's coefficients need "
               "values at weights that exist only after an earlier critic step",
               "set critic.ppo_mini_batch_size = data.train_batch_size and pass train_batch_size in the batch meta",
               StreamingConfigError)
     later = int(meta.get(LATER_EPOCHS_KEY, 0))
     if later != epochs - 1:
-        _fail(f"critic.ppo_epochs={epochs}: the stream is the first epoch only (batch meta "
+        fail(f"critic.ppo_epochs={epochs}: the stream is the first epoch only (batch meta "
               f"{LATER_EPOCHS_KEY}={later}, expected {epochs - 1})",
               "epochs 2.. run at weights that exist only after the first step; their clip is against the stored "
               "step-start values, so verl's train_mini_batch with epochs=ppo_epochs-1 on the same batch runs them",
@@ -98,11 +99,11 @@ class StreamingCriticWorker(_Base):
 
     def _state(self, call: str) -> _CriticBatch:
         if self._cs is None:
-            _fail(f"{call} called with no streaming critic batch open", "streamed critic gradients belong to one "
+            fail(f"{call} called with no streaming critic batch open", "streamed critic gradients belong to one "
                   "batch valued at one set of weights", "call stream_begin_batch(meta) first (again after every "
                   "finalize_step)", StreamingStateError)
         if self._cs.failed is not None:
-            _fail(f"{call} refused: an earlier call of this batch failed ({self._cs.failed})",
+            fail(f"{call} refused: an earlier call of this batch failed ({self._cs.failed})",
                   "the batch's critic gradient is incomplete", "drop the batch: call stream_begin_batch(meta) and "
                   "stream it again", StreamingStateError)
         return self._cs
@@ -110,7 +111,7 @@ class StreamingCriticWorker(_Base):
     @contextlib.contextmanager
     def _exclusive(self, call: str):
         if not self._cs_lock.acquire(blocking=False):
-            _fail(f"{call} called while another streaming critic call is running", "backward and step of one batch "
+            fail(f"{call} called while another streaming critic call is running", "backward and step of one batch "
                   "must run in order", "wait for each call's result before sending the next", StreamingStateError)
         try:
             yield
@@ -131,7 +132,7 @@ class StreamingCriticWorker(_Base):
         (data.train_batch_size) and, with critic.ppo_epochs = E > 1, ``critic_later_epochs`` = E - 1."""
         strategy = va.actor_strategy(va.engine_owner_view(self))
         if strategy not in VERIFIED_STRATEGIES:
-            _fail(f"critic.strategy={strategy!r}: the streamed critic is verified on {list(VERIFIED_STRATEGIES)} only",
+            fail(f"critic.strategy={strategy!r}: the streamed critic is verified on {list(VERIFIED_STRATEGIES)} only",
                   "the chunk loss reads the engine's value output and the learner its gradient; this engine's were not "
                   "checked against verl's critic update", "set critic.strategy=fsdp2, or update the critic with "
                   "verl's _update_critic at the barrier", StreamingConfigError)
@@ -158,7 +159,7 @@ class StreamingCriticWorker(_Base):
             state = self._state(call)
             check_token_chunk(chunk)
             if not self._agree(bool(torch.isfinite(chunk[TOKEN_COEF_KEY]).all())):
-                _fail(f"every {TOKEN_COEF_KEY} of a critic chunk must be finite", "one NaN poisons the critic's "
+                fail(f"every {TOKEN_COEF_KEY} of a critic chunk must be finite", "one NaN poisons the critic's "
                       "batch gradient", "check the critic's values and the returns before building the chunk")
             dynamic, configured = bool(self.engine_config.use_dynamic_bsz), self.engine_config.micro_batch_size_per_gpu
             if not dynamic and "micro_batch_size_per_gpu" not in chunk.keys():

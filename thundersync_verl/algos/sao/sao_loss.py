@@ -7,10 +7,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from thundersync_verl.algos.sao.sao_streaming import (
-    EPS_HIGH_KEY, EPS_LOW_KEY, MASKED_METRIC, NAME, SCORED_METRIC, _fail,
+    EPS_HIGH_KEY, EPS_LOW_KEY, MASKED_METRIC, NAME, SCORED_METRIC,
 )
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError
+from thundersync_verl.core.errors import fail
 from thundersync_verl.core.corrections import double_sided_token_mask
 from thundersync_verl.core.normalizers import check_loss_agg_mode
 from thundersync_verl.core.sao import sao_policy_loss
@@ -66,7 +67,7 @@ def sao_settings(config: Any, meta: dict) -> SimpleNamespace:
     ]
     bad = [(fix, why) for ok, fix, why in checks if not ok]
     if bad:
-        _fail("SAO streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
+        fail("SAO streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
               "set " + ", ".join(f for f, _ in bad), StreamingConfigError)
     check_loss_agg_mode(mode, _read(actor, "loss_scale_factor"))
     return SimpleNamespace(loss_agg_mode=mode)

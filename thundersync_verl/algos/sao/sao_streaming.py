@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError, batch_scale
-from thundersync_verl.core.errors import rule_message
+from thundersync_verl.core import StreamingConfigError, StreamingStateError, batch_scale
+from thundersync_verl.core.errors import fail
 from thundersync_verl.core.normalizers import check_loss_agg_mode, token_weight
 from thundersync_verl.core.sao_stream import SAO_BUCKET, WhitenLedger, actor_token_coefficients, trajectory_gae
 from thundersync_verl.step.chunk_layout import build_token_chunk
@@ -45,9 +45,6 @@ NAME = "sao"
 EPS_LOW_KEY, EPS_HIGH_KEY = "ts_sao_eps_low", "ts_sao_eps_high"  # non-tensor: the double-sided band
 MASKED_METRIC, SCORED_METRIC = "stream/sao_masked_tokens", "stream/scored_tokens"
 
-
-def _fail(rule: str, why: str, fix: str, cls=StreamingInputError):
-    raise cls(rule_message(rule, why, fix))
 
 
 # ----- driver side --------------------------------------------------------------------------------
@@ -68,11 +65,11 @@ class SAOTrajectory:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         n = len(self.response)
         if not n or any(len(getattr(self, k)) != n for k in ("agent_mask", "rewards", "values", "rollout_log_probs")):
-            _fail(f"trajectory {self.traj_id!r}: agent_mask, rewards, values and rollout_log_probs need one entry "
+            fail(f"trajectory {self.traj_id!r}: agent_mask, rewards, values and rollout_log_probs need one entry "
                   f"per response token ({n})", "SAO's coefficients are per token",
                   "pass the unpadded per-token lists of the response")
         if not all(math.isfinite(float(x)) for x in self.rollout_log_probs):
-            _fail(f"trajectory {self.traj_id!r}: rollout log-probs must be finite", "the band mask compares "
+            fail(f"trajectory {self.traj_id!r}: rollout log-probs must be finite", "the band mask compares "
                   "the learner's log-probs with them", "check the rollout engine's log-probs")
 
 
@@ -96,11 +93,11 @@ class SAOStreamPlanner:
                  loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None, max_chunk_size: int = 4):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
         if not (float(eps_low) > 0 and float(eps_high) > 0):
-            _fail(f"band offsets must be positive (got {eps_low}, {eps_high})", "the band must contain ratio 1",
+            fail(f"band offsets must be positive (got {eps_low}, {eps_high})", "the band must contain ratio 1",
                   "set actor.clip_ratio_low / clip_ratio_high", StreamingConfigError)
         self.band = (float(eps_low), float(eps_high))
         if int(max_chunk_size) < 1:
-            _fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
+            fail(f"max_chunk_size must be >= 1 (got {max_chunk_size})", "a chunk holds at least one trajectory",
                   "use e.g. 4", StreamingConfigError)
         self.gamma, self.lam, self.whiten = float(gamma), float(lam), bool(whiten)
         self.loss_agg_mode, self.loss_scale_factor = loss_agg_mode, loss_scale_factor
@@ -110,7 +107,7 @@ class SAOStreamPlanner:
     def begin_batch(self, traj_ids: Iterable[Hashable]) -> None:
         ids = list(traj_ids)
         if not ids or len(set(ids)) != len(ids):
-            _fail("a batch needs distinct trajectory ids, at least one", "each trajectory is counted once",
+            fail("a batch needs distinct trajectory ids, at least one", "each trajectory is counted once",
                   "pass each id once")
         self._ids, self._ledger = set(ids), WhitenLedger()
         self._ready: dict[str, list] = {"direct": [], SAO_BUCKET: []}
@@ -119,9 +116,9 @@ class SAOStreamPlanner:
     def arrive(self, traj: SAOTrajectory) -> None:
         """The trajectory's reward and critic values exist: its coefficients are final (core/sao_stream point 1)."""
         if self._ids is None:
-            _fail("no SAO batch open", "trajectories belong to one batch", "call begin_batch first", StreamingStateError)
+            fail("no SAO batch open", "trajectories belong to one batch", "call begin_batch first", StreamingStateError)
         if traj.traj_id not in self._ids:
-            _fail(f"trajectory {traj.traj_id!r} is not in this batch", "its weights may differ from the batch's",
+            fail(f"trajectory {traj.traj_id!r} is not in this batch", "its weights may differ from the batch's",
                   "list it in begin_batch")
         gae, returns = trajectory_gae(traj.rewards, traj.values, traj.agent_mask, gamma=self.gamma, lam=self.lam)
         self._ledger.add(traj.traj_id, gae, traj.agent_mask)
@@ -148,13 +145,13 @@ class SAOStreamPlanner:
     def finalize(self) -> tuple[dict, FinalizeOp]:
         """``(folds, FinalizeOp)``: fold the bucket with -mean, then step with the normaliser times inv_std."""
         if self._ids is None or len(self._ledger) != len(self._ids) or any(self._ready.values()):
-            _fail(f"finalize refused: {len(self._ledger) if self._ids else 0} of {len(self._ids or ())} trajectories "
+            fail(f"finalize refused: {len(self._ledger) if self._ids else 0} of {len(self._ids or ())} trajectories "
                   "arrived and were planned", "the whitening statistics and the step need every trajectory",
                   "arrive every trajectory and run next_ops() first", StreamingStateError)
         scale = batch_scale(self.loss_agg_mode, num_tokens=self.num_tokens, num_sequences=self.num_sequences,
                             dp_size=1, loss_scale_factor=self.loss_scale_factor)
         if scale is None:
-            _fail("finalize refused: the batch has no agent tokens", "the normaliser divides by them",
+            fail("finalize refused: the batch has no agent tokens", "the normaliser divides by them",
                   "drop the batch", StreamingStateError)
         folds = {}
         if self.whiten:

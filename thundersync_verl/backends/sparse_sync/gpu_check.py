@@ -14,7 +14,6 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 
