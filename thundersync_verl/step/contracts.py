@@ -1,4 +1,4 @@
-"""What the streamed step asks of a planner and of an algorithm: every member, stated once.
+"""What the streamed step asks of a planner and of an algorithm, and the trainer of its algorithm: every member, stated once.
 
 Why:
 1. ``StreamedStep`` (``streamed_step.py``) drives every algorithm through two objects: a planner (which rows
@@ -9,11 +9,16 @@ Why:
    (no verl estimator settings, no companion buckets, no free-slot planning, no metrics); an implementation
    inherits them and overrides what it does differently. ``tests/trainer/test_contracts_on_cpu.py`` checks that
    every planner and algorithm the trainer builds has every member.
+3. One level up, ``TrainerAlgorithm`` is everything the trainer (``thundersync_trainer.py``) asks of the run's
+   algorithm: its config rules, planner, per-step arrivals, worker and client setup, warm-up and after-step work.
+   ``step/algorithm.py`` ``choose_algorithm`` picks the implementation once per run (GRPO, OPD or SAO), so the
+   trainer never branches on the algorithm; ``TrainerAlgorithmDefaults`` holds GRPO's neutral hooks, which the
+   others override. ``tests/trainer/test_algorithm_choice_on_cpu.py`` checks each has every member.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -87,3 +92,56 @@ class AlgorithmDefaults:
 
     def close(self) -> None:
         return None
+
+
+@runtime_checkable
+class TrainerAlgorithm(Protocol):
+    """The run's algorithm as the trainer sees it (point 3): ``GRPOAlgorithm``, ``OPDAlgorithm``, ``SAOAlgorithm``."""
+
+    name: str  # "grpo", "opd", "sao"
+    record_algo: str  # the step records' ``algo`` field (and file name ``<record_algo>_thundersync.jsonl``)
+
+    def validate_settings(self, config, ts) -> None: ...  # loss/estimator rules, before the rollout-pool rules
+
+    def validate(self, config, ts) -> None: ...  # the algorithm's own streaming rules, after them
+
+    def setup_workers(self, role_worker_mapping: dict) -> None: ...  # worker classes beyond the streaming actor
+
+    def llm_client(self, client, trainer) -> Any: ...  # the client the agent loops generate (and score) with
+
+    def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> Planner: ...  # one for the run
+
+    def arrivals(self, trainer) -> Algorithm: ...  # one per step: what "landed" means (``StreamedStep``)
+
+    def values(self, trainer) -> Callable | None: ...  # the critic forward for arrivals (``StepContext.values``)
+
+    def is_warmup_step(self, trainer) -> bool: ...  # this step replaces the streamed one with ``warmup_step``
+
+    def warmup_step(self, trainer, metrics: dict, timing_raw: dict) -> Any: ...  # returns the batch
+
+    def after_step(self, trainer, batch, metrics: dict, timing_raw: dict) -> Any: ...  # after verl's advantages
+
+
+class TrainerAlgorithmDefaults:
+    """The neutral value of each optional trainer-algorithm member: nothing to add to verl's setup or step."""
+
+    def validate(self, config, ts) -> None:
+        return None
+
+    def setup_workers(self, role_worker_mapping: dict) -> None:
+        return None
+
+    def llm_client(self, client, trainer):
+        return client
+
+    def values(self, trainer) -> None:
+        return None
+
+    def is_warmup_step(self, trainer) -> bool:
+        return False
+
+    def warmup_step(self, trainer, metrics: dict, timing_raw: dict):
+        raise TypeError(f"{type(self).__name__} has no warm-up step (is_warmup_step is always False)")
+
+    def after_step(self, trainer, batch, metrics: dict, timing_raw: dict):
+        return batch

@@ -19,6 +19,10 @@ Why:
    ``hf_cpu``; vLLM's prefix cache removes most of it); verl's whole-trajectory teacher scores check
    the per-turn ones (``thundersync/opd/teacher_prefix_gap_max``). On the learner a turn row
    recomputes its prefix (``opd_stream.py`` point 3).
+5. ``OPDAlgorithm`` is OPD as the trainer's algorithm (``step/contracts.TrainerAlgorithm``, chosen by
+   ``step/algorithm.choose_algorithm`` with ``distillation.enabled``): the agent loops get verl's teacher clients to
+   score each turn, the run's planner is the turn planner, and the rules per-turn streaming needs (one teacher, no
+   batch order, one optimizer step per batch, no KL loss or entropy bonus) refuse a config before any work.
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ from thundersync_verl.algos.opd.turn_teacher import (
     TURN_COUNT_KEY,
     TURN_PARTITION,
     TeacherScoringError,
+    attach_teacher_clients,
     retry_policy_from_config,
     trajectory_key,
 )
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.algos.opd.opd_stream import OPDTurn, OPDTurnPlanner, opd_planner_from_verl_config, turns_of_trajectory
-from thundersync_verl.step.contracts import AlgorithmDefaults
+from thundersync_verl.step.contracts import AlgorithmDefaults, TrainerAlgorithmDefaults
+from thundersync_verl.step.grpo_algorithm import steps_per_batch
+from thundersync_verl.step.stream_plan import settings_from_verl_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,47 @@ def validate_opd_config(config, *, max_chunk_size: int = 8) -> OPDTurnPlanner:
             "keep only distillation.teacher_models.teacher_model, or train multi-teacher OPD with mode=sync"))
     retry_policy_from_config(config)
     return planner
+
+
+class OPDAlgorithm(TrainerAlgorithmDefaults):
+    """OPD in the trainer (point 5): teacher-scored turns streamed by the turn planner."""
+
+    name = "opd"
+    record_algo = "opd"
+
+    def validate_settings(self, config, ts) -> None:
+        settings_from_verl_config(config)  # ppo_epochs, mini-batches, loss, estimator, IS/KL terms
+
+    def validate(self, config, ts) -> None:
+        validate_opd_config(config, max_chunk_size=ts.chunk_size)  # k1 policy gradient, no task rewards, one teacher
+        if ts.deterministic:
+            raise StreamingConfigError(rule_message(
+                "thundersync.deterministic=true orders whole trajectories; OPD streams scored turns",
+                "turns of different trajectories interleave with the tool calls' timing, which no batch order fixes",
+                "set thundersync.deterministic=false for OPD"))
+        k, epochs = steps_per_batch(config)
+        if k * epochs != 1:
+            raise StreamingConfigError(rule_message(
+                f"OPD turn streaming takes one optimizer step per batch (got {k} mini-batches x {epochs} epochs)",
+                "its turns are backpropagated as they are scored, at the batch's weights",
+                "set actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size and ppo_epochs=1"))
+        actor = config.actor_rollout_ref.actor
+        terms = [t for t, on in (("use_kl_loss=false", actor.get("use_kl_loss", False)),
+                                 ("entropy_coeff=0", float(actor.get("entropy_coeff", 0.0) or 0.0) != 0.0)) if on]
+        if terms:
+            raise StreamingConfigError(rule_message(
+                "OPD turn streaming has no KL loss or entropy bonus term",
+                "a turn chunk's loss is the distillation policy gradient; the configured terms would be silently dropped",
+                "set " + ", ".join(f"actor_rollout_ref.actor.{t}" for t in terms)))
+
+    def llm_client(self, client, trainer):
+        return attach_teacher_clients(client, trainer.get_teacher_client())  # the agent loops score each turn
+
+    def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> OPDTurnPlanner:
+        return validate_opd_config(config, max_chunk_size=ts.chunk_size)
+
+    def arrivals(self, trainer) -> "OPDArrivals":
+        return OPDArrivals(trainer.planner)
 
 
 # ----- trainer side ---------------------------------------------------------------------------

@@ -26,13 +26,20 @@ Why:
    OPD; for the critic: a strategy other than fsdp/fsdp2, ``critic.loss_agg_mode`` other than token-mean,
    several critic mini-batches per batch. The workers re-check (``sao_stream.sao_settings``,
    ``critic_worker.critic_settings``).
+6. ``SAOAlgorithm`` is SAO as the trainer's algorithm (``step/contracts.TrainerAlgorithm``, chosen by
+   ``step/algorithm.choose_algorithm`` with ``algorithm.adv_estimator=sao``): it swaps in the streaming critic
+   worker, values each arrival with verl's critic forward (``critic_values``), owns the run's ``CriticStream``,
+   and runs the warm-up steps (point 4) and the critic's update after the actor's step (point 3). Its step records
+   keep the ``algo`` name ``grpo`` they had before SAO was an algorithm of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
+from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.algos.sao.critic_stream import (VERIFIED_STRATEGIES, CriticRow, CriticStreamClient,
@@ -40,7 +47,9 @@ from thundersync_verl.algos.sao.critic_stream import (VERIFIED_STRATEGIES, Criti
 from thundersync_verl.algos.sao.sao_streaming import NAME, SAOBackwardOp, SAOStreamPlanner, SAOTrajectory
 from thundersync_verl.step.stream_plan import FinalizeOp, FoldOp
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived, TrajectorySource
-from thundersync_verl.step.contracts import AlgorithmDefaults, PlannerDefaults
+from thundersync_verl.step.chunk_layout import exact_micro_batch_size
+from thundersync_verl.step.contracts import AlgorithmDefaults, PlannerDefaults, TrainerAlgorithmDefaults
+from thundersync_verl.step.stream_exec import rollout_as_old_log_probs
 
 BATCH_GROUP = "__sao_batch__"  # the FoldOp's group id: the whole batch is SAO's one "group"
 
@@ -257,3 +266,77 @@ def collect_batch(tq, uids: list[str], n: int, *, timeout_s: float, poll_s: floa
                 "tools are that slow, or check the rollout servers.")
         time.sleep(poll_s)
     return keys, tags
+
+
+def critic_values(trainer, keys: list, tags: list) -> dict[str, list[float]]:
+    """verl's critic forward (``_compute_values``) for trajectories as they land, at the step-start weights."""
+    api, critic = va.trainer_api(), trainer.config.critic
+    cap = critic.get("forward_micro_batch_size_per_gpu") or critic.get("ppo_micro_batch_size_per_gpu")
+    meta = api.KVBatchMeta(partition_id="train", keys=keys, tags=tags,
+                           extra_info={"micro_batch_size_per_gpu": exact_micro_batch_size(len(keys), cap)})
+    trainer._compute_values(meta, {})
+    data = api.tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["values"])
+    return {key: data["values"][i].tolist() for i, key in enumerate(keys)}
+
+
+class SAOAlgorithm(TrainerAlgorithmDefaults):
+    """SAO in the trainer (point 6): critic-valued trajectories, the critic's update streamed after the actor's."""
+
+    name = "sao"
+    record_algo = "grpo"  # point 6: the records' name is kept
+
+    def __init__(self):
+        self.critic_stream: CriticStream | None = None  # the run's one, built at the first streamed step
+
+    def validate_settings(self, config, ts) -> None:
+        validate_sao_config(config, ts)
+
+    def setup_workers(self, role_worker_mapping: dict) -> None:
+        """The critic's update streams too: verl's critic worker becomes the streaming one (point 3)."""
+        import ray
+
+        critic = va.trainer_api().Role.Critic
+        if critic in role_worker_mapping:
+            from thundersync_verl.algos.sao.critic_worker import StreamingCriticWorker
+
+            role_worker_mapping[critic] = ray.remote(StreamingCriticWorker)
+
+    def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> SAOStepPlanner:
+        return planner_from_config(config, ts)
+
+    def arrivals(self, trainer) -> SAOArrivals:
+        if self.critic_stream is None:
+            rollout = trainer.config.actor_rollout_ref.rollout
+            self.critic_stream = CriticStream(trainer.config, trainer.critic_wg, pad_token_id=trainer.tokenizer.pad_token_id,
+                                              temperature=rollout.temperature, chunk_size=trainer.ts.chunk_size)
+        return SAOArrivals(trainer.planner, self.critic_stream)
+
+    def values(self, trainer) -> Callable:
+        return functools.partial(critic_values, trainer)
+
+    def is_warmup_step(self, trainer) -> bool:
+        return trainer.config.trainer.critic_warmup > trainer.global_steps
+
+    def warmup_step(self, trainer, metrics: dict, timing_raw: dict):
+        """``trainer.critic_warmup`` steps: the whole batch valued, the critic updated, the actor untouched (point 4)."""
+        api, ts = va.trainer_api(), trainer.ts
+        with api.marked_timer("gen", timing_raw, color="red"):
+            keys, tags = collect_batch(api.tq, list(trainer._batch_uids), int(trainer.config.actor_rollout_ref.rollout.n),
+                                       timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s)
+        rollout_as_old_log_probs(api.tq, keys)  # bypass mode, as on the streamed steps
+        critic_values(trainer, keys, tags)
+        batch = trainer._compute_advantage(api.KVBatchMeta(partition_id="train", keys=keys, tags=tags), {})
+        with api.marked_timer("update_critic", timing_raw, color="pink"):
+            batch = trainer._update_critic(batch, metrics=metrics)
+        trainer.recorder.finish_step({}, {})
+        return batch
+
+    def after_step(self, trainer, batch, metrics: dict, timing_raw: dict):
+        """The critic's streamed epoch steps after the actor's (nothing half-applied), then verl's later ones."""
+        with va.trainer_api().marked_timer("update_critic", timing_raw, color="pink"):
+            t0 = time.time()
+            metrics.update(self.critic_stream.finalize())
+            if self.critic_stream.later_epochs:
+                batch = va.update_critic_epochs(trainer, batch, metrics, self.critic_stream.later_epochs)
+            trainer.recorder.learner_op("critic_update", t0, time.time())
+        return batch
