@@ -28,6 +28,10 @@ Why:
    and the learner's ``memory_budget_bytes``): trajectories of new groups wait, and the update must be
    the same (``gap_over_floor``: streamed-under-budget vs verl's ``update_actor``, over the floor of
    ``benchmarks/equivalence.py``, verl against itself with the rows in another micro-batch order).
+7. ``--bucket-device host --budget-buckets 2``: after the core figures, the streaming worker on verl's
+   FSDP2 engine (CPU) with its buckets placed by ``thundersync.bucket_device`` under a budget of that
+   many buckets, against the same stream unbudgeted with device buckets (``accumulator_memory_engine.py``);
+   the core figures and the engine's go into ONE JSON line / ``results/accumulator_memory.json``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import math
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +50,8 @@ import torch
 
 from thundersync_verl.core import GRPOEstimator, StreamingGradientAccumulator
 from thundersync_verl.run.results import add_results_dir_argument, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules: equivalence.py, accumulator_memory_engine.py
 
 
 @dataclass(frozen=True)
@@ -136,13 +143,17 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1, choices=[1, 2], help="megatron: pipeline parallel size")
     parser.add_argument("--dp", type=int, default=1, choices=[1, 2], help="megatron: data parallel size")
     parser.add_argument("--distributed-optimizer", action="store_true", help="megatron: shard the optimizer over DP")
-    parser.add_argument("--budget-buckets", type=int, default=2, help="megatron: open buckets the budgeted run may hold")
+    parser.add_argument("--budget-buckets", type=int, default=2,
+                        help="megatron / --bucket-device: open buckets the budgeted run may hold")
+    parser.add_argument("--bucket-device", choices=["host", "device", "auto"],
+                        help="also run the streaming worker on verl's FSDP2 engine with its buckets there, under the budget")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.engine == "megatron":
+    if args.engine == "megatron" or args.bucket_device:
         if args.budget_buckets < 2:
             parser.error("--budget-buckets must be >= 2: a group of binary rewards needs up to 2 buckets")
+    if args.engine == "megatron":
         megatron_main(args)
         return
     groups, n = 32, 8
@@ -169,15 +180,13 @@ def main() -> None:
                 if (kind, load, policy, b) == ("lognormal", 0.9, "ranked+budget", 4):
                     headline = worst
     assert headline is not None
-    write_result(
-        "accumulator_memory",
-        {
-            "peak_open_groups": headline.peak_open_groups,
-            "peak_bytes": headline.peak_bytes,
-            "budget_bytes": headline.budget_bytes,
-        },
-        args.results_dir,
-    )
+    result = {"peak_open_groups": headline.peak_open_groups, "peak_bytes": headline.peak_bytes,
+              "budget_bytes": headline.budget_bytes}
+    if args.bucket_device:
+        from accumulator_memory_engine import engine_bucket_run  # point 7
+
+        result.update(engine_bucket_run(args))
+    write_result("accumulator_memory", result, args.results_dir)
 
 
 # ----- --engine megatron ---------------------------------------------------------------------

@@ -63,6 +63,8 @@ Why:
    its streamed pieces (direct calls, folds, the deferred scale) summed in float64 and rounded to fp32 once at
    the barrier (``thundersync_harness.megatron_accumulation``); each chunk's backward is unchanged. JSON
    equivalence_megatron_*_float64sum (``gap_float64_sum_over_floor``).
+   ``--per-token-loss``: point 7 with Megatron's per-token-loss regime forced on at CP 1, for verl's update and
+   the stream alike (``thundersync_harness.megatron_per_token``); JSON equivalence_megatron_*_per_token.
 12. ``--seeds S1,S2,...`` (any engine and comparison): the whole comparison once per seed (other batches and
    arrival orders, the same model; a fresh Ray session each), each seed's table printed as with ``--seed``.
    The floor is ONE regrouping sample per step, itself noisy, so one seed's worst step can cross the 2x mark
@@ -100,14 +102,15 @@ from thundersync_harness.engine_setup import (
     verl_config,
 )
 from thundersync_harness.engine_steps import (
+    OPDSpec,
+    PolicySpec,
     relative_gap,
-    stream_opd_step,
     stream_step,
-    sync_opd_step,
     sync_step,
     train,
 )
-from thundersync_harness.megatron_engine import build_megatron_model, megatron_config, prescaled_stream_step
+from thundersync_harness.megatron_engine import PrescaledSpec, build_megatron_model, megatron_config
+from thundersync_harness.megatron_per_token import per_token_config, start_per_token_workers
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
@@ -140,7 +143,7 @@ def float64_sum_stream_step(wg, trajs, arrival: list[int], pad_id: int) -> dict:
 
 
 def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, float64_sum: bool = False) -> dict:
-    """``diagnostics``: also the stream with verl's rounding of 1/N (``prescaled_stream_step``) and verl's
+    """``diagnostics``: also the stream with verl's rounding of 1/N (``PrescaledSpec``) and verl's
     update with the advantages x16 and x24 (the control of point 7). ``float64_sum``: also the stream
     summed in float64 (point 11)."""
     kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other", "sync_fine"]
@@ -152,9 +155,11 @@ def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, 
         steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id))
         if diagnostics:
-            steps["stream_prescaled"].append(partial(prescaled_stream_step, wg, trajs, arrival, pad_id))
-            steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_POW2))
-            steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id, advantage_scale=CONTROL_OTHER))
+            steps["stream_prescaled"].append(partial(stream_step, wg, trajs, arrival, pad_id, PrescaledSpec()))
+            steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id,
+                                              PolicySpec(advantage_scale=CONTROL_POW2)))
+            steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id,
+                                               PolicySpec(advantage_scale=CONTROL_OTHER)))
             steps["sync_fine"].append(partial(sync_step, wg, trajs, in_order, pad_id, micro=1))
         if float64_sum:
             steps["stream_fp64sum"].append(partial(float64_sum_stream_step, wg, trajs, arrival, pad_id))
@@ -166,10 +171,12 @@ def opd_steps(wg, batches, pad_id: int, micro: int) -> dict:
     learner's. sync_whole is fed whole-sequence scores: its distance to sync_a adds the teacher's."""
     steps = {"sync_a": [], "sync_b": [], "stream": [], "sync_whole": []}
     for trajs, turns, rows, whole, arrival in batches:
-        steps["sync_a"].append(partial(sync_opd_step, wg, trajs, list(range(len(trajs))), pad_id, rows))
-        steps["sync_b"].append(partial(sync_opd_step, wg, trajs, transposed_order(len(trajs), micro), pad_id, rows))
-        steps["stream"].append(partial(stream_opd_step, wg, trajs, turns, arrival, pad_id))
-        steps["sync_whole"].append(partial(sync_opd_step, wg, trajs, list(range(len(trajs))), pad_id, whole))
+        spec = OPDSpec(teacher_rows=rows, turns=turns)
+        steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id, spec))
+        steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id, spec))
+        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
+        steps["sync_whole"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id,
+                                           OPDSpec(teacher_rows=whole, turns=turns)))
     return steps
 
 
@@ -204,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mini-batches", type=int, default=1, help="K optimizer steps per batch (point 9)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (point 9)")
     parser.add_argument("--estimator", default="grpo", help="algorithm.adv_estimator (point 10)")
+    parser.add_argument("--per-token-loss", action="store_true", help="megatron: calculate_per_token_loss on (point 11)")
     parser.add_argument("--float64-sum", action="store_true",
                         help="megatron experiment: also the stream summed in float64 across calls (point 11)")
     add_results_dir_argument(parser)
@@ -246,8 +254,8 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
     teacher = build_teacher(model_path, work / "teacher") if args.algo == "opd" else None
     micro = 4
     if megatron:
-        config = megatron_config(model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp,
-                                 distributed_optimizer=args.distributed_optimizer)
+        config = (per_token_config if args.per_token_loss else megatron_config)(
+            model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp, distributed_optimizer=args.distributed_optimizer)
     else:
         config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
     extra = {}
@@ -259,6 +267,8 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         if megatron or args.algo != "grpo":
             parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
         return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
+    if args.per_token_loss and (not megatron or args.float64_sum or args.kl or args.entropy):
+        parser.error("--per-token-loss runs the plain GRPO comparison on --engine megatron")
     if args.float64_sum and (not megatron or args.distributed_optimizer or args.algo != "grpo" or args.kl
                              or args.entropy):
         parser.error("--float64-sum runs the plain GRPO comparison on --engine megatron without the distributed optimizer")
@@ -280,7 +290,9 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
 
     try:
         world = args.dp * (args.tp * args.pp if megatron else 1)  # Ray workers: one per rank
-        if args.float64_sum:
+        if args.per_token_loss:
+            wg = start_per_token_workers(config, world)
+        elif args.float64_sum:
             from thundersync_harness.megatron_accumulation import start_probe_workers
 
             wg = start_probe_workers(config, world)
@@ -426,7 +438,7 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     (da, info_a), (db, _), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
     layout, optimizer = f"dp={args.dp}", args.optimizer
     if args.engine == "megatron":
-        layout = f"engine=megatron, tp={args.tp}, pp={args.pp}, dp={args.dp}"
+        layout = f"engine=megatron, tp={args.tp}, pp={args.pp}, dp={args.dp}" + (", per-token loss" * args.per_token_loss)
         optimizer = "adam (eps 1, distributed)" if args.distributed_optimizer else "sgd (no momentum)"
     print(f"\nequivalence: {args.algo}, {layout}, optimizer={optimizer}, fp32 (float64 possible: {fp64_probe()})")
     ops_head = "turn chunks" if args.algo == "opd" else "chunks direct/bucket/folds"
@@ -461,9 +473,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.engine == "megatron":
         if "stream_prescaled" in runs:  # the plain GRPO comparison runs the diagnostics of point 7
             result.update(_report_diagnostics(runs))
-        result["distributed_optimizer"] = args.distributed_optimizer
+        result.update(distributed_optimizer=args.distributed_optimizer, per_token_loss=args.per_token_loss)
         name = name.replace("equivalence", f"equivalence_megatron_tp{args.tp}_pp{args.pp}_dp{args.dp}" + (
-            "_distopt" if args.distributed_optimizer else ""), 1)
+            "_distopt" if args.distributed_optimizer else "") + ("_per_token" if args.per_token_loss else ""), 1)
         if "stream_fp64sum" in runs:  # point 11: an experiment, written apart from the plain result
             result.update(_report_float64_sum(runs))
             name += "_float64sum"

@@ -23,7 +23,7 @@ LATENCY_BAD = {"kind": "gamma", "median_s": -0.1, "sigma": -1.0, "alpha": 0.0, "
 BAD = {  # key -> a value it must refuse
     "mode": "sometimes", "chunk_size": 0, "learner_forward": "twice", "poll_s": 0.0, "pipeline_depth": 1.5,
     "coalesce": "yes", "trajectory_timeout_s": -1.0, "weight_push_retries": -1, "run_dir": "", "memory_budget_bytes": -1,
-    "deterministic": "always", "stop_file": "", "timeline_every": -1, "reward_in_agent_loop": "maybe",
+    "bucket_device": "gpu", "deterministic": "always", "stop_file": "", "timeline_every": -1, "reward_in_agent_loop": "maybe",
     "env": 3, "env.max_tool_turns": -1, "env.tool_timeout_s": 0, "env.retry_prob": 1.2, "env.trace_path": 7,
     "env.tool_latency": "fast", "env.verifier_latency": None,
     **{f"env.tool_latency.{k}": v for k, v in LATENCY_BAD.items()},
@@ -35,7 +35,7 @@ MORE_BAD = [  # other values a key must refuse: wrong types, non-integral, non-f
     ("chunk_size", "2.5"), ("chunk_size", True), ("chunk_size", 2.5), ("pipeline_depth", "two"), ("poll_s", "soon"),
     ("poll_s", float("inf")), ("coalesce", 1), ("memory_budget_bytes", 1e9 + 0.5), ("trajectory_timeout_s", None),
     ("env.retry_prob", float("nan")), ("opd.teacher_max_attempts", None), ("opd.teacher_backoff_s", None),
-    ("timeline_every", 1.5),
+    ("timeline_every", 1.5), ("bucket_device", None), ("bucket_device", "cuda"),
 ]
 
 

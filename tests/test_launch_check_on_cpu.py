@@ -123,3 +123,27 @@ def test_the_recipe_check_calls_verls_own_validate_config():
     patched = verl.utils.config.validate_config
     assert verl.utils.validate_config is patched
     assert va.config_check_api().validate_config is patched.__wrapped__
+
+
+# ----- the learner's planned bucket peak (verl_adapter/bucket_check.py) ------------------------------------------
+def test_a_budget_below_the_planned_bucket_peak_is_refused_at_launch(monkeypatch):
+    from thundersync_verl.verl_adapter import bucket_check
+
+    monkeypatch.setattr(bucket_check, "model_numel", lambda path: 1000)  # 4,000 B buckets on one CPU rank
+    config = compose("thundersync.memory_budget_bytes=8000", mode="thundersync")  # rollout.n buckets do not fit
+    n = int(config.actor_rollout_ref.rollout.n)
+    assert_names(refusal(config), "thundersync.memory_budget_bytes=8000",
+                 f"raise thundersync.memory_budget_bytes to at least {n * 4000}")
+    check_run_config(compose(f"thundersync.memory_budget_bytes={n * 4000}", mode="thundersync"))  # one group fits
+
+
+def test_host_buckets_beyond_the_host_memory_are_refused_at_launch(monkeypatch):
+    from thundersync_verl.verl_adapter import bucket_check
+
+    monkeypatch.setattr(bucket_check, "model_numel", lambda path: 1000)
+    monkeypatch.setattr(bucket_check, "available_host_bytes", lambda: 10_000)
+    config = compose("thundersync.bucket_device=host", mode="thundersync")  # unbudgeted: the whole batch's buckets
+    assert_names(refusal(config), "thundersync.bucket_device=host", "lower thundersync.memory_budget_bytes")
+    mem = bucket_check.planned_buckets(config)
+    assert mem.storage == "host" and mem.peak_bytes > 10_000
+    assert bucket_check.planned_buckets(compose(mode="thundersync")).storage == "device"  # auto on a CPU learner

@@ -29,6 +29,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.core.bucket_memory import BUCKET_DEVICES
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 from thundersync_verl.envs.latency import KINDS, LatencyModel
 
@@ -258,6 +259,8 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
                                "event traces are written every step")
     memory_budget_bytes: int | None = _key(None, _optional(_integer(0), "unbudgeted"),
                                            "learner bytes the streamed gradient buckets may hold at once")
+    bucket_device: str = _key("auto", _choice(*BUCKET_DEVICES), "where a learner rank's group buckets live: host "
+                              "(pinned on accelerators), device, or auto (host on accelerators, device on CPU)")
     deterministic: bool = _key(False, _boolean, "GRPO: trajectories enter the learner in batch order and whole chunks, "
                                "so a step's sums do not depend on timing (bitwise-reproducible replays and resumes; less overlap)")
     reward_in_agent_loop: bool = _key(False, _boolean, "score each trajectory inside its agent-loop process with verl's "

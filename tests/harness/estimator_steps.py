@@ -4,10 +4,10 @@ Why:
 1. ``verl_advantages`` runs verl's registered estimator on a batch laid out as verl's trainer lays it
    out (outcome reward on the last valid token, int64 response mask, ``uid`` groups, the algorithm
    config with gamma and the GRPO std flag): the oracle of the core tests.
-2. ``sync_estimator_step`` is verl's synchronous step with ``algorithm.adv_estimator`` set:
-   ``compute_log_prob``, the trainer-side ``compute_advantage(data, adv_estimator=name, config=...)``,
-   ``update_actor``. ``stream_estimator_step`` is the stream planner with the same estimator driving
-   the streaming worker (arrivals one by one, ops sent every two arrivals), as the trainer does.
+2. ``EstimatorSpec`` is the estimator's spec for ``engine_steps.sync_step`` / ``stream_step``: verl's
+   synchronous step with ``algorithm.adv_estimator`` set (``compute_log_prob``, the trainer-side
+   ``compute_advantage(data, adv_estimator=name, config=...)``, ``update_actor``) against the stream
+   planner with the same estimator driving the streaming worker, as the trainer does.
 3. ``run_estimator`` builds both for ``benchmarks/equivalence.py --estimator NAME``: the same
    trajectories as the GRPO comparison (groups of 4, lengths 2-14, binary rewards with ties), the noise
    floor from verl's update with the rows regrouped, and the JSON keys listing which of verl's
@@ -21,13 +21,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import (StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table,
-                                             train)
-from thundersync_verl import verl_adapter as va
+from thundersync_harness.engine_setup import GROUP_SIZE, make_trajectories, start_workers, verl_config
+from thundersync_harness.engine_steps import PolicySpec, stream_step, sync_step, train
 from thundersync_verl.core.batch_estimators import Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED
-from thundersync_verl.step.stream_plan import StreamPlanner
 
 
 def algorithm_config(norm_adv_by_std_in_grpo: bool = True):
@@ -72,29 +69,15 @@ def estimator_lists() -> dict:
 
 
 # ----- one step on the engine, two ways ---------------------------------------------------------
-def sync_estimator_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, name: str) -> dict:
-    """compute_log_prob -> verl's compute_advantage(adv_estimator=name) -> update_actor."""
-    from verl.trainer.ppo.ray_trainer import compute_advantage
+class EstimatorSpec(PolicySpec):
+    """``PolicySpec`` with verl's trainer-side ``compute_advantage(adv_estimator=name, config=...)`` (gamma, lam,
+    the GRPO std flag, ``num_repeat``); the stream planner and the worker's batch meta take the same name."""
 
-    data = rollout_batch(wg, trajs, row_order, pad_token_id)
-    data = compute_advantage(data, adv_estimator=name, gamma=1.0, lam=1.0, num_repeat=GROUP_SIZE,
-                             norm_adv_by_std_in_grpo=True, config=algorithm_config())
-    return _verl_update(wg, data, len(row_order))
+    def advantages(self, data):
+        from verl.trainer.ppo.ray_trainer import compute_advantage
 
-
-def stream_estimator_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, name: str, *,
-                          every: int = 2, max_chunk: int = 4) -> dict:
-    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops run on the worker."""
-    planner = StreamPlanner(adv_estimator=name, loss_agg_mode="token-mean", max_chunk_size=max_chunk)
-    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
-    groups = sorted({t.gid for t in trajs})
-    planner.begin_batch({g: GROUP_SIZE for g in groups})
-    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": name})
-    table = row_table(trajs)
-    kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: client.run(ops, table))
-    final = planner.finalize()
-    metrics = client.finalize(final)
-    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "barrier_scale": final.scale}
+        return compute_advantage(data, adv_estimator=self.adv_estimator, gamma=1.0, lam=1.0, num_repeat=GROUP_SIZE,
+                                 norm_adv_by_std_in_grpo=True, config=algorithm_config())
 
 
 def run_estimator(args, model_path, pad_id: int, vocab: int, groups: int, micro: int, regrouped) -> tuple[dict, dict]:
@@ -108,10 +91,11 @@ def run_estimator(args, model_path, pad_id: int, vocab: int, groups: int, micro:
     config.algorithm.adv_estimator = args.estimator
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
     wg = start_workers(config, args.dp)
+    spec = EstimatorSpec(adv_estimator=args.estimator)
     steps = {"sync_a": [], "sync_b": [], "stream": []}
     for trajs, arrival in batches:
-        steps["sync_a"].append(partial(sync_estimator_step, wg, trajs, list(range(len(trajs))), pad_id, args.estimator))
-        steps["sync_b"].append(partial(sync_estimator_step, wg, trajs, regrouped(len(trajs)), pad_id, args.estimator))
-        steps["stream"].append(partial(stream_estimator_step, wg, trajs, arrival, pad_id, args.estimator))
+        steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id, spec))
+        steps["sync_b"].append(partial(sync_step, wg, trajs, regrouped(len(trajs)), pad_id, spec))
+        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
     runs = {kind: train(wg, fns) for kind, fns in steps.items()}
     return runs, {"adv_estimator": args.estimator, **estimator_lists()}

@@ -9,10 +9,11 @@ Why:
    on its own pool (role ``ref``, verl's ``compute_ref_log_prob``). It is the start policy with
    seeded noise added, so the KL term pulls from the first step on (a reference equal to the start
    policy gives k3 a zero gradient at step 1, and hides a wrong KL path there).
-3. Synchronous: verl's own ``compute_log_prob``, ``compute_ref_log_prob`` (whole batch),
-   ``compute_advantage`` and ``update_actor`` with ``calculate_entropy`` as verl's trainer sets it.
-   Streamed: the planner routes rows direct or into buckets; each chunk's reference log-probs are
-   computed on arrival (``chunk_layout.attach_ref_log_probs``) before its backward.
+3. ``kl_spec`` is the GRPO spec of ``engine_steps`` with the reference group: synchronous, verl's own
+   ``compute_log_prob``, ``compute_ref_log_prob`` (whole batch), ``compute_advantage`` and
+   ``update_actor`` with ``calculate_entropy`` as verl's trainer sets it; streamed, the planner routes
+   rows direct or into buckets and each chunk's reference log-probs are computed on arrival
+   (``chunk_layout.attach_ref_log_probs``) before its backward.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from thundersync_harness.engine_setup import GROUP_SIZE, Traj, verl_config
-from thundersync_harness.engine_steps import StreamingLearnerClient, _verl_update, drive_arrivals, rollout_batch, row_table
+from thundersync_harness.engine_setup import verl_config
+from thundersync_harness.engine_steps import PolicySpec, stream_step, sync_step
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.step.chunk_layout import attach_ref_log_probs, build_stream_chunk
-from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
+from thundersync_verl.step.chunk_layout import build_stream_chunk
 
 ACTOR, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 KL_COEF, ENTROPY_COEF = 0.5, 0.05  # large enough that both terms move the update (verl's defaults: 0.001, 0)
@@ -95,80 +95,23 @@ def start_kl_workers(config, dp: int, ref_path: Path | None):
     return wg, ref_wg
 
 
-# ----- verl's synchronous step ----------------------------------------------------------------
-def sync_kl_step(wg, ref_wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, *, entropy: bool) -> dict:
-    """verl's trainer order: old log-probs, reference log-probs, GRPO advantages, ``update_actor``."""
-    data = rollout_batch(wg, trajs, row_order, pad_token_id)
-    if ref_wg is not None:
-        attach_ref_rows(ref_wg, data)
-    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
-    return _verl_update(wg, data, len(row_order), calculate_entropy=entropy)
-
-
-def attach_ref_rows(ref_wg, data) -> None:
-    """verl's ``_compute_ref_log_prob`` on a whole padded batch: ``data.batch["ref_log_prob"]`` [B, R]."""
-    ref_td = va.to_no_padding(data.to_tensordict())
-    va.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)
-    data.batch["ref_log_prob"] = va.unpad_response(va.td_get(ref_wg.compute_ref_log_prob(ref_td), "log_probs"),
-                                                   ref_td).float()  # [B, R]
-
-
-# ----- the streamed step ------------------------------------------------------------------------
-class KLStreamingClient(StreamingLearnerClient):
-    """The harness client plus the reference log-probs of every chunk, computed just before its backward."""
-
-    def __init__(self, worker_group, ref_group, **kwargs):
-        super().__init__(worker_group, **kwargs)
-        self.ref_wg = ref_group
-        self.ref_calls = 0
-
-    def run(self, ops, trajectories) -> list:
-        results = []
-        for op in ops:
-            if isinstance(op, FoldOp):
-                self.wg.stream_fold(op.folds)
-                continue
-            assert isinstance(op, BackwardOp), op
-            rows = [trajectories[item] for item in op.items]
-            chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
-                                       dp_size=self.dp_size, pad_token_id=self.pad_token_id, temperature=self.temperature)
-            self.attach_ref(chunk)
-            results.append(self.wg.stream_backward(chunk))
-        return results
-
-    def attach_ref(self, chunk) -> None:
-        """The chunk's reference log-probs, just before its backward (none without a reference group)."""
-        if self.ref_wg is not None:
-            attach_ref_log_probs(chunk, self.ref_wg, dp_size=self.dp_size)
-            self.ref_calls += 1
-
-
-def stream_kl_step(wg, ref_wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, loss_agg_mode: str,
-                   every: int = 2, max_chunk: int = 4) -> dict:
-    """Trajectories arrive one by one; every ``every`` arrivals the planner's ops run (reference log-probs first)."""
-    from thundersync_verl.step.stream_plan import StreamPlanner
-
+# ----- the step, two ways -----------------------------------------------------------------------
+def kl_spec(ref_wg, *, entropy: bool, loss_agg_mode: str = "token-mean") -> PolicySpec:
+    """The GRPO spec with the reference group and ``calculate_entropy`` (``engine_steps.PolicySpec``): verl's
+    side takes the whole batch's reference log-probs, the stream each chunk's just before its backward."""
     scale_factor = LOSS_SCALE_FACTOR if loss_agg_mode == "seq-mean-token-sum-norm" else None
-    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=loss_agg_mode, loss_scale_factor=scale_factor,
-                            max_chunk_size=max_chunk)
-    client = KLStreamingClient(wg, ref_wg, pad_token_id=pad_token_id)
-    groups = sorted({t.gid for t in trajs})
-    planner.begin_batch({g: GROUP_SIZE for g in groups})
-    client.begin_batch({"loss_agg_mode": loss_agg_mode, "train_batch_size": len(groups), "adv_estimator": "grpo"})
-    table = row_table(trajs)
-    kinds = drive_arrivals(planner, trajs, arrival, every, lambda ops: client.run(ops, table))
-    metrics = client.finalize(planner.finalize())
-    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, "ref_calls": client.ref_calls}
+    return PolicySpec(loss_agg_mode=loss_agg_mode, loss_scale_factor=scale_factor, ref_wg=ref_wg, entropy=entropy)
 
 
 def kl_entropy_steps(wg, ref_wg, batches, pad_id: int, row_orders, *, loss_agg_mode: str, entropy: bool) -> dict:
     """``{sync_a, sync_b, stream}``: step functions per batch; ``row_orders(n)`` gives (order a, order b)."""
+    spec = kl_spec(ref_wg, entropy=entropy, loss_agg_mode=loss_agg_mode)
     steps = {"sync_a": [], "sync_b": [], "stream": []}
     for trajs, arrival in batches:
         order_a, order_b = row_orders(len(trajs))
-        steps["sync_a"].append(partial(sync_kl_step, wg, ref_wg, trajs, order_a, pad_id, entropy=entropy))
-        steps["sync_b"].append(partial(sync_kl_step, wg, ref_wg, trajs, order_b, pad_id, entropy=entropy))
-        steps["stream"].append(partial(stream_kl_step, wg, ref_wg, trajs, arrival, pad_id, loss_agg_mode=loss_agg_mode))
+        steps["sync_a"].append(partial(sync_step, wg, trajs, order_a, pad_id, spec))
+        steps["sync_b"].append(partial(sync_step, wg, trajs, order_b, pad_id, spec))
+        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
     return steps
 
 

@@ -11,19 +11,25 @@ Why:
 3. fp32 end to end on the CPU (``megatron.dtype=float32``, allowed on the CPU platform by
    ``backends/megatron/cpu_patches``), SGD without momentum (Adam with a large eps for the
    distributed optimizer), no weight decay: dθ follows the clipped gradient, as for FSDP2.
-4. ``budgeted_stream_step`` is ``engine_steps.stream_step`` with a memory budget on both sides (the
+4. ``PrescaledSpec`` streams GRPO with verl's rounding of 1/N in every coefficient (a diagnostic).
+   ``budgeted_stream_step`` is ``engine_steps.stream_step`` with a memory budget on both sides (the
    planner's reservations and the learner's ``memory_budget_bytes``), counting the trajectories the
    planner held back and keeping every rank's step metrics (``benchmarks/accumulator_memory.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from thundersync_harness.engine_setup import GROUP_SIZE, build_tiny_model
+from thundersync_harness.engine_steps import (PolicySpec, StreamingLearnerClient, TrajFeed, count_key, row_table,
+                                             traj_name)
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.step.stream_plan import FoldOp
 
 VOCAB_MULTIPLE = 128
 
@@ -80,8 +86,8 @@ def _times_fp32(a: float, b: float) -> float:
     return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
 
 
-def prescaled_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, every: int = 2, max_chunk: int = 4) -> dict:
-    """``engine_steps.stream_step`` with the batch normaliser applied where verl applies it.
+class PrescaledFeed(TrajFeed):
+    """The GRPO stream with the batch normaliser applied where verl applies it.
 
     A diagnostic, possible here only because the benchmark knows every trajectory in advance: every
     direct and fold coefficient c becomes fp32(c * fp32(1 / N)), the per-row gradient scalar verl's
@@ -89,37 +95,35 @@ def prescaled_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, e
     single finalize all run as in the real stream, so the distance to verl's update is the streaming
     machinery's own plus micro-batch-composition noise; the rest of the plain gap is where 1 / N is rounded.
     """
-    import dataclasses
 
-    from thundersync_harness.engine_steps import StreamingLearnerClient
-    from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
+    def __init__(self, planner, client, trajs, meta: dict):
+        self.inv_n = float(1.0 / torch.tensor(float(sum(len(t.response) for t in trajs)), dtype=torch.float32))
+        super().__init__(planner, client, trajs, meta)
 
-    inv_n = float(1.0 / torch.tensor(float(sum(len(t.response) for t in trajs)), dtype=torch.float32))
-    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk)
-    client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
-    groups = sorted({t.gid for t in trajs})
-    planner.begin_batch({g: GROUP_SIZE for g in groups})
-    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo"})
-    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
-    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
-    for k, i in enumerate(arrival):
-        t = trajs[i]
-        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
-        if (k + 1) % every == 0 or k + 1 == len(arrival):
-            ops = []
-            for op in planner.next_ops():
-                if isinstance(op, FoldOp):
-                    op = dataclasses.replace(op, folds={key: _times_fp32(c, inv_n) for key, c in op.folds.items()})
-                elif op.dest == "direct":
-                    op = dataclasses.replace(op, coefs=tuple(_times_fp32(c, inv_n) for c in op.coefs))
-                ops.append(op)
-            client.run(ops, table)
-    planner.finalize()  # the planner's own checks: every group closed, every bucket folded
-    return wg.finalize_step(1.0)[0]  # the normaliser is already in the coefficients
+    def send(self, ops) -> None:
+        super().send([self._prescaled(op) for op in ops])
+
+    def _prescaled(self, op):
+        if isinstance(op, FoldOp):
+            return dataclasses.replace(op, folds={key: _times_fp32(c, self.inv_n) for key, c in op.folds.items()})
+        if op.dest == "direct":
+            return dataclasses.replace(op, coefs=tuple(_times_fp32(c, self.inv_n) for c in op.coefs))
+        return op
+
+    def barrier(self):
+        closing, final = super().barrier()  # the planner's own checks: every group closed, every bucket folded
+        return closing, dataclasses.replace(final, scale=1.0)  # the normaliser is already in the coefficients
+
+
+class PrescaledSpec(PolicySpec):
+    """GRPO streamed through ``PrescaledFeed`` (``engine_steps.stream_step(..., PrescaledSpec())``)."""
+
+    feed_class = PrescaledFeed
 
 
 def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, grad_numel: int,
-                         bucket_bytes: int, budget_buckets: int | None, every: int = 2, max_chunk: int = 4) -> dict:
+                         bucket_bytes: int, budget_buckets: int | None, every: int = 2, max_chunk: int = 4,
+                         extra_meta: dict | None = None) -> dict:
     """One streamed step under a budget of ``budget_buckets`` open buckets (None: unbudgeted).
 
     The planner accounts ``grad_numel`` float32 values per buffer and, as the core does, one buffer
@@ -129,8 +133,7 @@ def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, gr
     Returns ``ranks`` (every rank's ``finalize_step`` metrics), ``waits`` (trajectories held back at
     least once because a new group did not fit), ``wait_rounds`` and the op counts.
     """
-    from thundersync_harness.engine_steps import StreamingLearnerClient
-    from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
+    from thundersync_verl.step.stream_plan import StreamPlanner
 
     sizing = {} if budget_buckets is None else {
         "grad_numel": grad_numel, "budget_bytes": (1 + budget_buckets) * 4 * grad_numel, "max_distinct_rewards": 2}
@@ -138,17 +141,15 @@ def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, gr
     client = StreamingLearnerClient(wg, pad_token_id=pad_token_id)
     groups = sorted({t.gid for t in trajs})
     planner.begin_batch({g: GROUP_SIZE for g in groups})
-    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo"}
+    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo", **(extra_meta or {})}
     client.begin_batch(meta | ({} if budget_buckets is None else {"memory_budget_bytes": budget_buckets * bucket_bytes}))
-    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
-    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
-    held, rounds, kinds = set(), 0, {"direct": 0, "bucket": 0, "fold": 0}
+    table = row_table(trajs)
+    held, rounds, kinds = set(), 0, Counter({"direct": 0, "bucket": 0, "fold": 0})
 
     def send() -> int:
         nonlocal rounds
         ops = planner.next_ops()
-        for op in ops:
-            kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
+        kinds.update(count_key(op) for op in ops)
         client.run(ops, table)
         held.update(planner.ready)  # ready, but not admitted: the budget holds no room for its group
         rounds += bool(planner.ready)
@@ -156,7 +157,7 @@ def budgeted_stream_step(wg, trajs, arrival: list[int], pad_token_id: int, *, gr
 
     for k, i in enumerate(arrival):
         t = trajs[i]
-        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
+        planner.arrive(t.gid, traj_name(t), t.reward, len(t.response))
         if (k + 1) % every == 0:
             send()
     while send():  # every group is closed now: what waited runs direct

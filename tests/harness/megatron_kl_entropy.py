@@ -8,7 +8,7 @@ Why:
    (``megatron_engine.megatron_config``) plus the same KL/entropy keys as the FSDP2 harness
    (``kl_entropy_steps``), and a reference worker group with the actor's TP x PP x DP layout
    (verl's ``ref.megatron`` inherits it) in fp32, as the actor runs here.
-2. The step functions are ``kl_entropy_steps``' own (``sync_kl_step``, ``stream_kl_step``): verl's
+2. The step is ``kl_entropy_steps.kl_spec`` run by ``engine_steps.sync_step`` / ``stream_step``: verl's
    ``update_actor`` on the Megatron engine against the streamed step, same trajectories.
 3. The reference is ``kl_entropy_steps.build_reference`` applied to the Megatron model (vocabulary
    padded for TP): start policy plus seeded noise, so the KL term pulls from the first step on.

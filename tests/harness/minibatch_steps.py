@@ -15,7 +15,9 @@ Why:
 4. The floor is verl's update on the SAME partition with every mini-batch's rows regrouped: the stride
    permutation inside each mini-batch when it spans several micro-batches, else micro-batches of half
    the size (a mini-batch of one micro-batch has no other companions to give its rows).
-5. With ``--kl`` / ``--entropy`` the reference model lives in its own worker group
+5. ``MiniBatchSpec`` is the feature's spec for ``engine_steps.sync_step`` / ``stream_step``; its client adds
+   the PPO chunks and the per-mini-batch optimizer steps to the harness client.
+6. With ``--kl`` / ``--entropy`` the reference model lives in its own worker group
    (``kl_entropy_steps``): verl's side takes the whole batch's reference log-probs before
    ``update_actor`` (``calculate_entropy`` on), the streamed side each chunk's just before its backward,
    PPO chunks of later mini-batches and epochs included.
@@ -24,17 +26,16 @@ Why:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 
-import torch
-
 from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import _old_log_probs, train
-from thundersync_harness.kl_entropy_steps import KLStreamingClient, attach_ref_rows, kl_entropy_config
-from thundersync_verl import verl_adapter as va
+from thundersync_harness.engine_steps import (PolicySpec, StreamingLearnerClient, TrajFeed, rollout_batch, stream_step,
+                                             sync_step, traj_name, train)
+from thundersync_harness.kl_entropy_steps import kl_entropy_config
 from thundersync_verl.learner.minibatch_loss import build_ppo_chunk
 from thundersync_verl.step.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
-from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, FoldOp, StreamPlanner
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -83,106 +84,80 @@ def regrouped(parts: list[list[int]], micro: int) -> tuple[list[int], int]:
     return [i for p in parts for i in p], max(1, micro // 2)
 
 
-# ----- verl's sync mini-batch loop -----------------------------------------------------------
-def _padded_batch(trajs: list[Traj], rows: list[int], pad_token_id: int):
-    import numpy as np
+# ----- the step, two ways ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class MiniBatchSpec(PolicySpec):
+    """The GRPO spec (KL and entropy as ``kl_spec``) with mini-batches of ``mb_groups`` groups and ``epochs``
+    epochs. verl: ``update_actor`` with mini-batches of ``mb_groups`` x GROUP_SIZE rows, no shuffle (the rows
+    come in partition order). Streamed: ``MiniBatchPlanner``; the old log-probs are verl's ``compute_log_prob``
+    of the whole batch at its weights, taken before the stream begins (point 3)."""
 
-    from thundersync_verl.step.chunk_layout import pad_batch
+    mb_groups: int = 1
+    epochs: int = 1
 
-    chosen = [trajs[i] for i in rows]
-    tensors = pad_batch([t.prompt for t in chosen], [t.response for t in chosen], pad_token_id)
-    rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]
-    for b, t in enumerate(chosen):
-        rewards[b, len(t.response) - 1] = t.reward
-    return va.data_proto_cls().from_dict(tensors={**tensors, "token_level_rewards": rewards},
-                                         non_tensors={"uid": np.array([f"g{t.gid}" for t in chosen], dtype=object)},
-                                         meta_info={"temperature": 1.0})
+    def mini_rows(self, n_rows: int) -> int:
+        return self.mb_groups * GROUP_SIZE
 
-
-def sync_minibatch_step(wg, trajs: list[Traj], row_order: list[int], pad_token_id: int, *, mb_rows: int,
-                        epochs: int, micro: int | None = None, ref_wg=None, entropy: bool = False) -> dict:
-    """compute_log_prob (-> compute_ref_log_prob) -> compute_advantage -> update_actor with mini-batches of
-    ``mb_rows`` rows, ``epochs`` epochs, no shuffle (the rows are already in partition order), as verl's trainer
-    calls it."""
-    import numpy as np
-
-    data = _padded_batch(trajs, row_order, pad_token_id)
-    data.batch["old_log_probs"] = _old_log_probs(wg, data)
-    if ref_wg is not None:
-        attach_ref_rows(ref_wg, data)
-    data = va.grpo_compute_advantage(data, adv_estimator="grpo")
-    td = va.to_no_padding(data.to_tensordict())
-    va.assign_non_tensor(td, calculate_entropy=entropy, distillation_use_topk=False, distillation_only=False,
-                         global_batch_size=mb_rows, mini_batch_size=mb_rows, epochs=epochs, seed=42,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
-    if micro is not None:
-        va.assign_non_tensor(td, micro_batch_size_per_gpu=micro)
-    metrics = va.td_get(wg.update_actor(td), "metrics")
-    return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
+    def feed(self, wg, trajs, pad_token_id, max_chunk):
+        """``independent_buckets``: the worker's actor has a KL loss or an entropy bonus (minibatch_plan point 7)."""
+        terms = self.ref_wg is not None or self.entropy
+        planner = MiniBatchPlanner(self.planner(max_chunk), minibatch_groups=self.mb_groups, epochs=self.epochs,
+                                   independent_buckets=terms)
+        old = rollout_batch(wg, trajs, list(range(len(trajs))), pad_token_id).batch["old_log_probs"]  # [B, R]
+        rollout_lp = {traj_name(t): old[i, : len(t.response)].tolist() for i, t in enumerate(trajs)}
+        client = MiniBatchClient(wg, pad_token_id=pad_token_id, ref_group=self.ref_wg, rollout_lp=rollout_lp)
+        meta = {**self.meta(len({t.gid for t in trajs})), INDEPENDENT_BUCKETS_KEY: terms}
+        return MiniBatchFeed(planner, client, trajs, meta)
 
 
-# ----- the streamed loop -----------------------------------------------------------------------
-def stream_minibatch_step(wg, trajs: list[Traj], arrival: list[int], pad_token_id: int, *, mb_groups: int,
-                          epochs: int, every: int = 2, max_chunk: int = 4, ref_wg=None, terms: bool = False) -> dict:
-    """Trajectories arrive one by one; every ``every`` arrivals the mini-batch planner's ops run in order.
-    ``terms``: the worker's actor has a KL loss or an entropy bonus (companion buckets, minibatch_plan point 7)."""
-    planner = MiniBatchPlanner(StreamPlanner(adv_estimator="grpo", loss_agg_mode="token-mean", max_chunk_size=max_chunk),
-                               minibatch_groups=mb_groups, epochs=epochs, independent_buckets=terms)
-    everything = list(range(len(trajs)))
-    old = _old_log_probs(wg, _padded_batch(trajs, everything, pad_token_id))  # [B, R] at the batch's weights
-    client = KLStreamingClient(wg, ref_wg, pad_token_id=pad_token_id)
-    groups = sorted({t.gid for t in trajs})
-    meta = {"loss_agg_mode": "token-mean", "train_batch_size": len(groups), "adv_estimator": "grpo",
-            INDEPENDENT_BUCKETS_KEY: terms}
-    planner.begin_batch({g: GROUP_SIZE for g in groups})
-    client.begin_batch(meta)
-    name = {id(t): f"{t.gid}:{t.tid}" for t in trajs}
-    table = {(t.gid, name[id(t)]): (t.prompt, t.response) for t in trajs}
-    rollout_lp = {name[id(t)]: old[i, : len(t.response)].tolist() for i, t in enumerate(trajs)}
-    kinds = {"direct": 0, "bucket": 0, "fold": 0, "ppo": 0, "steps": 0}
+class MiniBatchClient(StreamingLearnerClient):
+    """The harness client plus the mini-batch planner's ops: a ``PPOBackwardOp`` (verl's PPO loss against the
+    rollout's log-probs, reference log-probs attached) and a ``StepOp`` (the mini-batch's optimizer step, then
+    the next mini-batch begins with the same meta)."""
 
-    def run(op):
-        if isinstance(op, StepOp):
-            wg.finalize_step(op.scale, op.lr_step)
-            client.begin_batch(meta)
-            kinds["steps"] += 1
-        elif isinstance(op, PPOBackwardOp):
-            rows = [table[item] for item in op.items]
-            chunk = build_ppo_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs,
-                                    [rollout_lp[t] for _, t in op.items], dp_size=client.dp_size,
-                                    pad_token_id=pad_token_id)
-            client.attach_ref(chunk)
-            wg.stream_backward(chunk)
-            kinds["ppo"] += 1
-        else:
-            kinds["fold" if isinstance(op, FoldOp) else ("direct" if op.dest == "direct" else "bucket")] += 1
-            client.run([op], table)
+    def __init__(self, worker_group, *, rollout_lp: dict, **kwargs):
+        super().__init__(worker_group, **kwargs)
+        self.rollout_lp, self.meta = rollout_lp, None
 
-    for k, i in enumerate(arrival):
-        t = trajs[i]
-        planner.arrive(t.gid, name[id(t)], t.reward, len(t.response))
-        if (k + 1) % every == 0 or k + 1 == len(arrival):
-            for op in planner.next_ops():
-                run(op)
-    metrics = client.finalize(planner.finalize())
-    return {**metrics, **{f"ops/{k}": v for k, v in kinds.items()}, **planner.metrics(), "ref_calls": client.ref_calls}
+    def begin_batch(self, meta: dict) -> None:
+        self.meta = meta
+        super().begin_batch(meta)
+
+    def run(self, ops, trajectories) -> list:
+        for op in ops:
+            if isinstance(op, StepOp):
+                self.wg.finalize_step(op.scale, op.lr_step)
+                self.begin_batch(self.meta)
+            elif isinstance(op, PPOBackwardOp):
+                rows = [trajectories[item] for item in op.items]
+                chunk = build_ppo_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs,
+                                        [self.rollout_lp[t] for _, t in op.items], dp_size=self.dp_size,
+                                        pad_token_id=self.pad_token_id)
+                self.attach_ref(chunk)
+                self.wg.stream_backward(chunk)
+            else:
+                super().run([op], trajectories)
+        return []
+
+
+class MiniBatchFeed(TrajFeed):
+    kinds = ("direct", "bucket", "fold", "ppo", "steps")
+
+    def figures(self, final) -> dict:
+        return {**self.planner.metrics(), "ref_calls": self.client.ref_calls}
 
 
 def minibatch_steps(wg, batches, pad_token_id: int, micro: int, *, mb_groups: int, epochs: int, ref_wg=None,
                     entropy: bool = False) -> dict:
     """sync_a: verl on the streamed partition; sync_b: the same with rows regrouped (the floor); stream."""
+    spec = MiniBatchSpec(mb_groups=mb_groups, epochs=epochs, ref_wg=ref_wg, entropy=entropy)
     steps = {"sync_a": [], "sync_b": [], "stream": []}
     for trajs, arrival in batches:
         parts = partition_rows(trajs, arrival, mb_groups)
-        mb_rows = len(parts[0])
         order_b, micro_b = regrouped(parts, micro)
-        terms = {"ref_wg": ref_wg, "entropy": entropy}
-        steps["sync_a"].append(partial(sync_minibatch_step, wg, trajs, [i for p in parts for i in p], pad_token_id,
-                                       mb_rows=mb_rows, epochs=epochs, **terms))
-        steps["sync_b"].append(partial(sync_minibatch_step, wg, trajs, order_b, pad_token_id, mb_rows=mb_rows,
-                                       epochs=epochs, micro=micro_b, **terms))
-        steps["stream"].append(partial(stream_minibatch_step, wg, trajs, arrival, pad_token_id, mb_groups=mb_groups,
-                                       epochs=epochs, ref_wg=ref_wg, terms=ref_wg is not None or entropy))
+        steps["sync_a"].append(partial(sync_step, wg, trajs, [i for p in parts for i in p], pad_token_id, spec))
+        steps["sync_b"].append(partial(sync_step, wg, trajs, order_b, pad_token_id, spec, micro=micro_b))
+        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_token_id, spec))
     return steps
 
 

@@ -7,7 +7,8 @@ Why:
    ``update_actor`` whose policy loss is the registered ``sao`` loss (worker config ``loss_mode=sao``).
 2. The streamed path is ``algos/sao/sao_streaming.py``: single-rollout trajectories arrive one by one in a
    random order; every ``every`` arrivals their chunks (direct + whitening bucket) run on the streaming
-   worker; at the barrier the bucket is folded with -mean and the step is taken once.
+   worker; at the barrier the bucket is folded with -mean and the step is taken once. Both paths are
+   ``SAOSpec`` run by ``engine_steps.sync_step`` / ``stream_step`` (``sao_step_pair``: their arguments).
 3. No inference engine or critic runs here: the critic's values are seeded random numbers (the learner
    only reads them), and the rollout log-probs are the learner's own at the step-start weights plus a
    fixed per-token perturbation (the inference engine's mismatch), so the band mask drops some tokens.
@@ -19,13 +20,14 @@ Why:
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import torch
 
 from thundersync_harness.engine_setup import TurnTraj, make_turn_trajectories, start_workers, verl_config
-from thundersync_harness.engine_steps import _old_log_probs, _verl_update, gap_rows, relative_gap, train
+from thundersync_harness.engine_steps import Feed, StepSpec, gap_rows, old_log_probs, stream_step, sync_step, train
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.algos.sao.sao_streaming import SAOStreamClient, SAOStreamPlanner, SAOTrajectory
 
@@ -86,62 +88,69 @@ def _data_proto(rows: list[TurnTraj], batch: dict, pad_token_id: int):
 def _rollout_log_probs(wg, data, noise: torch.Tensor) -> torch.Tensor:
     """The learner's log-probs at the step-start weights plus the fixed mismatch, on the response mask, [B, R]."""
     mask = data.batch["response_mask"].float()  # [B, R]
-    return (_old_log_probs(wg, data) + noise) * mask
+    return (old_log_probs(wg, data) + noise) * mask
 
 
-def sync_sao_step(wg, batch: dict, row_order: list[int], pad_token_id: int, micro: int | None = None) -> dict:
-    """verl: rollout log-probs as old_log_probs (bypass mode) -> ``sao`` estimator -> ``update_actor`` (loss sao)."""
-    from thundersync_verl.algos.sao.sao_verl import compute_sao_advantage_return
+@dataclass(frozen=True)
+class SAOSpec(StepSpec):
+    """SAO's actor step on ``batch`` (``make_sao_batch``). verl: the rollout log-probs as old_log_probs (bypass
+    mode) -> the ``sao`` estimator -> ``update_actor`` (loss sao). Streamed: ``SAOStreamPlanner`` fed each
+    trajectory with its rewards, values and rollout log-probs; the whitening bucket folded at the barrier."""
 
-    rows = [batch["trajs"][i] for i in row_order]
-    data, noise = _data_proto(rows, batch, pad_token_id)
-    data.batch["old_log_probs"] = _rollout_log_probs(wg, data, noise)
-    adv, ret = compute_sao_advantage_return(token_level_rewards=data.batch["token_level_rewards"],
-                                            response_mask=data.batch["response_mask"], values=data.batch["values"],
-                                            gamma=GAMMA, lam=LAM)
-    data.batch["advantages"], data.batch["returns"] = adv, ret
-    return _verl_update(wg, data, len(rows), micro=micro)
+    batch: dict = field(default_factory=dict)
+    train_batch_size: int = 1
+    max_chunk: int = 3
+
+    def verl_batch(self, wg, trajs, row_order, pad_token_id):
+        from thundersync_verl.algos.sao.sao_verl import compute_sao_advantage_return
+
+        data, noise = _data_proto([trajs[i] for i in row_order], self.batch, pad_token_id)
+        data.batch["old_log_probs"] = _rollout_log_probs(wg, data, noise)
+        adv, ret = compute_sao_advantage_return(token_level_rewards=data.batch["token_level_rewards"],
+                                                response_mask=data.batch["response_mask"], values=data.batch["values"],
+                                                gamma=GAMMA, lam=LAM)
+        data.batch["advantages"], data.batch["returns"] = adv, ret
+        return data
+
+    def feed(self, wg, trajs, pad_token_id, max_chunk):
+        data, noise = _data_proto(trajs, self.batch, pad_token_id)
+        rollout = _rollout_log_probs(wg, data, noise)  # [B, R], stands in for the inference engine's
+        planner = SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, gamma=GAMMA, lam=LAM, max_chunk_size=max_chunk)
+        client = SAOStreamClient(wg, pad_token_id=pad_token_id)
+        planner.begin_batch([t.tid for t in trajs])
+        client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": self.train_batch_size})
+        return SAOFeed(planner, client, trajs, self.batch, rollout)
 
 
-def stream_sao_step(wg, batch: dict, pad_token_id: int, *, train_batch_size: int, every: int = 2,
-                    max_chunk: int = 3, pipeline: int | None = None) -> dict:
-    """Trajectories arrive in ``batch["arrival"]`` order; every ``every`` arrivals their chunks run.
+class SAOFeed(Feed):
+    """Trajectories arrive with their per-token rewards, values and rollout log-probs; the barrier first folds
+    the whitening bucket with -mean (queued as a ``FoldOp`` when pipelined)."""
 
-    ``pipeline``: send the ops through the trainer's ``OpPipeline`` with that depth (queued calls, the
-    whitening fold as a queued ``FoldOp``) instead of one blocking call each.
-    """
-    from thundersync_verl.core.sao_stream import SAO_BUCKET
-    from thundersync_verl.step.stream_exec import OpPipeline
-    from thundersync_verl.step.stream_plan import FoldOp
+    kinds = ("chunks",)
 
-    trajs = batch["trajs"]
-    data, noise = _data_proto(trajs, batch, pad_token_id)
-    rollout = _rollout_log_probs(wg, data, noise)  # [B, R], stands in for the inference engine's
-    planner = SAOStreamPlanner(eps_low=EPS_LOW, eps_high=EPS_HIGH, gamma=GAMMA, lam=LAM, max_chunk_size=max_chunk)
-    client = SAOStreamClient(wg, pad_token_id=pad_token_id)
-    planner.begin_batch([t.tid for t in trajs])
-    client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": train_batch_size})
-    pipe = None if pipeline is None else OpPipeline(wg, pad_token_id=pad_token_id, temperature=1.0, depth=pipeline,
-                                                    on_done=lambda *done: None)
-    send = client.run if pipe is None else (lambda ops: [pipe.submit(op, {}) for op in ops])
-    chunks = 0
-    for k, i in enumerate(batch["arrival"]):
-        t = trajs[i]
-        n = len(t.response)
-        planner.arrive(SAOTrajectory(t.tid, t.prompt, t.response, t.mask, batch["rewards"][t.tid],
-                                     batch["values"][t.tid], rollout[i, :n].tolist()))
-        if (k + 1) % every == 0 or k + 1 == len(trajs):
-            ops = planner.next_ops()
-            chunks += len(ops)
-            send(ops)
-    folds, final = planner.finalize()
-    if pipe is None:
-        metrics = client.finalize(folds, final)
-    else:
-        pipe.submit(FoldOp(SAO_BUCKET, folds), {})
-        pipe.drain()
-        metrics = wg.finalize_step(final.scale)[0]
-    return {**metrics, "ops/chunks": chunks, "barrier_scale": final.scale}
+    def __init__(self, planner, client, trajs: list[TurnTraj], batch: dict, rollout: torch.Tensor):
+        super().__init__(planner, client)
+        self.trajs, self.batch, self.rollout = trajs, batch, rollout
+
+    def arrive(self, i: int) -> None:
+        t, b = self.trajs[i], self.batch
+        self.planner.arrive(SAOTrajectory(t.tid, t.prompt, t.response, t.mask, b["rewards"][t.tid], b["values"][t.tid],
+                                          self.rollout[i, : len(t.response)].tolist()))
+
+    def barrier(self):
+        from thundersync_verl.core.sao_stream import SAO_BUCKET
+        from thundersync_verl.step.stream_plan import FoldOp
+
+        folds, final = self.planner.finalize()
+        return [FoldOp(SAO_BUCKET, folds)], final
+
+    def figures(self, final) -> dict:
+        return {"barrier_scale": final.scale}
+
+
+def sao_step_pair(batch: dict, train_batch_size: int) -> tuple[list, list, SAOSpec]:
+    """``(trajs, arrival, spec)``: what ``engine_steps.sync_step`` / ``stream_step`` take for ``batch``."""
+    return batch["trajs"], batch["arrival"], SAOSpec(batch=batch, train_batch_size=train_batch_size)
 
 
 def regrouped(n_rows: int, micro: int) -> list[int]:
@@ -157,10 +166,10 @@ def run_sao_equivalence(model_path, pad_id: int, vocab: int, *, groups: int = 2,
         wg = start_workers(sao_config(model_path, groups=groups, micro=micro), dp=dp)
     batches = [make_sao_batch(500 + 100 * seed + s, groups, vocab) for s in range(steps)]
     n_rows = len(batches[0]["trajs"])
-    runs = {
-        "sync_a": [partial(sync_sao_step, wg, b, list(range(n_rows)), pad_id) for b in batches],
-        "sync_b": [partial(sync_sao_step, wg, b, regrouped(n_rows, micro), pad_id) for b in batches],
-        "stream": [partial(stream_sao_step, wg, b, pad_id, train_batch_size=groups) for b in batches],
-    }
+    runs = {"sync_a": [], "sync_b": [], "stream": []}
+    for trajs, arrival, spec in (sao_step_pair(b, groups) for b in batches):
+        runs["sync_a"].append(partial(sync_step, wg, trajs, list(range(n_rows)), pad_id, spec))
+        runs["sync_b"].append(partial(sync_step, wg, trajs, regrouped(n_rows, micro), pad_id, spec))
+        runs["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
     out = {kind: train(wg, fns) for kind, fns in runs.items()}
     return {"steps": gap_rows(out, chunks="ops/chunks"), "rows": n_rows, "wg": wg}

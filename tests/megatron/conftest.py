@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thundersync_harness import engine_setup, megatron_engine
+from thundersync_harness import engine_setup, megatron_engine, megatron_per_token
 
 
 @dataclass(frozen=True)
@@ -29,20 +29,23 @@ class MegatronGroup:
 
 @pytest.fixture(scope="module")
 def start_megatron(tmp_path_factory):
-    """``start_megatron(tp=1, pp=1, dp=1, distributed_optimizer=False, groups=2) -> MegatronGroup``."""
+    """``start_megatron(tp=1, pp=1, dp=1, distributed_optimizer=False, groups=2, per_token_loss=False)``.
+
+    ``per_token_loss``: Megatron's per-token-loss regime forced on (``thundersync_harness.megatron_per_token``)."""
     saved, threads = dict(os.environ), torch.get_num_threads()
     ray_tmp: list[Path] = []
 
     def start(*, tp: int = 1, pp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
-              groups: int = 2, micro: int = 4) -> MegatronGroup:
+              groups: int = 2, micro: int = 4, per_token_loss: bool = False) -> MegatronGroup:
         assert not ray_tmp, "one layout per test module"
         work = tmp_path_factory.mktemp("megatron")
         ray_tmp.append(engine_setup.prepare_environment())
         path, pad_id, vocab = megatron_engine.build_megatron_model(work / "model")
-        config = megatron_engine.megatron_config(path, groups=groups, micro=micro, tp=tp, pp=pp,
-                                                 distributed_optimizer=distributed_optimizer)
+        build = megatron_per_token.per_token_config if per_token_loss else megatron_engine.megatron_config
+        config = build(path, groups=groups, micro=micro, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
         world = tp * pp * dp
-        wg = megatron_engine.start_megatron_workers(config, world, probe=True)
+        wg = (megatron_per_token.start_per_token_workers(config, world) if per_token_loss
+              else megatron_engine.start_megatron_workers(config, world, probe=True))
         return MegatronGroup(wg, pad_id, vocab, path, world)
 
     try:

@@ -141,10 +141,13 @@ def test_local_spec_norm_names_map_to_the_hf_weights():
 def _worker(strategy: str, **engine):
     ddp = SimpleNamespace(overlap_grad_reduce=engine.pop("overlap_grad_reduce", False), use_distributed_optimizer=False)
     config = SimpleNamespace(strategy=strategy, virtual_pipeline_model_parallel_size=engine.pop("vpp", None),
-                             use_megatron_fsdp=engine.pop("use_megatron_fsdp", False))
+                             use_megatron_fsdp=engine.pop("use_megatron_fsdp", False),
+                             dynamic_context_parallel=engine.pop("dcp", False))
+    tf_config = SimpleNamespace(calculate_per_token_loss=engine.pop("per_token", False),
+                                num_moe_experts=engine.pop("moe", None), moe_aux_loss_coeff=engine.pop("aux", 0.0),
+                                moe_z_loss_coeff=engine.pop("z_loss", None))
     eng = SimpleNamespace(engine_config=config, module=[SimpleNamespace(ddp_config=ddp)],
-                          is_param_offload_enabled=engine.pop("param_offload", False),
-                          tf_config=SimpleNamespace(calculate_per_token_loss=engine.pop("per_token", False)))
+                          is_param_offload_enabled=engine.pop("param_offload", False), tf_config=tf_config)
     return SimpleNamespace(actor=SimpleNamespace(engine=eng, engine_config=config))
 
 
@@ -165,7 +168,9 @@ def test_the_learner_follows_verls_engine_key():
     ({"param_offload": True}, "param_offload=false"),
     ({"overlap_grad_reduce": True}, "overlap_grad_reduce=false"),
     ({"use_megatron_fsdp": True}, "use_megatron_fsdp"),
-    ({"per_token": True}, "calculate_per_token_loss"),
+    ({"per_token": True, "dcp": True}, "dynamic_context_parallel"),
+    ({"moe": 8, "aux": 0.01}, r"moe_aux_loss_coeff=0.01"),
+    ({"per_token": True, "moe": 8, "z_loss": 0.001}, r"moe_z_loss_coeff=0.001"),
 ])
 def test_megatron_learner_refuses_what_it_cannot_stream_exactly(setting, match):
     from thundersync_verl.learner.engines.megatron import MegatronLearner
@@ -174,3 +179,12 @@ def test_megatron_learner_refuses_what_it_cannot_stream_exactly(setting, match):
     with pytest.raises(StreamingConfigError, match=match) as info:
         MegatronLearner(_worker("megatron", **setting)).check()
     assert "\n  why: " in str(info.value) and "\n  fix: " in str(info.value)
+
+
+@pytest.mark.parametrize("setting", [{"per_token": True}, {"moe": 8}, {"per_token": True, "moe": 8}])
+def test_megatron_learner_streams_the_per_token_regime_and_moe_without_router_losses(setting):
+    # Megatron's per-token-loss regime streams (the learner compensates it, learner/engines/megatron.py point 6);
+    # an MoE model streams as long as no router aux / z loss is scaled by the schedule
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
+
+    MegatronLearner(_worker("megatron", **setting)).check()

@@ -15,7 +15,7 @@ import pytest
 from thundersync_harness import engine_setup as setup
 from thundersync_harness import kl_entropy_steps as kle
 from thundersync_harness import megatron_kl_entropy as mke
-from thundersync_harness.engine_steps import _verl_update, relative_gap, rollout_batch, train
+from thundersync_harness.engine_steps import relative_gap, rollout_batch, stream_step, sync_step, train, verl_update
 from thundersync_harness.megatron_engine import build_megatron_model
 from thundersync_verl import verl_adapter as va
 
@@ -46,7 +46,7 @@ def _sync_step_ref_is_policy(wg, trajs, pad: int) -> dict:
     data = rollout_batch(wg, trajs, list(range(len(trajs))), pad)
     data.batch["ref_log_prob"] = data.batch["old_log_probs"].clone()
     data = va.grpo_compute_advantage(data, adv_estimator="grpo")
-    return _verl_update(wg, data, len(trajs), calculate_entropy=True)
+    return verl_update(wg, data, len(trajs), calculate_entropy=True)
 
 
 def test_megatron_streamed_step_with_kl_and_entropy_equals_verls_update_actor(engine):
@@ -55,9 +55,10 @@ def test_megatron_streamed_step_with_kl_and_entropy_equals_verls_update_actor(en
     trajs, arrival = setup.make_trajectories(SEED, GROUPS, engine["vocab"])
     rows = list(range(len(trajs)))
     # two steps: at the second the policy has moved away from where it started
-    d_sync, info_sync = train(wg, [lambda: kle.sync_kl_step(wg, ref, trajs, rows, pad, entropy=True)] * 2)
-    d_stream, info = train(wg, [lambda: kle.stream_kl_step(wg, ref, trajs, arrival, pad, loss_agg_mode="token-mean")] * 2)
-    d_no_entropy, _ = train(wg, [lambda: kle.sync_kl_step(wg, ref, trajs, rows, pad, entropy=False)])
+    spec, no_entropy = kle.kl_spec(ref, entropy=True), kle.kl_spec(ref, entropy=False)
+    d_sync, info_sync = train(wg, [lambda: sync_step(wg, trajs, rows, pad, spec)] * 2)
+    d_stream, info = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)] * 2)
+    d_no_entropy, _ = train(wg, [lambda: sync_step(wg, trajs, rows, pad, no_entropy)])
     d_no_kl, _ = train(wg, [lambda: _sync_step_ref_is_policy(wg, trajs, pad)])
     for a, b in zip(d_stream, d_sync):
         assert float(b.norm()) > 1e-4  # verl's step moved the weights

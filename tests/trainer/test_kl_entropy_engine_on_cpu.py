@@ -15,7 +15,7 @@ import pytest
 from thundersync_harness import engine_setup as setup
 from thundersync_harness import kl_entropy_steps as kle
 from thundersync_harness import minibatch_steps as mb
-from thundersync_harness.engine_steps import relative_gap, train
+from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
 
 pytestmark = pytest.mark.slow  # Ray, verl's FSDP2 engine and a reference worker group (~1 min on 2 cores)
 GROUPS = 2
@@ -37,8 +37,9 @@ def test_streamed_step_with_kl_and_entropy_equals_verls_update_actor(engine):
     trajs, arrival = setup.make_trajectories(5, GROUPS, engine["vocab"])
     rows = list(range(len(trajs)))
     # two steps: at the second the policy has moved, so every KL type's gradient is away from its start value
-    d_sync, info_sync = train(wg, [lambda: kle.sync_kl_step(wg, ref, trajs, rows, pad, entropy=True)] * 2)
-    d_stream, info = train(wg, [lambda: kle.stream_kl_step(wg, ref, trajs, arrival, pad, loss_agg_mode="token-mean")] * 2)
+    spec = kle.kl_spec(ref, entropy=True)
+    d_sync, info_sync = train(wg, [lambda: sync_step(wg, trajs, rows, pad, spec)] * 2)
+    d_stream, info = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)] * 2)
     for a, b in zip(d_stream, d_sync):
         assert float(b.norm()) > 1e-4
         assert relative_gap(a, b) < 2e-5  # fp32 summation order only
@@ -58,12 +59,11 @@ def test_mini_batches_with_kl_and_entropy_equal_verls_sync_loop(engine):
     trajs, arrival = setup.make_trajectories(7, GROUPS, engine["vocab"])
     parts = mb.partition_rows(trajs, arrival, 1)
     order = [i for p in parts for i in p]
-    d_sync, _ = train(wg, [lambda: mb.sync_minibatch_step(wg, trajs, order, pad, mb_rows=len(parts[0]), epochs=1,
-                                                           ref_wg=ref, entropy=True)])
-    d_no_entropy, _ = train(wg, [lambda: mb.sync_minibatch_step(wg, trajs, order, pad, mb_rows=len(parts[0]), epochs=1,
-                                                                 ref_wg=ref, entropy=False)])
-    d_stream, info = train(wg, [lambda: mb.stream_minibatch_step(wg, trajs, arrival, pad, mb_groups=1, epochs=1,
-                                                                  ref_wg=ref, terms=True)])
+    spec = mb.MiniBatchSpec(mb_groups=1, epochs=1, ref_wg=ref, entropy=True)
+    no_entropy = mb.MiniBatchSpec(mb_groups=1, epochs=1, ref_wg=ref, entropy=False)
+    d_sync, _ = train(wg, [lambda: sync_step(wg, trajs, order, pad, spec)])
+    d_no_entropy, _ = train(wg, [lambda: sync_step(wg, trajs, order, pad, no_entropy)])
+    d_stream, info = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)])
     assert info[0]["thundersync/optimizer_steps"] == GROUPS and info[0]["ops/ppo"] > 0
     assert info[0]["thundersync/minibatch_rerun_rows"] > 0  # bucketed rows whose group missed mini-batch 1
     assert info[0]["ref_calls"] == info[0]["ops/ppo"] + info[0]["ops/bucket"] + info[0]["ops/direct"]

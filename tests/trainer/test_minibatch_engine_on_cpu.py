@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from thundersync_harness.engine_setup import make_trajectories
-from thundersync_harness.engine_steps import relative_gap, stream_step, train
-from thundersync_harness.minibatch_steps import partition_rows, stream_minibatch_step, sync_minibatch_step
+from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
+from thundersync_harness.minibatch_steps import MiniBatchSpec, partition_rows
 
 pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine, started once per module, then real steps
 GROUPS = 4
@@ -29,9 +29,9 @@ def test_streamed_mini_batches_equal_verls_sync_loop_on_the_same_partition(engin
     trajs, arrival = make_trajectories(31, GROUPS, engine.vocab)
     parts = partition_rows(trajs, arrival, mb_groups)
     order = [i for p in parts for i in p]
-    [d_stream], [info] = train(wg, [lambda: stream_minibatch_step(wg, trajs, arrival, pad, mb_groups=mb_groups,
-                                                                  epochs=epochs)])
-    [d_verl], _ = train(wg, [lambda: sync_minibatch_step(wg, trajs, order, pad, mb_rows=len(parts[0]), epochs=epochs)])
+    spec = MiniBatchSpec(mb_groups=mb_groups, epochs=epochs)
+    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)])
+    [d_verl], _ = train(wg, [lambda: sync_step(wg, trajs, order, pad, spec)])
     [d_one], _ = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])  # one step per batch
     steps = GROUPS // mb_groups * epochs
     assert info["thundersync/optimizer_steps"] == info["ops/steps"] + 1 == steps

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thundersync_harness.engine_setup import make_turn_trajectories, score_turns, turn_arrival
-from thundersync_harness.engine_steps import relative_gap, stream_opd_step, sync_opd_step, train
+from thundersync_harness.engine_steps import OPDSpec, relative_gap, stream_step, sync_step, train
 from thundersync_verl.core import StreamingInputError
 from thundersync_verl.step.chunk_layout import TEACHER_KEY, build_stream_chunk, build_token_chunk
 
@@ -45,9 +45,10 @@ def test_per_turn_streaming_equals_the_whole_trajectory_loss_and_verls_update(ha
     wg, trajs, turns = h["wg"], h["trajs"], h["turns"]
     arrival = turn_arrival(turns, 9)
     assert any(arrival.index((tid, len(ts) - 1)) < arrival.index((tid, 0)) for tid, ts in turns.items())  # out of order
-    [d_turns], [info] = train(wg, [lambda: stream_opd_step(wg, trajs, turns, arrival, h["pad"])])
+    spec = OPDSpec(teacher_rows=h["rows"], turns=turns)
+    [d_turns], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, h["pad"], spec)])
     [d_whole], [info_whole] = train(wg, [lambda: _whole_rows_step(h)])
-    [d_verl], [info_verl] = train(wg, [lambda: sync_opd_step(wg, trajs, list(range(len(trajs))), h["pad"], h["rows"])])
+    [d_verl], [info_verl] = train(wg, [lambda: sync_step(wg, trajs, list(range(len(trajs))), h["pad"], spec)])
     assert float(d_verl.norm()) > 1e-3  # verl's distillation loss moved the weights (zero task advantages)
     assert info["turns"] == sum(len(ts) for ts in turns.values()) > len(trajs)
     assert relative_gap(d_turns, d_whole) < 1e-5  # fp32: recompute-the-prefix is exact up to rounding

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from thundersync_harness import engine_setup as setup
-from thundersync_harness.engine_steps import relative_gap, train
-from thundersync_harness.sao_steps import make_sao_batch, regrouped, sao_config, stream_sao_step, sync_sao_step
+from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
+from thundersync_harness.sao_steps import make_sao_batch, regrouped, sao_config, sao_step_pair
 
 pytestmark = pytest.mark.slow  # Ray and verl's FSDP2 engine, started once per module, then real steps
 GROUPS, MICRO = 2, 4
@@ -30,10 +30,11 @@ def engine(tmp_path_factory):
 def test_streamed_sao_actor_step_equals_verls_update_actor(engine):
     wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
     n = len(batch["trajs"])
+    trajs, arrival, spec = sao_step_pair(batch, GROUPS)
     assert batch["arrival"] != list(range(n))
-    [d_stream], [info] = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS)])
-    [d_verl], [info_verl] = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
-    [d_floor], _ = train(wg, [lambda: sync_sao_step(wg, batch, regrouped(n, MICRO), pad)])
+    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)])
+    [d_verl], [info_verl] = train(wg, [lambda: sync_step(wg, trajs, list(range(n)), pad, spec)])
+    [d_floor], _ = train(wg, [lambda: sync_step(wg, trajs, regrouped(n, MICRO), pad, spec)])
     assert float(d_verl.norm()) > 1e-4  # verl's sao loss moved the weights
     assert info["ops/chunks"] >= 4  # several direct and bucket chunks before the barrier
     floor = relative_gap(d_floor, d_verl)
@@ -45,8 +46,9 @@ def test_streamed_sao_actor_step_equals_verls_update_actor(engine):
 def test_queued_through_the_trainers_op_pipeline_the_step_is_the_same(engine):
     wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
     n = len(batch["trajs"])
-    [d_queued], _ = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS, pipeline=2)])
-    [d_verl], _ = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
+    trajs, arrival, spec = sao_step_pair(batch, GROUPS)
+    [d_queued], _ = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec, pipeline=2)])
+    [d_verl], _ = train(wg, [lambda: sync_step(wg, trajs, list(range(n)), pad, spec)])
     assert relative_gap(d_queued, d_verl) < 1e-5
 
 
@@ -56,6 +58,7 @@ def test_without_the_whitening_fold_the_step_differs(engine):
 
     wg, pad, batch = engine["wg"], engine["pad"], engine["batch"]
     n = len(batch["trajs"])
+    trajs, arrival, spec = sao_step_pair(batch, GROUPS)
     original = sao_stream.SAOStreamPlanner.finalize
 
     def no_fold(self):
@@ -64,8 +67,8 @@ def test_without_the_whitening_fold_the_step_differs(engine):
 
     sao_stream.SAOStreamPlanner.finalize = no_fold
     try:
-        [d_wrong], _ = train(wg, [lambda: stream_sao_step(wg, batch, pad, train_batch_size=GROUPS)])
+        [d_wrong], _ = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)])
     finally:
         sao_stream.SAOStreamPlanner.finalize = original
-    [d_verl], _ = train(wg, [lambda: sync_sao_step(wg, batch, list(range(n)), pad)])
+    [d_verl], _ = train(wg, [lambda: sync_step(wg, trajs, list(range(n)), pad, spec)])
     assert relative_gap(d_wrong, d_verl) > 1e-3

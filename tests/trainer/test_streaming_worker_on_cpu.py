@@ -142,3 +142,25 @@ def test_worker_refuses_a_batch_that_verl_cannot_cut_into_equal_mini_batches(har
         harness["wg"].stream_begin_batch({"train_batch_size": 2 * GROUPS + 1})
     with pytest.raises(StreamingConfigError, match="asks for loss_agg_mode"):
         harness["wg"].stream_begin_batch({"loss_agg_mode": "seq-mean-token-mean"})
+
+
+def test_host_buckets_under_a_budget_give_the_unbudgeted_device_buckets_update(harness):
+    """``thundersync.bucket_device=host`` (core/bucket_memory.py) with a budget of 2 buckets: the same update as
+    device buckets without a budget, at most 2 buckets held, all of them in host memory."""
+    from thundersync_harness.megatron_engine import budgeted_stream_step
+
+    wg, pad = harness["wg"], harness["pad"]
+    trajs, arrival = make_trajectories(7, GROUPS, harness["vocab"])
+    bucket = int(wg.stream_memory()[0]["stream/buffer_bytes"])
+
+    def step(budget, device):
+        return budgeted_stream_step(wg, trajs, arrival, pad, grad_numel=bucket // 4, bucket_bytes=bucket,
+                                    budget_buckets=budget, extra_meta={"bucket_device": device})
+
+    [d_device], [info_device] = train(wg, [lambda: step(None, "device")])
+    [d_host], [info_host] = train(wg, [lambda: step(2, "host")])
+    rank = info_host["ranks"][0]
+    assert relative_gap(d_host, d_device) < 1e-5
+    assert 0 < rank["thundersync/peak_bucket_bytes"] <= 2 * bucket
+    assert rank["stream/peak_host_bytes"] == rank["thundersync/peak_bucket_bytes"]
+    assert info_device["ranks"][0]["stream/peak_host_bytes"] == 0

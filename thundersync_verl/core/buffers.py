@@ -13,15 +13,24 @@ Why:
 4. ``GradLayout`` pins the shapes, devices and accumulation dtype of the gradient list at
    construction; every incoming list is checked against it so a shape slip is caught at the
    call that made it, not as a silent broadcast.
+5. Where a learner's buckets live and what one costs is ``bucket_memory.py``'s one function, which
+   ``thundersync plan`` uses too (``BufferPool.for_learner``).
+6. Host buckets of an accelerator learner: a bucket is filled device->host and folded host->device
+   on a side stream, with events ordering both ends: a device->host copy is complete before the CPU
+   reads it, a host->device copy before its add runs on the compute stream and before ``axpy_``
+   returns (so the host buffer can be reused or freed). On a CPU the same functions run with the
+   stream and events as no-ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import torch
 
+from thundersync_verl.core.bucket_memory import bucket_memory
 from thundersync_verl.core.budget import MemoryBudget
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError, rule_message
 
@@ -131,12 +140,26 @@ def zero_buffer(layout: GradLayout, *, host: bool, pin: bool) -> list[torch.Tens
 class BufferPool(MemoryBudget):
     """Allocates zeroed full-gradient buffers under a byte budget, with exact accounting."""
 
-    def __init__(self, layout: GradLayout, *, storage: str = "device", budget_bytes: int | None = None):
+    def __init__(self, layout: GradLayout, *, storage: str = "device", budget_bytes: int | None = None,
+                 pinned: bool | None = None):
         check_storage(storage)
         super().__init__(layout.buffer_bytes, budget_bytes)
         self.layout = layout
         self.storage = storage
-        self.pinned = storage == "host" and torch.cuda.is_available()
+        self.pinned = storage == "host" and torch.cuda.is_available() if pinned is None else bool(pinned)
+
+    @classmethod
+    def for_learner(cls, layout: GradLayout, *, bucket_device: str = "auto", budget_bytes: int | None = None) -> "BufferPool":
+        """The pool of a learner's group buckets, placed and priced by ``bucket_memory`` (point 5)."""
+        accelerator = any(d.type != "cpu" for d in layout.devices)
+        mem = bucket_memory(layout.numel, bucket_device=bucket_device, accelerator=accelerator,
+                            elem_bytes=torch.empty((), dtype=layout.dtype).element_size())
+        return cls(layout, storage=mem.storage, budget_bytes=budget_bytes, pinned=mem.pinned)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Peak bytes of this pool held in host memory (0 when buckets sit next to the parameters)."""
+        return self.peak_bytes if self.storage == "host" else 0
 
     def allocate(self, owner: Hashable, *, on_param_device: bool = False) -> list[torch.Tensor]:
         """A zeroed buffer (one tensor per shard) charged to ``owner``'s reservation."""
@@ -145,33 +168,116 @@ class BufferPool(MemoryBudget):
         return zero_buffer(self.layout, host=host, pin=self.pinned and not on_param_device)
 
 
-def _async_ok(dst: torch.Tensor) -> bool:
-    """Non-blocking copies are safe only INTO device memory: the consumer runs on the same stream.
+class _Side:
+    """The copy stream of host<->accelerator transfers (point 6); on a CPU every call is a no-op, so the
+    host path runs the same code with or without an accelerator."""
 
-    A non-blocking device-to-host copy returns before the data lands, and the CPU would then
-    read it too early; those copies stay blocking.
-    """
-    return dst.device.type != "cpu"
+    def __init__(self, device: torch.device | None):
+        self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def copying(self):
+        """Work issued inside runs on the side stream, after everything queued so far on the compute stream."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the gradient is written first
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def event(self):
+        """An event marking the copies issued so far on the side stream (None on a CPU)."""
+        return None if self.stream is None else self.stream.record_event()
+
+
+def _synchronize(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def _accelerator(tensors) -> torch.device | None:
+    return next((t.device for t in tensors if t is not None and t.device.type != "cpu"), None)
+
+
+def _into_host_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float, accumulate: bool) -> None:
+    """Host ``dst`` (+)= alpha * ``src``: each shard is copied device->host on the side stream into pinned
+    staging (or straight into ``dst`` for a plain copy) and read by the CPU only after its event completed;
+    shard i+1's copy runs while the CPU adds shard i. ``src`` stays alive until then (we return after)."""
+    side = _Side(_accelerator(src))
+    pending = None
+    for d, s in zip(dst, src):
+        if s is None:
+            if not accumulate:
+                d.zero_()
+            continue
+        if s.device.type == "cpu":
+            staged = s
+        elif not accumulate and s.dtype == d.dtype:
+            staged = None
+            with side.copying():
+                d.copy_(s, non_blocking=True)  # d is pinned: an asynchronous device->host copy
+        else:
+            with side.copying():
+                staged = torch.empty(s.shape, dtype=s.dtype, pin_memory=True)
+                staged.copy_(s, non_blocking=True)
+        _finish_host(pending, alpha, accumulate)
+        pending = (d, staged, side.event())
+    _finish_host(pending, alpha, accumulate)
+    _synchronize(side.event())  # every direct copy into dst has landed
+
+
+def _finish_host(pending, alpha: float, accumulate: bool) -> None:
+    if pending is None:
+        return
+    d, staged, event = pending
+    _synchronize(event)  # the device->host copy is complete before the CPU reads it
+    if staged is None:
+        return
+    if not accumulate:
+        d.copy_(staged)
+        if alpha != 1.0:
+            d.mul_(alpha)
+    else:
+        d.add_(staged.to(d.dtype), alpha=alpha)
+
+
+def _into_device_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float) -> None:
+    """Accelerator ``dst`` += alpha * ``src``: host shards travel host->device on the side stream; the compute
+    stream waits for each copy's event before its add; on return every copy has completed, so the host
+    buffers may be reused or freed."""
+    staging = any(s is not None and s.device.type == "cpu" for s in src)
+    side = _Side(_accelerator(dst) if staging else None)  # device buckets: no side stream, no copy
+    for d, s in zip(dst, src):
+        if s is None:
+            continue
+        if side.stream is not None and s.device.type == "cpu":
+            with side.copying():
+                s = s.to(d.device, non_blocking=True)
+            compute = torch.cuda.current_stream(d.device)
+            compute.wait_event(side.event())
+            s.record_stream(compute)  # allocated on the side stream, consumed on the compute stream
+        s = s.to(device=d.device, dtype=d.dtype)
+        d.add_(s) if alpha == 1.0 else d.add_(s, alpha=alpha)
+    _synchronize(side.event())
 
 
 def axpy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float) -> None:
     """dst += alpha * src, shard by shard (None entries of ``src`` are zero gradients)."""
     if alpha == 0.0:
         return
-    for d, s in zip(dst, src):
-        if s is None:
-            continue
-        s = s.to(device=d.device, dtype=d.dtype, non_blocking=_async_ok(d))
-        if alpha == 1.0:
-            d.add_(s)
-        else:
-            d.add_(s, alpha=alpha)
+    if dst and dst[0].device.type == "cpu":
+        _into_host_(dst, src, alpha, accumulate=True)
+    else:
+        _into_device_(dst, src, alpha)
 
 
 def copy_into_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None]) -> None:
     """dst = src, shard by shard (None entries become zeros)."""
+    if dst and dst[0].device.type == "cpu":
+        _into_host_(dst, src, 1.0, accumulate=False)
+        return
     for d, s in zip(dst, src):
         if s is None:
             d.zero_()
         else:
-            d.copy_(s, non_blocking=_async_ok(d))
+            d.copy_(s, non_blocking=s.device.type == "cpu" and s.is_pinned())  # same stream: the reader waits

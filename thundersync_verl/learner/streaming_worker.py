@@ -34,7 +34,9 @@ Why:
    checks on replicated state (bucket keys, scale) fail identically everywhere, before any
    collective. Errors state the rule, why it exists and how to fix it.
 5. Buckets are accounted by the core's ``BufferPool`` (bytes in use, peak, open buckets): the
-   figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated.
+   figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated. Where they
+   live (batch meta ``bucket_device``; host on accelerators by default) is ``core/bucket_memory.py``'s
+   call, the one ``thundersync plan`` prices with; host buckets cross to the device in ``axpy_``.
 The driver side (``stream_exec.py``) executes the planner's ops against a worker group.
 """
 
@@ -72,7 +74,7 @@ class _BatchState:
     """Per-batch streaming state of one rank: bucket buffers and counters."""
 
     def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict, terms: IndependentTerms | None = None):
-        self.pool = BufferPool(layout, budget_bytes=meta.get(BUDGET_KEY))
+        self.pool = BufferPool.for_learner(layout, bucket_device=meta.get(BUCKET_DEVICE_KEY, "auto"), budget_bytes=meta.get(BUDGET_KEY))
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.loss_agg_mode = loss_agg_mode
         self.terms = terms or IndependentTerms()
@@ -193,7 +195,8 @@ class StreamingActorWorker(_Base):
         ``meta``: ``loss_agg_mode`` (default: the actor's), optional ``train_batch_size``,
         ``adv_estimator``, ``norm_adv_by_std_in_grpo``, ``batch_id`` and ``memory_budget_bytes``
         (``thundersync.memory_budget_bytes``: the bytes this rank's buckets may hold at once; a chunk
-        that would open one more bucket than fits is refused before it runs). An open batch is dropped.
+        that would open one more bucket than fits is refused before it runs) and ``bucket_device``
+        (``thundersync.bucket_device``: host / device / auto, placed by ``core/bucket_memory.py``). An open batch is dropped.
         """
         meta = dict(meta or {})
         if meta.get("adv_estimator") == "sao":  # SAO's band mask is not a ratio-1 loss: its own check (sao_stream.py)
@@ -398,6 +401,7 @@ class StreamingActorWorker(_Base):
             "stream/peak_bytes": pool.peak_bytes if pool else 0,
             "stream/peak_buckets": pool.peak_open_groups if pool else 0,
             "stream/peak_bytes_lifetime": self._ts_peak_bytes,
+            "stream/peak_host_bytes": pool.host_peak_bytes if pool else 0,
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -425,6 +429,7 @@ class StreamingActorWorker(_Base):
 
 _SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
 BUDGET_KEY = "memory_budget_bytes"  # batch meta: thundersync.memory_budget_bytes (None: unbudgeted)
+BUCKET_DEVICE_KEY = "bucket_device"  # batch meta: thundersync.bucket_device (core/bucket_memory.py; default auto)
 
 
 def _flat(values) -> list[float]:

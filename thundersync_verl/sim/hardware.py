@@ -11,7 +11,8 @@ Why this module exists:
    (forward 2P, backward 4P, recompute 2P) plus causal attention ~8 * layers * hidden * n^2.
 4. ThunderSync keeps fp32 accumulators: one batch buffer plus two per open GRPO group,
    4 * (2k + 1) * P / shards bytes per learner rank, where shards counts the ranks that split
-   the parameters (tp * pp * cp, times dp when gradients are sharded as in FSDP/ZeRO-2).
+   the parameters (tp * pp * cp, times dp when gradients are sharded as in FSDP/ZeRO-2). Bucket bytes
+   and placement come from ``core/bucket_memory.py`` (``group_buckets``), as on the learner.
 5. On one CPU machine the rollout engine's decoding and the learner's compute share the same
    cores (`SharedCores`): while both compute, each runs slower (processor sharing). On GPUs
    they run on separate devices and the resource is off (None).
@@ -20,6 +21,10 @@ Why this module exists:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from thundersync_verl.core.bucket_memory import BucketMemory
 
 TRAIN_FLOPS_PER_PARAM_TOKEN = 8.0  # forward 2 + backward 4 + activation recompute 2
 ATTN_TRAIN_FLOPS_FACTOR = 8.0  # x layers x hidden x n^2 for a causal sequence, fwd+bwd+recompute
@@ -170,14 +175,29 @@ def weight_sync_seconds(model: ModelSpec, bandwidth_gb_s: float, fixed_s: float 
     return fixed_s + payload / (bandwidth_gb_s * 1e9)
 
 
+def rank_numel(model: ModelSpec, cluster: ClusterSpec) -> int:
+    """Gradient values one learner rank holds: the size of one of its buckets, in values."""
+    return int(-(-model.params // cluster.shards))
+
+
+def group_buckets(model: ModelSpec, cluster: ClusterSpec, open_groups: int, bucket_device: str = "auto",
+                  per_group: int = 2) -> BucketMemory:
+    """Placement and bytes of ``per_group`` buckets per open group on a (GPU) learner rank (2: binary rewards;
+    the trainer's budget reserves ``rollout.n``): ``core/bucket_memory.py``'s function, the learner pool's."""
+    from thundersync_verl.core.bucket_memory import bucket_memory  # on call: importing the simulator pulls no torch
+
+    return bucket_memory(rank_numel(model, cluster), bucket_device=bucket_device, accelerator=True,
+                         buckets=per_group * int(open_groups))
+
+
 def accumulator_bytes_per_rank(model: ModelSpec, cluster: ClusterSpec, open_groups: float) -> float:
     """fp32 accumulators: one batch buffer plus two per open GRPO group, per learner rank."""
-    return BYTES_FP32 * (2 * open_groups + 1) * model.params / cluster.shards
+    return (2 * open_groups + 1) * group_buckets(model, cluster, 0).bucket_bytes
 
 
 def open_groups_within(model: ModelSpec, cluster: ClusterSpec, budget_bytes_per_rank: float) -> int:
     """Largest k whose accumulators fit the per-rank budget (-1 if not even the batch buffer fits)."""
-    per_buffer = BYTES_FP32 * model.params / cluster.shards
+    per_buffer = group_buckets(model, cluster, 0).bucket_bytes
     return max(-1, int((budget_bytes_per_rank / per_buffer - 1) // 2))
 
 

@@ -6,7 +6,10 @@ Why this module exists:
    wastes half the step. The planner simulates the candidates instead of guessing.
 2. Memory is the constraint that differs most across clusters: each open GRPO group costs
    two fp32 buffers of 4 * P / shards bytes per learner rank. The budget caps open groups,
-   and the planner picks the smallest cap that keeps the step time within 1% of unbounded.
+   and the planner picks the smallest cap that keeps the step time within 1% of unbounded. Where
+   the buckets live (``--bucket-device``; host on GPUs by default) and what they cost is
+   ``core/bucket_memory.py``'s one function, the learner's: the recommendation prints the
+   ``thundersync.memory_budget_bytes`` / ``bucket_device`` that hold the plan's peak.
 3. Off-policy modes may be faster but train on stale data; the planner reports that trade
    (speed vs staleness) explicitly instead of silently preferring either.
 """
@@ -14,12 +17,17 @@ Why this module exists:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from thundersync_verl.sim.sim_config import SimConfig
 from thundersync_verl.sim.sim_engine import simulate
-from thundersync_verl.sim.hardware import accumulator_bytes_per_rank, open_groups_within
+from thundersync_verl.sim.hardware import (TRAIN_STATE_BYTES_PER_PARAM, accumulator_bytes_per_rank, group_buckets,
+                                           open_groups_within)
 from thundersync_verl.sim.metrics import format_table
 from thundersync_verl.sim.presets import Setting
+
+if TYPE_CHECKING:  # the simulator imports no torch (core/bucket_memory.py is reached through sim/hardware.py on call)
+    from thundersync_verl.core.bucket_memory import BucketMemory
 
 BUDGET_LADDER = (1, 2, 4, 8, 16, 32, 64)
 NEAR_BEST = 0.01  # a smaller budget / simpler granularity wins if within 1% of the best step time
@@ -48,6 +56,7 @@ class Plan:
     speedup_vs_sync: float
     reasons: list = field(default_factory=list)
     candidates: list = field(default_factory=list)
+    buckets: BucketMemory | None = None  # the learner's group buckets at the plan's peak (core/bucket_memory.py)
 
     def render(self) -> str:
         rows = [[c.mode, c.granularity, "-" if c.budget_groups is None else c.budget_groups, c.step_time_s,
@@ -59,7 +68,16 @@ class Plan:
         head = (f"Recommendation: mode={self.mode} granularity={self.granularity} budget={budget} "
                 f"({self.budget_gb_per_rank:.1f} GB/rank), {self.step_time_s:,.1f} s/step, "
                 f"{self.speedup_vs_sync:.2f}x over sync")
-        return "\n".join([table, "", head, "Why:"] + [f"  - {r}" for r in self.reasons])
+        return "\n".join([table, "", head, *self.bucket_lines(), "Why:"] + [f"  - {r}" for r in self.reasons])
+
+    def bucket_lines(self) -> list[str]:
+        """The learner settings that hold the plan's buckets (what the recipes write)."""
+        b = self.buckets
+        if b is None or not b.buckets:
+            return []
+        return [f"Buckets (rollout.n reserved per open group): {b.buckets} x {b.bucket_bytes:,} B = {b.peak_bytes:,} B per learner rank in {b.storage} memory"
+                f" (host {b.host_bytes:,} B, device {b.device_bytes:,} B): thundersync.memory_budget_bytes="
+                f"{b.peak_bytes} thundersync.bucket_device={b.storage}"]
 
 
 def _run(setting: Setting, source, algo: str, steps: int, mode: str, gran=None, budget=None) -> Candidate:
@@ -70,16 +88,27 @@ def _run(setting: Setting, source, algo: str, steps: int, mode: str, gran=None, 
                      res.peak_open_groups, res.accum_peak_bytes_per_rank / 1e9, res.learner_util)
 
 
+def bucket_room_bytes(setting: Setting, storage: str, host_gb: float, mem_fraction: float) -> float:
+    """Bytes per learner rank the buckets may take where they live: a share of the host memory, or of the
+    accelerator memory the fully sharded training state leaves (70% of HBM usable, as ``training_state_fits``)."""
+    if storage == "host":
+        return mem_fraction * host_gb * 1e9
+    state = TRAIN_STATE_BYTES_PER_PARAM * setting.model.params / setting.cluster.learner_gpus
+    return max(0.0, mem_fraction * (0.7 * setting.gpu.hbm_gb * 1e9 - state))
+
+
 def plan(setting: Setting, source, algo: str = "grpo", steps: int = 24, host_mem_gb_per_rank: float | None = None,
-         mem_fraction: float = 0.8) -> Plan:
+         mem_fraction: float = 0.8, bucket_device: str = "auto") -> Plan:
     """Simulate the candidate settings for this deployment and pick one, with reasons."""
     host = host_mem_gb_per_rank if host_mem_gb_per_rank is not None else setting.gpu.host_mem_gb
-    budget_bytes = mem_fraction * host * 1e9
+    where = group_buckets(setting.model, setting.cluster, 0, bucket_device)  # the learner's own placement rule
+    budget_bytes = bucket_room_bytes(setting, where.storage, host, mem_fraction)
     k_max = open_groups_within(setting.model, setting.cluster, budget_bytes)
     buf_gb = setting.bytes_per_buffer / 1e9
+    room = f"{host:.0f} GB host memory" if where.storage == "host" else f"the {setting.gpu.hbm_gb:.0f} GB HBM left by training"
     reasons = [f"one fp32 buffer is 4*P/shards = {buf_gb:.1f} GB per learner rank "
-               f"(P={setting.model.params:.3g}, shards={setting.cluster.shards}); "
-               f"{mem_fraction:.0%} of {host:.0f} GB host memory per rank holds {max(k_max, 0)} open groups"]
+               f"(P={setting.model.params:.3g}, shards={setting.cluster.shards}), buckets in {where.storage} memory; "
+               f"{mem_fraction:.0%} of {room} per rank holds {max(k_max, 0)} open groups"]
     cands = [_run(setting, source, algo, steps, m) for m in ("sync", "async", "fully_async")]
     sync_s = cands[0].step_time_s
     if k_max < 0:
@@ -101,8 +130,11 @@ def plan(setting: Setting, source, algo: str = "grpo", steps: int = 24, host_mem
     else:
         reasons.append(f"the off-policy modes are at most {100 * max(gain, 0):.0f}% faster, not worth their staleness "
                        f"(up to {off.staleness_max} versions)")
+    # the trainer reserves rollout.n buckets per open group (any reward pattern), so the budget is priced that way
+    buckets = group_buckets(setting.model, setting.cluster, max(best.peak_open_groups, 1), bucket_device,
+                            per_group=setting.workload.group_size)
     return Plan(best.mode, best.granularity, best.budget_groups, budget_gb, best.step_time_s,
-                sync_s / best.step_time_s, reasons, cands)
+                sync_s / best.step_time_s, reasons, cands, buckets)
 
 
 def _streaming_candidates(setting: Setting, source, algo: str, steps: int, k_max: int) -> list[Candidate]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from thundersync_verl.sim.sim_config import SimConfig
 from thundersync_verl.sim.dists import lognormal, pareto
 from thundersync_verl.sim.hardware import (B200, ClusterSpec, GpuSpec, LearnerCosts, ModelSpec, learner_costs_from_hardware,
-                       TRAIN_STATE_BYTES_PER_PARAM, open_groups_within, training_state_fits, weight_sync_seconds)
+                       TRAIN_STATE_BYTES_PER_PARAM, group_buckets, open_groups_within, training_state_fits, weight_sync_seconds)
 from thundersync_verl.sim.workload import RolloutSpec, WorkloadSpec
 
 PUBLISHED = "published"
@@ -67,7 +67,7 @@ class Setting:
 
     @property
     def bytes_per_buffer(self) -> float:
-        return 4.0 * self.model.params / self.cluster.shards
+        return float(group_buckets(self.model, self.cluster, 0).bucket_bytes)  # core/bucket_memory.py, as the learner
 
 
 # ------------------------------------------------------------------ the paper run

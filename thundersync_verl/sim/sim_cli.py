@@ -125,7 +125,8 @@ def cmd_plan(args) -> int:
     w, r = _workload(args, PAPER_WORKLOAD, PAPER_ROLLOUT)
     setting = Setting("plan", model, gpu, cluster, w, r, costs, args.mfu)
     source, setting = _source(args, setting)
-    result = plan(setting, source, algo=args.algo, steps=args.steps, host_mem_gb_per_rank=args.host_mem_gb)
+    result = plan(setting, source, algo=args.algo, steps=args.steps, host_mem_gb_per_rank=args.host_mem_gb,
+                  bucket_device=args.bucket_device)
     print(result.render())
     return 0
 
@@ -139,6 +140,8 @@ def _changed_fraction(args) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from thundersync_verl.core.bucket_memory import BUCKET_DEVICES  # here: importing the simulator pulls no torch
+
     ap = Parser(prog="thundersync", description="ThunderSync pipeline simulator and planner")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("simulate", help="compare pipeline modes on a preset, cluster or trace")
@@ -166,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", choices=sorted(GPUS), default="B200")
     p.add_argument("--mfu", type=positive_float, default=0.39)
     p.add_argument("--host-mem-gb", type=positive_float, help="host memory per learner rank for accumulators")
+    p.add_argument("--bucket-device", choices=BUCKET_DEVICES, default="auto",
+                   help="where the learner keeps group buckets (auto: host on GPUs), as thundersync.bucket_device")
     p.add_argument("--sync-gbps", type=positive_float, default=10.0, help="effective weight-push bandwidth (GB/s)")
     p.add_argument("--changed-fraction", type=float, help="sparse weight push: share of weights that change")
     p.add_argument("--changed-fraction-from", type=existing_file, metavar="JSON",

@@ -37,7 +37,7 @@ from thundersync_verl.run.step_record import StepRecorder, first_rank
 from thundersync_verl.step.contracts import Algorithm, AlgorithmDefaults, Planner
 from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, op_kind, rollout_as_old_log_probs
 from thundersync_verl.step.minibatch_plan import StepOp
-from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, FinalizeOp, StreamPlanner
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, StreamPlanner
 from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
 
 
@@ -60,6 +60,7 @@ class StepContext:
     coalesce: bool  # thundersync.coalesce
     fused_forward: bool  # thundersync.learner_forward == "fused"
     memory_budget_bytes: int | None = None  # thundersync.memory_budget_bytes: this rank's bucket bytes at once
+    bucket_device: str = "auto"  # thundersync.bucket_device: where the learner's buckets live (core/bucket_memory.py)
     ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
     deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
     values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
@@ -162,6 +163,7 @@ class StreamedStep:
             meta[INDEPENDENT_BUCKETS_KEY] = True
         if ctx.memory_budget_bytes is not None:  # the learner enforces it too: a bucket never exceeds it
             meta["memory_budget_bytes"] = int(ctx.memory_budget_bytes)
+        meta["bucket_device"] = ctx.bucket_device
         self._meta = meta
         ctx.worker_group.stream_begin_batch(meta)
         try:

@@ -299,6 +299,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
             timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
             fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
+            bucket_device=ts.bucket_device,
             deterministic=ts.deterministic,
             ref_log_probs=self._ref_log_probs if self.use_reference_policy else None,
             values=self.algo.values(self))

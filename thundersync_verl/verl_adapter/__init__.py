@@ -12,7 +12,8 @@
 4. Beside them, what changes verl's behaviour lives here too, each in one module: ``patches`` (every
    runtime patch, listed in ``patches/README.md``), ``patch_hooks`` (where patches hook in),
    ``registrations`` (registrations that need heavier verl modules) and ``launch_check`` (the plugin's
-   config rules on verl's driver, before ``ray.init``). They are not re-exported through ``va``.
+   config rules on verl's driver, before ``ray.init``, with ``bucket_check``: the learner's planned bucket
+   memory). They are not re-exported through ``va``.
 """
 
 from __future__ import annotations
@@ -23,4 +24,4 @@ from thundersync_verl.verl_adapter.trainer import *  # noqa: F401,F403
 
 VERL_VERSION = "0.9.1"
 MODULES = ("plugins", "learner", "trainer")  # the reach modules, re-exported as va (tests read each one's source)
-BEHAVIOUR_MODULES = ("patches", "patch_hooks", "registrations", "launch_check")  # point 4
+BEHAVIOUR_MODULES = ("patches", "patch_hooks", "registrations", "launch_check", "bucket_check")  # point 4

@@ -13,6 +13,8 @@ Why:
 3. It runs on the driver through ``verl_patches.patch_launch_config_check`` (verl's ``validate_config``,
    which ``main_ppo`` calls right before ``ray.init``); ``recipes.rules`` (``thundersync recipes check``)
    runs the same function on every shipped recipe.
+4. In thundersync mode the learner's planned bucket peak is checked too (``bucket_check.py``): above
+   ``thundersync.memory_budget_bytes`` or above the host memory, the run is refused before it starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 from thundersync_verl.envs.swe.swe_config import SWEConfig
+from thundersync_verl.verl_adapter.bucket_check import check_bucket_memory
 from thundersync_verl.core.config_validation import config_value as _get
 
 OWN_SECTIONS = {"thundersync": ThunderSyncConfig, "swe": SWEConfig}  # top-level sections this project adds to verl's
@@ -69,3 +72,4 @@ def check_run_config(config: Any) -> None:
         from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
         validate_thundersync_config(config if OmegaConf.is_config(config) else OmegaConf.create(config))
+        check_bucket_memory(config)  # planned bucket peak vs thundersync.memory_budget_bytes and host memory

@@ -3,6 +3,8 @@ actor worker, engines, TensorDict / DataProto fields, the actor's loss, Megatron
 
 from __future__ import annotations
 
+import contextlib
+
 # -- streaming learner ---------------------------------------------------------------
 # The streaming worker (``thundersync_verl.learner.streaming_worker``) builds on verl's
 # Tinker-style split API; every verl internal it touches is reached through these functions.
@@ -226,4 +228,105 @@ def megatron_streaming_blockers(engine) -> dict:
     return {"param_offload": bool(engine.is_param_offload_enabled),
             "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_model_parallel_size,
             "use_megatron_fsdp": bool(getattr(cfg, "use_megatron_fsdp", False)),
-            "calculate_per_token_loss": bool(getattr(engine.tf_config, "calculate_per_token_loss", False))}
+            "dynamic_context_parallel": bool(getattr(cfg, "dynamic_context_parallel", False)),
+            "auxiliary_losses": megatron_auxiliary_losses(engine)}
+
+
+# -- Megatron's per-token-loss regime (tf_config.calculate_per_token_loss) ------------------------
+# verl's ``postprocess_micro_batch_func`` then returns ``(loss * routed_num_tokens / dp_size, local tokens,
+# output)``: Megatron neither divides by the micro-batch count nor averages over data-parallel ranks, and
+# ``finalize_model_grads`` divides the summed gradient by the call's total token count.
+def megatron_per_token_loss(engine) -> bool:
+    """Whether verl's Megatron engine runs Megatron's per-token-loss regime."""
+    return bool(getattr(getattr(engine, "tf_config", None), "calculate_per_token_loss", False))
+
+
+def megatron_dp_size(engine) -> int:
+    """The data-parallel size verl's Megatron engine writes into every batch (``dp_size``)."""
+    return int(engine.get_data_parallel_size())
+
+
+def megatron_auxiliary_losses(engine) -> str | None:
+    """The losses Megatron scales inside the schedule (MoE router aux / z loss, MTP), as ``name=value``; else None."""
+    tf = getattr(engine, "tf_config", None)
+    found = []
+    if getattr(tf, "num_moe_experts", None):
+        aux = getattr(tf, "moe_aux_loss_coeff", 0.0) or 0.0
+        if any(float(c) != 0.0 for c in (aux if isinstance(aux, (list, tuple)) else [aux])):
+            found.append(f"moe_aux_loss_coeff={aux}")
+        if getattr(tf, "moe_z_loss_coeff", None):
+            found.append(f"moe_z_loss_coeff={tf.moe_z_loss_coeff}")
+    mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
+        found.append("mtp.enable_train=True")
+    return ", ".join(found) or None
+
+
+def _divide_grad_fn():
+    """``f(x, d) = x`` whose backward divides the incoming gradient by the tensor ``d`` (true division)."""
+    import torch
+
+    class DivideGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss, divisor):
+            ctx.save_for_backward(divisor)
+            return loss.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (divisor,) = ctx.saved_tensors
+            return grad / divisor, None
+
+    return DivideGrad
+
+
+def megatron_per_token_seed(data, like):
+    """What the backward seeds a loss with in verl's per-token regime: d(loss * routed_num_tokens / dp_size)/d(loss).
+
+    verl's expression replayed on a probe with ``like``'s dtype and device (the same kernels round the same way),
+    so dividing the incoming gradient by it gives exactly 1 (times Megatron's loss scale, a power of two).
+    """
+    import torch
+
+    routed = non_tensor(data, "routed_num_tokens")
+    if routed is None:
+        raise RuntimeError("verl's per-token-loss regime left no routed_num_tokens in the micro-batch")
+    dp_size = non_tensor(data, "dp_size", 1)
+    probe = torch.ones((), dtype=like.dtype, device=like.device, requires_grad=True)
+    with torch.enable_grad():
+        (probe * routed / dp_size).backward()
+    return probe.grad.detach()
+
+
+def _unit_seed_loss(loss_function):
+    def loss_fn(model_output, data, dp_group=None):
+        loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+        return _divide_grad_fn().apply(loss, megatron_per_token_seed(data, loss)), metrics
+
+    return loss_fn
+
+
+@contextlib.contextmanager
+def megatron_unit_seed_losses(engine):
+    """Within: the loss of every training micro-batch reaches the backward with seed exactly 1 (per-token regime).
+
+    verl multiplies each loss by the CALL's ``routed_num_tokens / dp_size`` (a different factor every streamed
+    call) for ``finalize_model_grads`` to divide by the call's token total. Here the loss keeps its value, and its
+    gradient is divided by exactly the factor verl applies: the grad buffer receives what the loss itself says.
+    """
+    had = "postprocess_micro_batch_func" in vars(engine)
+    original = engine.postprocess_micro_batch_func
+
+    def postprocess(output, data, forward_only, loss_function, **kwargs):
+        if loss_function is not None and not forward_only:
+            loss_function = _unit_seed_loss(loss_function)
+        return original(output, data, forward_only=forward_only, loss_function=loss_function, **kwargs)
+
+    engine.postprocess_micro_batch_func = postprocess
+    try:
+        yield
+    finally:
+        if had:
+            engine.postprocess_micro_batch_func = original
+        else:
+            del engine.postprocess_micro_batch_func

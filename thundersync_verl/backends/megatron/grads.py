@@ -102,7 +102,9 @@ def no_finalize(chunks):
 def finalize(chunks) -> None:
     """The model's finalize function over all chunks, once, as the schedule calls it at its end.
 
-    That is the function verl registered (``finalize_model_grads``), or Megatron's own if none is set.
+    That is the function verl registered (``finalize_model_grads``), or Megatron's own if none is set. No token
+    count is passed: in Megatron's per-token-loss regime that finalize divides by nothing (the learner applies
+    the stream's own scale, ``learner/engines/megatron.py`` point 6).
     """
     from megatron.core.distributed import finalize_model_grads
 

@@ -19,7 +19,9 @@ Why:
 4. Settings that would make a streamed step differ are refused before anything runs, with the
    rule, why and the fix: virtual pipeline stages (not verified exact here), parameter offload
    (verl releases the grad buffer between calls), overlapped grad reduce (Megatron expects a
-   fixed number of calls per step), Megatron-FSDP, per-token loss scaling (context parallel).
+   fixed number of calls per step), Megatron-FSDP, dynamic context parallel (its scheduler re-deals each
+   call's rows over the DP x CP plane; not verified here), and losses the schedule scales per call (MoE
+   router aux / z loss, MTP): a streamed call would give them the deferred normaliser instead.
 5. verl's KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``) need nothing
    Megatron-specific: the chunk's loss reads the engine's own log-probs and ``calculate_entropy``
    output (verl's vocab-parallel entropy, on the last pipeline stage), the reference log-probs ride
@@ -27,6 +29,18 @@ Why:
    ``isolated()`` (``stream_loss.py`` point 6): one more backward into the same buffer, under the
    same deferred normaliser and single finalize. Checked against verl's Megatron ``update_actor``
    (``tests/megatron/test_megatron_kl_entropy_on_cpu.py``, ``benchmarks/equivalence.py --kl``).
+6. Megatron's per-token-loss regime (``calculate_per_token_loss``, which Megatron-Bridge turns on at context
+   parallel > 1 and dynamic CP): verl's loss then returns ``(loss * R / dp, local tokens)`` with R the CALL's
+   routed tokens (all-reduced over DP), the schedule neither divides by the micro-batch count nor multiplies by
+   CP, the DDP sums over DP x CP (scaling factor 1) and ``finalize_model_grads`` divides by the call's total
+   tokens T (= R at CP 1; at static CP each micro-batch reports ``R_m // cp`` per CP rank, so verl's own
+   gradient is R / T times the exact one, R / T - 1 <= (cp - 1) x micro-batches / T; the stream gives the
+   exact one). Streamed: each call's loss gradient is divided by exactly the seed
+   verl's ``* R / dp`` gives (``va.megatron_unit_seed_losses``), so the buffer holds what the loss says, as
+   outside the regime; the barrier finalises with no token count (no division) and applies scale / dp once.
+   Checked against verl's Megatron update in the regime (``tests/megatron/test_megatron_per_token_loss_on_cpu.py``,
+   ``benchmarks/equivalence.py --engine megatron --per-token-loss``); CP > 1 itself is not runnable on the CPU
+   (Megatron's local attention refuses it: TransformerEngine only).
 """
 
 from __future__ import annotations
@@ -57,10 +71,18 @@ _REFUSALS = {
         "streaming on Megatron does not support use_megatron_fsdp={}",
         "Megatron-FSDP shards the grad buffer during backward; the streamed buckets assume DDP's flat buffer",
         "set actor_rollout_ref.actor.megatron.use_megatron_fsdp=false"),
-    "calculate_per_token_loss": (
-        "streaming on Megatron does not support calculate_per_token_loss={} (context parallelism)",
-        "Megatron then divides the gradient by the token count of each finalised call, which streaming defers",
-        "set actor_rollout_ref.actor.megatron.context_parallel_size=1"),
+    "dynamic_context_parallel": (
+        "streaming on Megatron does not support dynamic_context_parallel={}",
+        "verl's dynamic-CP scheduler re-deals every call's rows over the whole DP x CP plane and counts tokens per "
+        "scheduled slot; streamed calls of any size have not been verified exact against verl's update",
+        "set actor_rollout_ref.actor.megatron.dynamic_context_parallel=false (static context_parallel_size streams)"),
+    "auxiliary_losses": (
+        "streaming on Megatron does not support losses the schedule scales per call ({})",
+        "Megatron scales the MoE router's aux / z loss and the MTP loss by the CALL's micro-batch count (or, per "
+        "token, by the batch's token total at finalize); in a streamed call they would take the deferred "
+        "normaliser and the fold coefficients instead",
+        "set moe_aux_loss_coeff=0 and moe_z_loss_coeff=null (override_transformer_config) and "
+        "actor_rollout_ref.model.mtp.enable_train=false"),
     "overlap_grad_reduce": (
         "streaming on Megatron needs override_ddp_config.overlap_grad_reduce=false (got {})",
         "overlapped reduction expects the same number of backward calls in every step; streamed steps vary",
@@ -115,8 +137,15 @@ class MegatronLearner(StreamLearner):
         tensors = mg.own_regions(chunks) if self._sharded() else mg.grad_buffers(chunks)
         return GradLayout.from_tensors(tensors)
 
+    def _per_token(self) -> bool:
+        return va.megatron_per_token_loss(self._engine())
+
+    def _per_token_call(self):
+        """Point 6: in the per-token regime every streamed loss reaches its backward with seed 1."""
+        return va.megatron_unit_seed_losses(self._engine()) if self._per_token() else contextlib.nullcontext()
+
     def forward_backward(self, run):
-        with mg.no_finalize(self._chunks()):
+        with mg.no_finalize(self._chunks()), self._per_token_call():
             output = run()
         if not self._isolating:
             self._direct_nonzero = True
@@ -153,8 +182,11 @@ class MegatronLearner(StreamLearner):
 
     def finalize(self, scale: float, lr_step: bool = True) -> dict:
         engine, chunks = self._engine(), self._chunks()
+        dp = va.megatron_dp_size(engine) if self._per_token() else 1  # point 6: Megatron sums, not averages
         for b in mg.grad_buffers(chunks):
             b.mul_(scale)
+            if dp > 1:
+                b.mul_(1.0 / dp)  # what the DDP's gradient_scaling_factor does outside the regime
         mg.finalize(chunks)  # once: DP reduce(-scatter), sequence-parallel norms, tied embeddings
         with engine.train_mode(zero_grad_on_exit=True):
             grad_norm = engine.optimizer_step()  # Megatron's optimizer clips the reduced gradient, then steps

@@ -1,0 +1,109 @@
+"""verl's Megatron engine in Megatron's per-token-loss regime on the CPU: config and worker group.
+
+Why:
+1. verl 0.9.1 runs Megatron's per-token-loss regime (``calculate_per_token_loss``) where Megatron-Bridge turns it on:
+   context parallel > 1 and dynamic CP. Neither runs here: Megatron's local attention refuses CP > 1
+   ("Context parallelism is only supported by TEDotProductAttention!") and Megatron-Bridge needs
+   TransformerEngine. The regime itself is a switch of the transformer config, so it is forced on at CP = 1
+   (``override_transformer_config.calculate_per_token_loss=true``): the DDP then sums over data-parallel ranks
+   (scaling factor 1), verl's loss returns ``(loss * routed_num_tokens / dp_size, local tokens)``, the schedule
+   neither divides by the micro-batch count nor scales by CP, and ``finalize_model_grads`` divides by the total.
+2. verl refuses the regime on the padded (BSHD) path (``use_remove_padding=False``) because it passes no padding
+   mask to the MoE router; the CPU path is BSHD (THD packing needs TransformerEngine) and the model is dense (no
+   router), so ``probe_per_token_on_bshd`` lets that one check see ``use_remove_padding=True`` during verl's loss
+   post-processing. Nothing else reads the flag there; the forward still takes the BSHD path.
+3. ``probe_raw_per_token(on)``: a learner that streams WITHOUT the regime's compensation (each call's gradient keeps
+   verl's ``routed_num_tokens / dp_size`` factor of that call): the negative control of the equivalence test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from thundersync_harness.megatron_engine import megatron_config
+from thundersync_verl import verl_adapter as va
+
+PER_TOKEN_KEY = "actor_rollout_ref.actor.megatron.override_transformer_config.calculate_per_token_loss"
+
+
+def per_token_config(model_path: Path, **kwargs):
+    """``megatron_config`` with Megatron's per-token-loss regime forced on (point 1)."""
+    from omegaconf import OmegaConf
+
+    config = megatron_config(model_path, **kwargs)
+    OmegaConf.update(config, PER_TOKEN_KEY, True, force_add=True)
+    return config
+
+
+def _worker_class():
+    from thundersync_harness.megatron_engine import _probe_worker_class
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
+    from thundersync_verl.learner.streaming_worker import Dispatch, register
+
+    class RawPerTokenLearner(MegatronLearner):
+        """Streams in the regime as if it were not there: per-call factors kept, no 1 / dp at the barrier."""
+
+        def _per_token_call(self):
+            return contextlib.nullcontext()
+
+        def _per_token(self) -> bool:
+            return False
+
+    class PerTokenProbeWorker(_probe_worker_class()):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def probe_per_token_on_bshd(self) -> bool:
+            """Point 2; returns whether the engine runs the per-token regime."""
+            engine = va.actor_engine(self)
+            original = engine.postprocess_micro_batch_func
+
+            def postprocess(*args, **kwargs):
+                engine.engine_config.use_remove_padding = True
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    engine.engine_config.use_remove_padding = False
+
+            engine.postprocess_micro_batch_func = postprocess
+            return va.megatron_per_token_loss(engine)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def probe_raw_per_token(self, on: bool) -> None:
+            self._ts_learner = RawPerTokenLearner(self) if on else None
+
+    return PerTokenProbeWorker
+
+
+def start_per_token_workers(config, world: int):
+    """ray.init with ``world`` device slots, then a group of ``PerTokenProbeWorker`` in the regime (one per rank)."""
+    import os
+
+    import ray
+
+    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
+    wg = va.ray_worker_group_with(_worker_class(), config=config.actor_rollout_ref, role="actor", n_workers=world)
+    wg.init_model()
+    on = wg.probe_per_token_on_bshd()
+    if not all(on):
+        raise RuntimeError(f"the per-token-loss regime is not on in every rank's engine: {on}")
+    return wg
+
+
+def per_token_streamed_vs_verl(group, groups: int, seed: int = 5) -> dict:
+    """dθ of verl's update in the regime, of the streamed step, and of the uncompensated stream (point 3)."""
+    from thundersync_harness.engine_setup import make_trajectories
+    from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
+
+    wg, pad = group.wg, group.pad_id
+    trajs, arrival = make_trajectories(seed, groups, group.vocab)
+    [d_sync], [info_sync] = train(wg, [lambda: sync_step(wg, trajs, list(range(len(trajs))), pad)])
+    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])
+    wg.probe_raw_per_token(True)
+    try:
+        [d_raw], _ = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])
+    finally:
+        wg.probe_raw_per_token(False)
+    return {"sync": d_sync, "stream": d_stream, "raw": d_raw, "info": info, "info_sync": info_sync,
+            "gap": relative_gap(d_stream, d_sync), "gap_raw": relative_gap(d_raw, d_sync)}
