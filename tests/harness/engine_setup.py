@@ -3,7 +3,7 @@ group of the streaming worker, and replayed trajectories (GRPO groups, multi-tur
 
 Why:
 1. The equivalence benchmark (``benchmarks/equivalence.py``) and the engine tests
-   (``tests/trainer/conftest.py``) build the same thing; it lives here, once, so the figures
+   (``tests/conftest.py``) build the same thing; it lives here, once, so the figures
    the benchmark prints come from the setup the tests check.
 2. Everything is small and seeded: a 2-layer Qwen2 with the project's tokenizer builds in
    seconds, and the same seed gives the same weights and the same trajectories.

@@ -7,13 +7,13 @@ Why:
    and a new algorithm sees what it must provide.
 2. ``PlannerDefaults`` and ``AlgorithmDefaults`` give the members most implementations leave at a neutral value
    (no verl estimator settings, no companion buckets, no free-slot planning, no metrics); an implementation
-   inherits them and overrides what it does differently. ``tests/trainer/test_contracts_on_cpu.py`` checks that
+   inherits them and overrides what it does differently. ``tests/step/test_contracts_on_cpu.py`` checks that
    every planner and algorithm the trainer builds has every member.
 3. One level up, ``TrainerAlgorithm`` is everything the trainer (``thundersync_trainer.py``) asks of the run's
    algorithm: its config rules, planner, per-step arrivals, worker and client setup, warm-up and after-step work.
    ``step/algorithm.py`` ``choose_algorithm`` picks the implementation once per run (GRPO, OPD or SAO), so the
    trainer never branches on the algorithm; ``TrainerAlgorithmDefaults`` holds GRPO's neutral hooks, which the
-   others override. ``tests/trainer/test_algorithm_choice_on_cpu.py`` checks each has every member.
+   others override. ``tests/step/test_algorithm_choice_on_cpu.py`` checks each has every member.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Why:
      = E - 1): the stream is the FIRST epoch only, its barrier takes no LR step, and the caller then runs
      verl's ``train_mini_batch`` with ``epochs=E-1`` on the same batch. Every epoch's clip is against the
      stored step-start values, so verl's epochs 2..E are exactly that call (its last iteration steps the LR
-     scheduler, once per batch as verl does); ``tests/trainer/test_critic_stream_engine_on_cpu.py`` checks it.
+     scheduler, once per batch as verl does); ``tests/algos/test_critic_stream_engine_on_cpu.py`` checks it.
 4. dp_size: as every streamed chunk, the loss is a sum times dp_size (FSDP2 averages over ranks, so the
    reduced gradient is the sum over all ranks' rows); the driver pads a chunk to a multiple of dp_size with
    rows whose coefficients are all zero (``chunk_layout.build_token_chunk``).

@@ -16,7 +16,7 @@ Why:
    backward is sent at once (not waited for); the 1/N normaliser and the critic's optimizer step follow the
    actor's step. That is verl's first critic epoch; with ``critic.ppo_epochs`` = E > 1 the trainer then runs
    verl's own ``_update_critic`` with E - 1 epochs on the same batch (every epoch clips against the stored
-   step-start values, so that is verl's epochs 2..E; ``tests/trainer/test_critic_stream_engine_on_cpu.py``).
+   step-start values, so that is verl's epochs 2..E; ``tests/algos/test_critic_stream_engine_on_cpu.py``).
 4. ``trainer.critic_warmup`` steps train the critic only, as verl's sync step does: the batch is collected
    whole (``collect_batch``), valued, and the critic updated; the actor takes no optimizer step at all (a
    zero-gradient step would still move AdamW's weights by weight decay).
