@@ -45,7 +45,16 @@ setup(
         # pytest-xdist: make test runs the test files on two workers; mkdocs: the docs site (make docs)
         "test": CPU_EXTRAS + ["pytest", "hypothesis", "pytest-timeout", "pytest-xdist==3.8.0",
                               "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
-        "gpu": ["vllm", "flash-attn", "transformer-engine", "wandb"],
+        # The GPU machine's venv (.venv-gpu, made by `bash ci/gpu_check.sh --setup`; never make's CPU .venv):
+        # verl's own vllm extra pins the CUDA torch (torch==2.11.0) and vllm==0.24.0; cupy-cu130 is the NCCL
+        # transport of ray.util.collective (sparse_sync's push); CPU_EXTRAS bring TransferQueue, megatron-core and
+        # mbridge; pytest runs the core buffer tests. TransformerEngine compiles against that torch, so
+        # ci/gpu_check.sh installs it after, without build isolation (extra `te`). vllm, sglang, flash-attn and
+        # TransformerEngine are imported lazily: the CPU install never needs them.
+        "gpu": CPU_EXTRAS + ["verl[vllm,cupy-cu130]==0.9.1", "pytest", "hypothesis"],
+        "te": ["transformer-engine[pytorch]"],
+        "flash-attn": ["verl[flash-attn-cu130torch211]==0.9.1"],
+        "sglang": ["verl[sglang]==0.9.1"],  # its own venv: sglang's pins and vllm's do not mix
     },
     entry_points={
         "verl.plugins": ["thundersync_verl = thundersync_verl.plugin"],

@@ -133,7 +133,8 @@ def simulate(
     return Outcome(acc.peak_open_groups, acc.peak_bytes, budget, finish - trace[-1].time, blocked)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``ci/gpu_check.py --dry-run`` parses its arguments with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds (megatron: 2 steps)")
     parser.add_argument("--numel", type=int, default=1 << 16, help="float32 values per buffer (P)")
@@ -148,6 +149,11 @@ def main() -> None:
     parser.add_argument("--bucket-device", choices=["host", "device", "auto"],
                         help="also run the streaming worker on verl's FSDP2 engine with its buckets there, under the budget")
     add_results_dir_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.engine == "megatron" or args.bucket_device:

@@ -219,7 +219,8 @@ def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, algo: s
     return result
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``ci/gpu_check.py --dry-run`` parses its arguments with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--algo", default="grpo", choices=["grpo", "opd"], help="opd: on-policy distillation (recipe opd.yaml)")
     ap.add_argument("--steps", type=int, default=8)
@@ -252,6 +253,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--calibrate", default=None, metavar="S1,S2,...",
                     help="run Sync alone at each latency scale and report its learner wait share (modes_calibration.json)")
     add_results_dir_argument(ap)
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     results_dir = find_results_dir(args.results_dir)  # refuse before the runs, not after
     if args.algo == "opd" and args.model and not args.teacher:

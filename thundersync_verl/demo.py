@@ -72,11 +72,13 @@ RAY_TASK_EVENTS_KEPT = 10000  # run_env: Ray's task-event table in the GCS, boun
 
 
 def run_env(work_dir: Path, metrics_path: Path) -> dict[str, str]:
+    from thundersync_verl.backends.cpu.platform import requested_platform  # imports torch: only when a run starts
+
     env = dict(os.environ)
     ray_tmp = Path(os.environ.get("THUNDERSYNC_RAY_TMP", "/tmp/thundersync_ray"))
     ray_tmp.mkdir(parents=True, exist_ok=True)
     env.update({
-        "VERL_PLATFORM": env.get("VERL_PLATFORM", "cpu"),
+        "VERL_PLATFORM": requested_platform(env),  # the caller's, cpu when unset
         "RAY_AUTH_MODE": "disabled",  # a self-contained local cluster; no token files under $HOME
         "RAY_TMPDIR": str(ray_tmp),
         "RAY_DEDUP_LOGS": "1",

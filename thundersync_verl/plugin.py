@@ -13,23 +13,13 @@ verl swallows plugin import errors at debug level, so failures are logged loudly
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger("thundersync_verl")
 
 
-def _cpu_platform_active() -> bool:
-    forced = os.environ.get("VERL_PLATFORM", "").strip().lower()
-    if forced:
-        return forced == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def register() -> None:
     from thundersync_verl import verl_adapter as va
-    from thundersync_verl.backends.cpu.platform import register_cpu_platform
+    from thundersync_verl.backends.cpu.platform import cpu_platform_active, register_cpu_platform
     from thundersync_verl.backends.cpu.rollout import ROLLOUT_NAME
 
     register_cpu_platform()
@@ -46,7 +36,7 @@ def register() -> None:
     patch_reuse_turn_teacher_scores()
     patch_reward_in_agent_loop()
     patch_launch_config_check()
-    if _cpu_platform_active():
+    if cpu_platform_active():
         from thundersync_verl.verl_adapter.patches import apply_cpu_patches
 
         apply_cpu_patches()

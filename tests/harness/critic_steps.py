@@ -17,7 +17,6 @@ Why:
 
 from __future__ import annotations
 
-import os
 import random
 from functools import partial
 from pathlib import Path
@@ -58,11 +57,9 @@ def critic_config(value_path: Path, *, groups: int, micro: int, epochs: int = 1,
 
 def start_critic(config, dp: int = 1):
     """ray.init with ``dp`` logical device slots, then verl's critic worker group of ``StreamingCriticWorker``."""
-    import ray
+    from thundersync_harness.engine_setup import start_ray
 
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=2 * dp + 2, num_gpus=dp, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
+    start_ray(dp)
     wg, _ = va.critic_worker_group(StreamingCriticWorker, config, n_workers=dp)
     return wg
 

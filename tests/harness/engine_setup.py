@@ -8,6 +8,11 @@ Why:
 2. Everything is small and seeded: a 2-layer Qwen2 with the project's tokenizer builds in
    seconds, and the same seed gives the same weights and the same trajectories.
 3. Heavy imports (transformers, ray, verl's workers) happen inside the functions that need them.
+4. The platform is the caller's: ``prepare_environment`` keeps a ``VERL_PLATFORM`` already set (``cpu`` only
+   when unset; ``ci/gpu_check.sh`` sets ``nvidia``), ``harness_platform`` names it with the package's own rule
+   (``requested_platform``), dtypes follow it (``platform_dtype``), and every harness module starts Ray and its
+   worker group through ``start_ray`` / ``start_group``: logical device slots on the CPU, the GPUs the world
+   needs on a GPU platform (refused up front when fewer are visible).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 import torch
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.backends.cpu.platform import PLATFORM_NAME as CPU_PLATFORM
+from thundersync_verl.backends.cpu.platform import requested_platform
 
 GROUP_SIZE = 4
 OPD_TEACHER_LAYERS = 3
@@ -48,17 +55,61 @@ class TurnTraj:
     mask: tuple[int, ...]  # 1 on action (scored) tokens, 0 on observation tokens
 
 
+RAY_WORKER_ENV = ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+
+
 # ----- setup ---------------------------------------------------------------------------------
+def harness_platform(env=None) -> str:
+    """The verl platform the harness runs on given ``env`` (default: this process's): its VERL_PLATFORM, cpu when
+    unset. ``prepare_environment`` applies it; ``ci/gpu_check.py`` prints it for each check's environment."""
+    return requested_platform(env)
+
+
+def platform_dtype(platform: str | None = None) -> str:
+    """The Megatron harness dtype on ``platform`` (default: ``harness_platform()``): ``float32`` on the CPU (its
+    patch allows it, and the equivalence floor needs it), ``bfloat16`` on a GPU platform (verl's config accepts
+    only bf16/fp16 there), whatever CUDA visibility says."""
+    return "float32" if (platform or harness_platform()) == CPU_PLATFORM else "bfloat16"
+
+
 def prepare_environment() -> Path:
-    """CPU platform, a self-contained Ray cluster (no auth token, private temp dir), 1 thread.
+    """The caller's platform (cpu when unset), a self-contained Ray cluster (no auth token, private temp dir), 1 thread.
 
     Returns Ray's temp dir: a short path under /tmp (Ray's socket paths must stay < 108 bytes).
     """
     ray_tmp = Path(tempfile.mkdtemp(prefix="tsray_", dir="/tmp"))
-    os.environ.update({"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp),
+    os.environ.update({"VERL_PLATFORM": harness_platform(), "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp),
                        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"})
     torch.set_num_threads(1)
     return ray_tmp
+
+
+def start_ray(slots: int) -> None:
+    """``ray.init`` for ``slots`` worker processes, one device slot each, with the harness environment.
+
+    On the CPU the slots are logical (``num_gpus`` declares them); on a GPU platform each is a real GPU, so the
+    machine must show at least ``slots`` of them (refused here, not as a worker that never schedules).
+    """
+    import ray
+
+    if harness_platform() != CPU_PLATFORM and torch.cuda.device_count() < slots:
+        raise RuntimeError(f"platform {harness_platform()!r}: this world needs {slots} GPUs, "
+                           f"{torch.cuda.device_count()} visible")
+    env = {k: os.environ[k] for k in RAY_WORKER_ENV}
+    ray.init(num_cpus=2 * slots + 2, num_gpus=slots, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
+
+
+def start_group(worker_cls, actor_config, n_workers: int, *, slots: int | None = None, **kwargs):
+    """``start_ray(slots or n_workers)``, then a worker group of ``worker_cls`` (role actor) with its model built.
+
+    ``slots`` above ``n_workers`` leaves room for groups started next (e.g. a reference model); ``kwargs`` go to
+    ``va.ray_worker_group_with`` (``name_prefix``, ``distillation_config``).
+    """
+    start_ray(slots or n_workers)
+    wg = va.ray_worker_group_with(worker_cls, config=actor_config, role="actor", n_workers=n_workers, **kwargs)
+    wg.init_model()
+    return wg
 
 
 @contextlib.contextmanager
@@ -154,23 +205,15 @@ def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "
 
 
 def start_workers(config, dp: int, *, distillation: bool = False):
-    """ray.init with ``dp`` logical device slots, then a worker group of StreamingActorWorker.
+    """``start_group`` with ``dp`` device slots and a worker group of StreamingActorWorker.
 
     ``distillation``: build the actor as verl's trainer does for OPD (``distillation_config``),
     so verl's own ``update_actor`` runs verl's distillation loss.
     """
-    import ray
-
     from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=2 * dp + 2, num_gpus=dp, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
     extra = {"distillation_config": config.distillation} if distillation else {}
-    wg = va.ray_worker_group_with(StreamingActorWorker, config=config.actor_rollout_ref, role="actor", n_workers=dp,
-                                  **extra)
-    wg.init_model()
-    return wg
+    return start_group(StreamingActorWorker, config.actor_rollout_ref, dp, **extra)
 
 
 # ----- data ----------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ Why:
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 
@@ -74,17 +73,13 @@ def start_kl_workers(config, dp: int, ref_path: Path | None):
 
     No reference group (None) without ``ref_path``: the entropy bonus alone needs no reference model.
     """
-    import ray
     from omegaconf import OmegaConf
 
+    from thundersync_harness.engine_setup import start_group
     from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=4 * dp + 2, num_gpus=2 * dp, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
-    wg = va.ray_worker_group_with(StreamingActorWorker, config=config.actor_rollout_ref, role="actor", n_workers=dp,
-                                  name_prefix="actor")
-    wg.init_model()
+    # 2 * dp slots: the actor's ranks and the reference group's
+    wg = start_group(StreamingActorWorker, config.actor_rollout_ref, dp, slots=2 * dp, name_prefix="actor")
     if ref_path is None:
         return wg, None
     ref_config = OmegaConf.create(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))

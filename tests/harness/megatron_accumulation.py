@@ -20,8 +20,6 @@ import contextlib
 
 import torch
 
-from thundersync_verl import verl_adapter as va
-
 
 def _learner_class():
     from thundersync_verl.backends.megatron import grads as mg
@@ -85,13 +83,6 @@ def probe_worker_class():
 
 def start_probe_workers(config, world: int):
     """ray.init with ``world`` device slots, then a group of ``Float64SumProbeWorker`` (one per rank)."""
-    import os
+    from thundersync_harness.engine_setup import start_group
 
-    import ray
-
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
-    wg = va.ray_worker_group_with(probe_worker_class(), config=config.actor_rollout_ref, role="actor", n_workers=world)
-    wg.init_model()
-    return wg
+    return start_group(probe_worker_class(), config.actor_rollout_ref, world)

@@ -54,10 +54,13 @@ def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, p
     ``optimizer``: ``sgd`` (no momentum) by default; Megatron's distributed optimizer takes only Adam,
     so it gets ``adam`` with ``adam_eps=1``: with eps far above every |g|, Adam's first step is
     lr * g / (|g| + eps), close to linear in g, so dθ still compares gradients rather than their signs.
-    ``dtype``: ``float32`` on the CPU platform (its patch allows it); ``bfloat16`` where CUDA is present,
-    since verl's config accepts only bf16/fp16 there.
+    ``dtype``: ``engine_setup.platform_dtype()``, from the harness platform (not CUDA visibility): ``float32`` on
+    the CPU platform (its patch allows it), ``bfloat16`` on a GPU platform, since verl's config accepts only
+    bf16/fp16 there.
     """
-    dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    from thundersync_harness.engine_setup import platform_dtype
+
+    dtype = dtype or platform_dtype()
     optimizer = optimizer or ("adam" if distributed_optimizer else "sgd")
     actor, mega = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
     opt_override = "sgd_momentum=0.0" if optimizer == "sgd" else "adam_eps=1.0"
@@ -213,16 +216,7 @@ def start_megatron_workers(config, world: int, *, probe: bool = False):
 
     ``probe``: the ``FinalizeProbeWorker`` (the streaming worker plus the negative-test switch).
     """
-    import os
-
-    import ray
-
+    from thundersync_harness.engine_setup import start_group
     from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
-    cls = _probe_worker_class() if probe else StreamingActorWorker
-    wg = va.ray_worker_group_with(cls, config=config.actor_rollout_ref, role="actor", n_workers=world)
-    wg.init_model()
-    return wg
+    return start_group(_probe_worker_class() if probe else StreamingActorWorker, config.actor_rollout_ref, world)

@@ -76,15 +76,9 @@ def _worker_class():
 
 def start_per_token_workers(config, world: int):
     """ray.init with ``world`` device slots, then a group of ``PerTokenProbeWorker`` in the regime (one per rank)."""
-    import os
+    from thundersync_harness.engine_setup import start_group
 
-    import ray
-
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=2 * world + 2, num_gpus=world, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
-    wg = va.ray_worker_group_with(_worker_class(), config=config.actor_rollout_ref, role="actor", n_workers=world)
-    wg.init_model()
+    wg = start_group(_worker_class(), config.actor_rollout_ref, world)
     on = wg.probe_per_token_on_bshd()
     if not all(on):
         raise RuntimeError(f"the per-token-loss regime is not on in every rank's engine: {on}")

@@ -9,19 +9,39 @@
 3. Ray schedules verl's learner and rollout processes by the ``GPU`` resource.
    On a CPU machine the recipe declares logical slots (``ray_init.num_gpus``):
    one slot = one learner or rollout process, nothing more.
+4. A platform the caller set (``VERL_PLATFORM``) is never overridden: ``requested_platform`` is the one rule
+   the demo, the test harness and ``ci/gpu_check.py`` use to name the platform a run gets (its VERL_PLATFORM,
+   ``cpu`` when unset), and ``cpu_platform_active`` the rule the plugin and the Megatron CPU patches use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from thundersync_verl.backends.cpu.device import cpu_device_module
 
 PLATFORM_NAME = "cpu"
+
+
+def requested_platform(env: Mapping[str, str] | None = None) -> str:
+    """The verl platform a run launched with ``env`` (default: this process's) gets: its ``VERL_PLATFORM``,
+    lower-cased, or ``cpu`` when unset (the demo and the harness run on the CPU unless told otherwise)."""
+    env = os.environ if env is None else env
+    return env.get("VERL_PLATFORM", "").strip().lower() or PLATFORM_NAME
+
+
+def cpu_platform_active() -> bool:
+    """True when verl in this process runs on platform ``cpu``: ``VERL_PLATFORM`` when set (``cpu`` forces it,
+    any other name refuses it, CUDA visible or not), else verl's auto-detection (no CUDA device visible)."""
+    forced = os.environ.get("VERL_PLATFORM", "").strip().lower()
+    if forced:
+        return forced == PLATFORM_NAME
+    return not torch.cuda.is_available()
 
 
 def _platform_base():

@@ -1,4 +1,4 @@
-"""Megatron-Core's hard-coded CUDA device, answered by the CPU (only where no accelerator exists).
+"""Megatron-Core's hard-coded CUDA device, answered by the CPU (only on verl's ``cpu`` platform).
 
 Why:
 1. megatron-core 0.16 allocates its buffers (DDP grad buffer, pipeline p2p tensors, the global
@@ -17,7 +17,8 @@ Why:
 4. The few ``torch.cuda`` module functions Megatron calls directly (``current_device``,
    ``synchronize``) get CPU meanings (device 0, which the mode maps to the CPU, and a no-op)
    in the threads where the mode is active; elsewhere torch's own functions answer.
-Nothing here is installed when torch sees an accelerator.
+Nothing here is installed unless verl runs on platform ``cpu`` (``cpu_platform_active``: a caller's
+``VERL_PLATFORM`` decides, CUDA visibility only when it is unset).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from thundersync_verl.backends.cpu.platform import cpu_platform_active
 
 _LOCAL = threading.local()
 _SPOOF_TYPE_FOR = ("megatron.core.optimizer",)  # modules that insist on a torch.cuda.*Tensor type string
@@ -96,8 +99,8 @@ def ensure_active() -> None:
 
 
 def ensure_active_if_cpu() -> None:
-    """``ensure_active`` on a machine without an accelerator; nothing where torch sees one."""
-    if not torch.cuda.is_available():
+    """``ensure_active`` on verl's ``cpu`` platform; nothing on any other platform."""
+    if cpu_platform_active():
         ensure_active()
 
 
@@ -125,7 +128,7 @@ def install_cuda_shims() -> list[str]:
     The shims answer only in a thread where the mode is active (a Megatron engine call); anywhere
     else the original function runs, so code outside Megatron sees torch's own behaviour.
     """
-    if torch.cuda.is_available():
+    if not cpu_platform_active():
         return []
     shims = {"current_device": lambda: 0, "synchronize": lambda device=None: None}
     for name, cpu_fn in shims.items():

@@ -1,4 +1,4 @@
-"""verl's Megatron engine on the CPU platform: the runtime patches, applied only where no accelerator exists.
+"""verl's Megatron engine on the CPU platform: the runtime patches, applied only on verl's ``cpu`` platform.
 
 Why:
 1. verl 0.9.1's ``MegatronEngine`` (megatron-core 0.16, the mbridge path) assumes CUDA and
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from thundersync_verl.backends.cpu.platform import cpu_platform_active
 from thundersync_verl.backends.megatron import cpu_device
 from thundersync_verl.backends.megatron.cpu_spec import local_layer_spec
 
@@ -156,8 +157,8 @@ def _mbridge_on_cpu(llm_bridge_module) -> None:
 
 
 def apply() -> None:
-    """Install every patch (post-import hooks; no-op on a machine with an accelerator)."""
-    if torch.cuda.is_available():
+    """Install every patch (post-import hooks; no-op on any platform but ``cpu``, whatever CUDA shows)."""
+    if not cpu_platform_active():
         return
     from thundersync_verl.verl_adapter.patch_hooks import when_imported
 

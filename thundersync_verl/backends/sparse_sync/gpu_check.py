@@ -128,10 +128,15 @@ def nccl_push(pushes: int = 3) -> dict:
     return {"pushes": results, "bitwise_equal": all(r["equal"] for r in results)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``ci/gpu_check.py --dry-run`` parses its arguments with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1 << 28)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     out = {"codec_cuda": codec_on_device(args.params)}
     if torch.cuda.device_count() >= 2:
         out["nccl"] = nccl_push()
