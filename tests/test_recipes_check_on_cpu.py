@@ -1,7 +1,8 @@
 """``thundersync recipes check`` on the shipped recipes (GPU recipes included) and on broken ones. CPU only.
 
-1. Every variant of every shipped recipe composes with verl's config tree and passes every rule; the
-   SWE-smith GPU recipes cover GRPO/OPD x 8B/30B-MoE x 1/2/4 nodes x the four modes.
+1. Every variant of every shipped recipe composes with verl's config tree and passes every rule, the learner's
+   included (``learner_checked``); the SWE-smith GPU recipes cover GRPO/OPD x 8B/30B-MoE x 1/2/4 nodes x the
+   four modes.
 2. A broken variant is refused and the message names the key: parallel sizes that do not tile the
    GPUs, unknown keys (typed and untyped sections), wrong types, bad ThunderSync / SWE values, the
    trainer's thundersync rules, unregistered names.
@@ -41,6 +42,7 @@ def test_every_shipped_recipe_variant_is_valid(capsys):
     code, report, err = _run(["check"], capsys)
     assert code == 0, "\n".join(err)
     assert report["recipes"] >= 8 and report["valid"] == report["recipes"] and report["invalid"] == 0
+    assert report["learner_checked"] == report["recipes"]  # the learner's refusals ran on every variant
     assert report["unclassified"] == []
     for algo in ("grpo", "opd"):  # 2 shapes x 3 layouts x 4 modes each
         assert report["by_recipe"][f"swe_smith/{algo}"] == {"variants": 24, "valid": 24}

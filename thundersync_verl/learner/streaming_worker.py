@@ -60,9 +60,10 @@ from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY,
 from thundersync_verl.learner.stream_loss import make_stream_loss, make_token_stream_loss, set_chunk_part
 from thundersync_verl.learner.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC
-from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_settings, sao_token_loss
+from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_token_loss
 from thundersync_verl.learner.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
-from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key, settings_from_verl_config
+from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key
+from thundersync_verl.learner.engine_rules import actor_config_settings
 
 DIRECT = "direct"
 QUEUE_WAIT_S = 600.0  # a queued call waits at most this long for its predecessor
@@ -199,14 +200,11 @@ class StreamingActorWorker(_Base):
         (``thundersync.bucket_device``: host / device / auto, placed by ``core/bucket_memory.py``). An open batch is dropped.
         """
         meta = dict(meta or {})
-        if meta.get("adv_estimator") == "sao":  # SAO's band mask is not a ratio-1 loss: its own check (sao_stream.py)
-            settings = sao_settings(self.config, meta)
-        else:
-            settings = settings_from_verl_config(self.config, **{k: meta[k] for k in _SETTING_KEYS if k in meta})
+        # loss, estimator, SAO and KL / entropy rules (the function ``thundersync recipes check`` calls too)
+        settings, terms = actor_config_settings(self.config, meta)
         with self._exclusive("stream_begin_batch"):
             learner = self._learner()
             layout = learner.bucket_layout()
-            terms = IndependentTerms.from_actor_config(self.config.actor)  # KL / entropy, as verl's ppo_loss reads them
             state = _BatchState(layout, settings.loss_agg_mode, meta, terms)  # checks the budget before anything changes
             learner.begin_batch()
             self._ts = state
@@ -427,7 +425,6 @@ class StreamingActorWorker(_Base):
         self._ts = None
 
 
-_SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
 BUDGET_KEY = "memory_budget_bytes"  # batch meta: thundersync.memory_budget_bytes (None: unbudgeted)
 BUCKET_DEVICE_KEY = "bucket_device"  # batch meta: thundersync.bucket_device (core/bucket_memory.py; default auto)
 

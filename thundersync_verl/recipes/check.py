@@ -6,14 +6,17 @@ Why this module exists:
    that does not divide the learner GPUs, a ThunderSync rule); composing it here takes a second.
 2. Each rule stays with its owner: verl's dataclass configs (types, their ``__post_init__`` rules,
    ``validate_config``), the asserts of verl's trainers, ThunderSync's ``ThunderSyncConfig.from_verl``
-   and ``validate_thundersync_config``. ``recipes.rules`` adds only what nothing checks before a
-   launch: unknown keys, parallel sizes against GPU counts, batch divisibility, registered names.
+   and ``validate_thundersync_config``, and the learner's own (``learner/engine_rules.py``: the streaming
+   learner's refusals, the worker's actor-config validation, the verl engine rules it meets at its first
+   step). ``recipes.rules`` adds only what nothing checks before a launch: unknown keys, parallel sizes
+   against GPU counts, batch divisibility, registered names.
 3. A recipe is a yaml with a ``defaults:`` list. The options of every config group it selects from
    its own folder (``mode/``, ``shape/``, ``layout/`` ...) are expanded as a product, so every
    variant a user can launch is checked, not only the default one; each variant counts as a recipe.
 4. Paths come from the environment (``${oc.env:MODEL_PATH}``): unset variables are filled with a
    placeholder for the check and listed in the JSON, so no cluster path is needed here.
-5. Output: ONE JSON line on stdout, one line per invalid variant on stderr; exit code 0 only when
+5. Output: ONE JSON line on stdout (``learner_checked``: the variants whose learner-level rules ran), one
+   line per invalid variant on stderr; exit code 0 only when
    every variant is valid, 2 for bad arguments (a one-line usage error).
 """
 
@@ -215,6 +218,7 @@ def summary(verdicts: list[Verdict], unclassified: list[Path], root: Path, secon
         entry["valid"] += v.valid
     env = sorted({n for v in verdicts for n in v.facts.get("env", ())})
     return {"recipes": len(verdicts), "valid": sum(v.valid for v in verdicts),
+            "learner_checked": sum(bool(v.facts.get("learner_checked")) for v in verdicts),
             "invalid": sum(not v.valid for v in verdicts), "by_recipe": by_recipe,
             "unclassified": [str(p.relative_to(root)) for p in unclassified], "env": env,
             "seconds": round(seconds, 1)}

@@ -7,7 +7,9 @@ Why this module exists:
    Megatron builds its process groups. Checked here, they fail in a second, naming the key.
 2. Rules are owned where they are defined: verl's are called, not copied (its dataclasses through
    ``verl_adapter.config_check_api``), ThunderSync's come from ``config.py`` and the trainer. The
-   few verl trainer asserts that need a live trainer are restated here, each citing its source.
+   few verl trainer asserts that need a live trainer are restated here, each citing its source. The learner's
+   refusals (and verl's engine rules it meets at its first step) come from ``learner/engine_rules.py``, the table
+   the streaming learner itself runs.
 3. Every problem is one line: ``key: rule (why: ...; fix: ...)``, so the checker prints one line
    per invalid variant and a test can match the key.
 """
@@ -58,9 +60,9 @@ def check(raw: dict, facts: dict) -> list[str]:
     """Every rule, in the order a launch would meet them; ``facts`` collects sizes for the report."""
     found: list[str] = []
     for rule in (_missing_values, _unknown_keys_and_types, _verl_sections, _parallel_sizes, _batch_sizes,
-                 _registered_names, _thundersync):
+                 _registered_names, _thundersync, _learner):
         try:
-            found += rule(raw, facts)
+            found += [p for p in rule(raw, facts) if p not in found]  # the worker re-runs some trainer rules
         except Exception as err:  # a value an earlier rule refused (a str where an int goes) trips a later one
             if not found:
                 found.append(f"{rule.__name__.strip('_')}: could not check ({type(err).__name__}: {one_line(err)})")
@@ -402,3 +404,18 @@ def _thundersync(raw: dict, facts: dict) -> list[str]:
     except Exception as err:
         return [one_line(err)]
     return []
+
+
+def _learner(raw: dict, facts: dict) -> list[str]:
+    """The learner-level refusals (``learner/engine_rules.py``, the table the streaming learner runs at its first
+    step): verl's engine rules in every mode; in thundersync mode also the streaming learner's rules and the
+    worker's actor-config validation (``stream_begin_batch``). ``facts["learner_checked"]``: they ran."""
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.learner import engine_rules
+    from thundersync_verl.step.algorithm import begin_batch_meta
+
+    meta = begin_batch_meta(OmegaConf.create(raw)) if _get(raw, "trainer.v1.trainer_mode") == "thundersync" else None
+    out = [one_line(message) for message in engine_rules.config_refusals(raw, batch_meta=meta)]
+    facts["learner_checked"] = True
+    return out

@@ -10,6 +10,8 @@ Why:
    (``grpo_algorithm.py``; verl's own estimator and loss rules then apply). Both SAO and OPD is refused here,
    naming the keys: one step streams either critic-valued trajectories or teacher-scored turns.
 3. Each call returns a new instance: an algorithm may hold run state (SAO's critic stream), one per trainer.
+4. ``begin_batch_meta``: the settings the trainer sends the streaming worker's ``stream_begin_batch``, read from
+   the config, so ``thundersync recipes check`` runs the worker's validation on what a run would send.
 """
 
 from __future__ import annotations
@@ -34,3 +36,18 @@ def choose_algorithm(config) -> TrainerAlgorithm:
     if opd_enabled(config):
         return OPDAlgorithm()
     return GRPOAlgorithm()
+
+
+def begin_batch_meta(config) -> dict:
+    """The actor settings in the meta ``StreamedStep.run`` sends ``stream_begin_batch`` (point 4): the actor's
+    ``loss_agg_mode`` and the planner's ``verl_settings`` (GRPO's ``StreamPlanner``: the estimator and its
+    normalisation; SAO's ``sao_trainer_step``: ``adv_estimator=sao``; OPD: none)."""
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    meta = {"loss_agg_mode": actor.get("loss_agg_mode", "token-mean")}
+    name = choose_algorithm(config).name
+    if name == "sao":
+        meta["adv_estimator"] = "sao"
+    elif name == "grpo":
+        meta.update(adv_estimator=algorithm.get("adv_estimator", "grpo"),
+                    norm_adv_by_std_in_grpo=bool(algorithm.get("norm_adv_by_std_in_grpo", True)))
+    return meta

@@ -223,13 +223,16 @@ def megatron_chunks(engine) -> list:
 
 
 def megatron_streaming_blockers(engine) -> dict:
-    """The Megatron engine settings a streamed step must check: ``{name: value}``."""
+    """The Megatron engine's facts for ``learner/engine_rules.py`` (its keys ``FACTS``, less what the learner reads
+    from its own chunks): ``{name: value}``."""
     cfg = engine.engine_config
     return {"param_offload": bool(engine.is_param_offload_enabled),
             "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_model_parallel_size,
             "use_megatron_fsdp": bool(getattr(cfg, "use_megatron_fsdp", False)),
             "dynamic_context_parallel": bool(getattr(cfg, "dynamic_context_parallel", False)),
-            "auxiliary_losses": megatron_auxiliary_losses(engine)}
+            "auxiliary_losses": megatron_auxiliary_losses(engine),
+            "per_token_loss": megatron_per_token_loss(engine),
+            "use_remove_padding": bool(getattr(cfg, "use_remove_padding", True))}  # set from actor_rollout_ref.model
 
 
 # -- Megatron's per-token-loss regime (tf_config.calculate_per_token_loss) ------------------------

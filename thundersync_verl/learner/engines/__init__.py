@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import StreamingConfigError
-from thundersync_verl.core.errors import rule_message
+from thundersync_verl.learner import engine_rules
+from thundersync_verl.learner.engine_rules import LEARNERS
 from thundersync_verl.learner.engines.base import StreamLearner
-
-LEARNERS = {"fsdp": "fsdp", "fsdp2": "fsdp", "megatron": "megatron"}
 
 
 def make_learner(worker) -> StreamLearner:
-    """The learner for the actor engine of ``worker`` (``actor.strategy``, set by ``model_engine``)."""
+    """The learner for the actor engine of ``worker`` (``actor.strategy``, set by ``model_engine``); an engine with
+    no learner is refused by the ``learner`` rule of ``engine_rules.py``."""
     strategy = va.actor_strategy(worker)
-    kind = LEARNERS.get(strategy)
-    if kind == "fsdp":
+    engine_rules.raise_first({"strategy": strategy}, engine="any", owners=(engine_rules.STREAM,))
+    if LEARNERS[strategy] == "fsdp":
         from thundersync_verl.learner.engines.fsdp import FSDPLearner
 
         return FSDPLearner(worker)
-    if kind == "megatron":
-        from thundersync_verl.learner.engines.megatron import MegatronLearner
+    from thundersync_verl.learner.engines.megatron import MegatronLearner
 
-        return MegatronLearner(worker)
-    raise StreamingConfigError(rule_message(
-        f"no streaming learner for actor engine {strategy!r}",
-        "the learner must know where the engine keeps the gradient and how it finalises a step",
-        f"use model_engine=dp (actor strategy fsdp/fsdp2) or model_engine=megatron; engines: {sorted(LEARNERS)}"))
+    return MegatronLearner(worker)
 
 
 __all__ = ["LEARNERS", "StreamLearner", "make_learner"]

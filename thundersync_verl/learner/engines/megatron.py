@@ -16,12 +16,13 @@ Why:
 3. Buckets: a copy of the flat grad buffers (P / (TP x PP) values), or, with the distributed
    optimizer, the reduce-scattered region this rank keeps (P / (TP x PP x DP)); see ``grads.py``.
    A bucket backward sets the direct gradient aside (one copy, skipped while it is still zero).
-4. Settings that would make a streamed step differ are refused before anything runs, with the
-   rule, why and the fix: virtual pipeline stages (not verified exact here), parameter offload
-   (verl releases the grad buffer between calls), overlapped grad reduce (Megatron expects a
-   fixed number of calls per step), Megatron-FSDP, dynamic context parallel (its scheduler re-deals each
-   call's rows over the DP x CP plane; not verified here), and losses the schedule scales per call (MoE
-   router aux / z loss, MTP): a streamed call would give them the deferred normaliser instead.
+4. Settings that would make a streamed step differ are refused before anything runs, with the rule, why and
+   the fix (the rows of ``learner/engine_rules.py``, which ``thundersync recipes check`` runs on every recipe
+   too): virtual pipeline stages (not verified exact here), parameter offload (verl releases the grad buffer
+   between calls), overlapped grad reduce (Megatron expects a fixed number of calls per step), Megatron-FSDP,
+   dynamic context parallel (its scheduler re-deals each call's rows over the DP x CP plane; not verified
+   here), and losses the schedule scales per call (MoE router aux / z loss, MTP): a streamed call would give
+   them the deferred normaliser instead.
 5. verl's KL loss and entropy bonus (``actor.use_kl_loss``, ``actor.entropy_coeff``) need nothing
    Megatron-specific: the chunk's loss reads the engine's own log-probs and ``calculate_entropy``
    output (verl's vocab-parallel entropy, on the last pipeline stage), the reference log-probs ride
@@ -51,44 +52,10 @@ import torch
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends.megatron import grads as mg
-from thundersync_verl.core import GradLayout, StreamingConfigError
+from thundersync_verl.core import GradLayout
 from thundersync_verl.core.buffers import axpy_, copy_into_
-from thundersync_verl.core.errors import rule_message
+from thundersync_verl.learner import engine_rules
 from thundersync_verl.learner.engines.base import StreamLearner
-
-_REFUSALS = {
-    "virtual_pipeline_model_parallel_size": (
-        "streaming on Megatron does not support virtual pipeline stages (virtual_pipeline_model_parallel_size={})",
-        "interleaved schedules split each call's micro-batches into groups per stage; streamed calls of any size "
-        "have not been verified exact against verl's update here",
-        "set actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null (plain PP is supported)"),
-    "param_offload": (
-        "streaming on Megatron needs megatron.param_offload=false (got {})",
-        "verl's engine context releases the grad buffer when it offloads parameters after each call, "
-        "which would erase the gradient streamed so far",
-        "set actor_rollout_ref.actor.megatron.param_offload=false (optimizer_offload may stay on)"),
-    "use_megatron_fsdp": (
-        "streaming on Megatron does not support use_megatron_fsdp={}",
-        "Megatron-FSDP shards the grad buffer during backward; the streamed buckets assume DDP's flat buffer",
-        "set actor_rollout_ref.actor.megatron.use_megatron_fsdp=false"),
-    "dynamic_context_parallel": (
-        "streaming on Megatron does not support dynamic_context_parallel={}",
-        "verl's dynamic-CP scheduler re-deals every call's rows over the whole DP x CP plane and counts tokens per "
-        "scheduled slot; streamed calls of any size have not been verified exact against verl's update",
-        "set actor_rollout_ref.actor.megatron.dynamic_context_parallel=false (static context_parallel_size streams)"),
-    "auxiliary_losses": (
-        "streaming on Megatron does not support losses the schedule scales per call ({})",
-        "Megatron scales the MoE router's aux / z loss and the MTP loss by the CALL's micro-batch count (or, per "
-        "token, by the batch's token total at finalize); in a streamed call they would take the deferred "
-        "normaliser and the fold coefficients instead",
-        "set moe_aux_loss_coeff=0 and moe_z_loss_coeff=null (override_transformer_config) and "
-        "actor_rollout_ref.model.mtp.enable_train=false"),
-    "overlap_grad_reduce": (
-        "streaming on Megatron needs override_ddp_config.overlap_grad_reduce=false (got {})",
-        "overlapped reduction expects the same number of backward calls in every step; streamed steps vary",
-        "remove overlap_grad_reduce from actor_rollout_ref.actor.megatron.override_ddp_config"),
-}
-
 
 class MegatronLearner(StreamLearner):
     name = "megatron"
@@ -109,16 +76,13 @@ class MegatronLearner(StreamLearner):
         return bool(mg.ddp_config(self._chunks()).use_distributed_optimizer)
 
     def check(self) -> None:
-        """Raise ``StreamingConfigError`` for a setting a streamed step cannot honour (identical on every rank)."""
+        """Raise ``StreamingConfigError`` for a setting a streamed step cannot honour (identical on every rank):
+        the streaming learner's rows of ``learner/engine_rules.py``, the table ``thundersync recipes check`` runs
+        on every recipe (its verl rows verl's engine raises itself, at the first micro-batch)."""
         chunks = self._chunks()
-        found = dict(va.megatron_streaming_blockers(self._engine()),
-                     overlap_grad_reduce=bool(mg.ddp_config(chunks).overlap_grad_reduce))
-        vpp = found["virtual_pipeline_model_parallel_size"]
-        for key, (rule, why, fix) in _REFUSALS.items():
-            refused = (vpp not in (None, 1) or len(chunks) > 1) if key == "virtual_pipeline_model_parallel_size" \
-                else bool(found[key])
-            if refused:
-                raise StreamingConfigError(rule_message(rule.format(found[key]), why, fix))
+        facts = dict(va.megatron_streaming_blockers(self._engine()), strategy=va.actor_strategy(self.worker),
+                     model_chunks=len(chunks), overlap_grad_reduce=bool(mg.ddp_config(chunks).overlap_grad_reduce))
+        engine_rules.raise_first(facts, engine=self.name, owners=(engine_rules.STREAM,))
 
     def timed_module(self):
         """The model chunk, without pipeline stages (with them forwards and backwards interleave)."""
