@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,30 +90,20 @@ def start_engine(tmp_path_factory):
     restored. ``opd=True`` also builds the teacher and gives the worker verl's ``distillation_config``, so its own
     ``update_actor`` runs verl's distillation loss. Call it once per module.
     """
-    import torch
+    import contextlib
 
     from thundersync_harness import engine_setup as setup
 
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    ray_tmp: list[Path] = []
+    with contextlib.ExitStack() as session:  # Ray and the environment, restored at the module's end if started
+        started: list[Path] = []
 
-    def start(*, groups: int, opd: bool = False, micro: int = 4) -> Engine:
-        assert not ray_tmp, "one engine per test module"
-        work = tmp_path_factory.mktemp("engine")
-        ray_tmp.append(setup.prepare_environment())
-        model_path, pad_id, vocab = setup.build_tiny_model(work / "model")
-        teacher = setup.build_teacher(model_path, work / "teacher") if opd else None
-        config = setup.verl_config(model_path, groups=groups, micro=micro, teacher=teacher)
-        return Engine(setup.start_workers(config, dp=1, distillation=opd), pad_id, vocab, teacher)
+        def start(*, groups: int, opd: bool = False, micro: int = 4) -> Engine:
+            assert not started, "one engine per test module"
+            work = tmp_path_factory.mktemp("engine")
+            started.append(session.enter_context(setup.ray_session()))
+            model_path, pad_id, vocab = setup.build_tiny_model(work / "model")
+            teacher = setup.build_teacher(model_path, work / "teacher") if opd else None
+            config = setup.verl_config(model_path, groups=groups, micro=micro, teacher=teacher)
+            return Engine(setup.start_workers(config, dp=1, distillation=opd), pad_id, vocab, teacher)
 
-    try:
         yield start
-    finally:
-        if ray_tmp:
-            import ray
-
-            ray.shutdown()
-            shutil.rmtree(ray_tmp[0], ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)

@@ -77,6 +77,14 @@ def test_a_reward_model_with_reward_in_agent_loop_is_refused_on_the_driver():
     assert_names(refusal(config), "thundersync.reward_in_agent_loop", "set thundersync.reward_in_agent_loop=false")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rollout", ["hf_cpu", "replay"])
+@pytest.mark.parametrize("lora", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.rank=8"])
+def test_lora_on_a_cpu_rollout_is_refused_before_the_run_in_every_mode(mode, rollout, lora):
+    config = compose(lora, f"actor_rollout_ref.rollout.name={rollout}", mode=mode)
+    assert_names(refusal(config), f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.model.lora_rank=0")
+
+
 @pytest.mark.parametrize("recipe", ["grpo", "opd", "sao"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_cpu_recipe_passes_in_every_mode(recipe, mode):

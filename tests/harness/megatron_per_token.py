@@ -83,21 +83,3 @@ def start_per_token_workers(config, world: int):
     if not all(on):
         raise RuntimeError(f"the per-token-loss regime is not on in every rank's engine: {on}")
     return wg
-
-
-def per_token_streamed_vs_verl(group, groups: int, seed: int = 5) -> dict:
-    """dθ of verl's update in the regime, of the streamed step, and of the uncompensated stream (point 3)."""
-    from thundersync_harness.engine_setup import make_trajectories
-    from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
-
-    wg, pad = group.wg, group.pad_id
-    trajs, arrival = make_trajectories(seed, groups, group.vocab)
-    [d_sync], [info_sync] = train(wg, [lambda: sync_step(wg, trajs, list(range(len(trajs))), pad)])
-    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])
-    wg.probe_raw_per_token(True)
-    try:
-        [d_raw], _ = train(wg, [lambda: stream_step(wg, trajs, arrival, pad)])
-    finally:
-        wg.probe_raw_per_token(False)
-    return {"sync": d_sync, "stream": d_stream, "raw": d_raw, "info": info, "info_sync": info_sync,
-            "gap": relative_gap(d_stream, d_sync), "gap_raw": relative_gap(d_raw, d_sync)}

@@ -7,13 +7,11 @@ the process environment restored at the end of the module. Keep one layout per m
 
 from __future__ import annotations
 
-import os
-import shutil
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from thundersync_harness import engine_setup, megatron_engine, megatron_per_token
 
@@ -32,30 +30,20 @@ def start_megatron(tmp_path_factory):
     """``start_megatron(tp=1, pp=1, dp=1, distributed_optimizer=False, groups=2, per_token_loss=False)``.
 
     ``per_token_loss``: Megatron's per-token-loss regime forced on (``thundersync_harness.megatron_per_token``)."""
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    ray_tmp: list[Path] = []
+    with contextlib.ExitStack() as session:  # Ray and the environment, restored at the module's end if started
+        started: list[Path] = []
 
-    def start(*, tp: int = 1, pp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
-              groups: int = 2, micro: int = 4, per_token_loss: bool = False) -> MegatronGroup:
-        assert not ray_tmp, "one layout per test module"
-        work = tmp_path_factory.mktemp("megatron")
-        ray_tmp.append(engine_setup.prepare_environment())
-        path, pad_id, vocab = megatron_engine.build_megatron_model(work / "model")
-        build = megatron_per_token.per_token_config if per_token_loss else megatron_engine.megatron_config
-        config = build(path, groups=groups, micro=micro, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
-        world = tp * pp * dp
-        wg = (megatron_per_token.start_per_token_workers(config, world) if per_token_loss
-              else megatron_engine.start_megatron_workers(config, world, probe=True))
-        return MegatronGroup(wg, pad_id, vocab, path, world)
+        def start(*, tp: int = 1, pp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
+                  groups: int = 2, micro: int = 4, per_token_loss: bool = False) -> MegatronGroup:
+            assert not started, "one layout per test module"
+            work = tmp_path_factory.mktemp("megatron")
+            started.append(session.enter_context(engine_setup.ray_session()))
+            path, pad_id, vocab = megatron_engine.build_megatron_model(work / "model")
+            build = megatron_per_token.per_token_config if per_token_loss else megatron_engine.megatron_config
+            config = build(path, groups=groups, micro=micro, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer)
+            world = tp * pp * dp
+            wg = (megatron_per_token.start_per_token_workers(config, world) if per_token_loss
+                  else megatron_engine.start_megatron_workers(config, world, probe=True))
+            return MegatronGroup(wg, pad_id, vocab, path, world)
 
-    try:
         yield start
-    finally:
-        if ray_tmp:
-            import ray
-
-            ray.shutdown()
-            shutil.rmtree(ray_tmp[0], ignore_errors=True)
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)

@@ -20,11 +20,11 @@ def group(start_megatron):
 
 
 def test_per_token_regime_dp2_distributed_optimizer_streamed_step_equals_verls_update(group):
-    from thundersync_harness.megatron_per_token import per_token_streamed_vs_verl
+    from megatron_checks import streamed_vs_verl
     from thundersync_verl import verl_adapter as va
 
     assert va.actor_dp_size(group.wg) == 2  # rows are split over the two data-parallel ranks
-    out = per_token_streamed_vs_verl(group, GROUPS)
+    out = streamed_vs_verl(group, GROUPS, control="probe_raw_per_token", key="raw")
     assert float(out["sync"].norm()) > 1e-4
     assert out["gap"] < 1e-5, out["gap"]  # fp32 summation order, the floor of the other Megatron tests
     assert out["info"]["grad_norm"] == pytest.approx(out["info_sync"]["grad_norm"], rel=1e-5)

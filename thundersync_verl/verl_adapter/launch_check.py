@@ -13,7 +13,8 @@ Why:
 3. It runs on the driver through ``verl_patches.patch_launch_config_check`` (verl's ``validate_config``,
    which ``main_ppo`` calls right before ``ray.init``); ``recipes.rules`` (``thundersync recipes check``)
    runs the same function on every shipped recipe.
-4. In thundersync mode the learner's planned bucket peak is checked too (``bucket_check.py``): above
+4. A LoRA run on a CPU rollout backend is refused (``cpu_rollout_lora``): those backends serve full weights only.
+5. In thundersync mode the learner's planned bucket peak is checked too (``bucket_check.py``): above
    ``thundersync.memory_budget_bytes`` or above the host memory, the run is refused before it starts.
 """
 
@@ -59,6 +60,28 @@ def streams(config: Any) -> bool:
     return _get(config, "trainer.v1.trainer_mode") == "thundersync"
 
 
+CPU_ROLLOUTS = ("hf_cpu", "replay")  # this project's rollout backends (backends/cpu, backends/replay)
+
+
+def lora_rank(config: Any) -> int:
+    """The run's LoRA rank (``model.lora_rank`` or ``model.lora.rank``; an adapter path counts as LoRA)."""
+    model = "actor_rollout_ref.model"
+    rank = max(int(_get(config, f"{model}.lora_rank", 0) or 0), int(_get(config, f"{model}.lora.rank", 0) or 0))
+    return rank or (1 if _get(config, f"{model}.lora_adapter_path") is not None else 0)
+
+
+def cpu_rollout_lora(config: Any) -> None:
+    """The CPU rollout backends hold the base model's weights only: a LoRA run is refused before it starts (it
+    used to fail at the first weight push, in every mode, with a KeyError on ``...base_layer.weight``)."""
+    name = _get(config, "actor_rollout_ref.rollout.name")
+    if name in CPU_ROLLOUTS and lora_rank(config) > 0:
+        raise StreamingConfigError(rule_message(
+            f"actor_rollout_ref.rollout.name={name} does not serve LoRA adapters (lora_rank={lora_rank(config)})",
+            "the CPU rollout loads the base model and receives full weights; verl pushes LoRA runs' weights as "
+            "adapter tensors (base_layer / lora_A / lora_B), which it cannot place",
+            "set actor_rollout_ref.model.lora_rank=0 for a CPU run, or use rollout.name=vllm on a GPU"))
+
+
 def check_run_config(config: Any) -> None:
     """Every rule of this plugin on a run's config (hydra ``DictConfig`` or plain mapping), in the order the
     run would meet them; raises the first refusal, a ``StreamingConfigError`` naming the key and the fix."""
@@ -66,6 +89,7 @@ def check_run_config(config: Any) -> None:
     if errors:
         raise errors[0]
     reward_in_agent_loop(config)
+    cpu_rollout_lora(config)
     if streams(config):
         from omegaconf import OmegaConf
 
