@@ -37,8 +37,7 @@ Why:
    (``gap_verl_rescaled_over_floor``: x24 against x16, over the floor). Once 16 x the grad norm exceeds
    verl's clip (1.0; checked and printed) both are clipped to the same step, mathematically, up to the
    clip's eps (1e-6 / 48 / grad norm, printed). x16 rounds bit for bit as verl does, times a power of
-   two; x24 = x16 x 1.5 changes
-   only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
+   two; x24 = x16 x 1.5 changes only the rounding of verl's per-token loss scalars A_i / N and of every product downstream of them
    in each row's backward: the term the floor (same scalars, rows regrouped) never sees, and one a
    streamed row (scalar A_i or 1, 1 / N applied at the barrier) cannot share with verl.
    A fine floor runs verl's own update once more with ONE row per micro-batch (``floor_fine_over_floor``):
@@ -75,6 +74,7 @@ Why:
    printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten; a single run
    with ``--seed N`` (N != 0) writes <name>_seedN. When a seed's comparison fails, the seeds compared before it
    are written to <name>_seeds_partial (with ``failed_seed`` and ``seeds_not_run``) before the error is raised.
+13. ``--remove-padding`` / ``--dynamic-bsz`` (FSDP2 GRPO): both paths packed / token-budgeted (``thundersync_harness.batching``).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -101,6 +101,7 @@ from thundersync_harness.engine_setup import (
     turn_arrival,
     verl_config,
 )
+from thundersync_harness import batching
 from thundersync_harness.engine_steps import (
     OPDSpec,
     PolicySpec,
@@ -214,13 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-token-loss", action="store_true", help="megatron: calculate_per_token_loss on (point 11)")
     parser.add_argument("--float64-sum", action="store_true",
                         help="megatron experiment: also the stream summed in float64 across calls (point 11)")
+    batching.add_batching_arguments(parser)
     add_results_dir_argument(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = batching.check_batching(parser, parser.parse_args(argv))
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
     args.per_seed = None  # report() writes the result, or with several seeds appends (name, result) here
     if args.seeds is None or len(args.seeds) == 1:
@@ -257,7 +259,8 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         config = (per_token_config if args.per_token_loss else megatron_config)(
             model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp, distributed_optimizer=args.distributed_optimizer)
     else:
-        config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher)
+        config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher,
+                             **batching.batching_options(args))
     extra = {}
     if args.estimator != "grpo":
         if megatron or args.algo != "grpo" or args.mini_batches > 1 or args.ppo_epochs > 1:
@@ -302,6 +305,7 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
             steps = opd_steps(wg, batches, pad_id, micro)
         else:
             steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron, float64_sum=args.float64_sum)
+            steps.update(batching.regrouped_floor_steps(args, wg, batches, pad_id))
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
     finally:
         ray.shutdown()
@@ -482,6 +486,7 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
+    name = batching.batching_result(args, result, name, runs)  # --remove-padding / --dynamic-bsz (point 13)
     name = name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}"
     if getattr(args, "per_seed", None) is not None:  # --seeds: main writes the aggregate (point 12)
         args.per_seed.append((name, {"seed": args.seed, "seconds": round(seconds, 1), **result}))

@@ -177,8 +177,13 @@ def opd_overrides(teacher: Path) -> list[str]:
 
 
 def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "SGD", lr: float = 0.05,
-                loss_agg_mode: str = "token-mean", dtype: str = "fp32", teacher: Path | None = None):
+                loss_agg_mode: str = "token-mean", dtype: str = "fp32", teacher: Path | None = None,
+                remove_padding: bool = False, max_token_len: int | None = None):
     """verl's ppo_trainer.yaml with the CPU settings and one mini-batch per step.
+
+    ``remove_padding``: verl's default packed, unpadded rows (``use_remove_padding=true``; on the CPU sdpa/eager
+    separates the packed rows by their restarting ``position_ids``). ``max_token_len``: ``use_dynamic_bsz=true``
+    with that ``ppo_max_token_len_per_gpu`` (and the same budget for log-prob calls) instead of fixed micro-batches.
 
     With ``teacher``: verl's OPD settings, and no gradient clipping (OPD gradients exceed verl's
     clip of 1.0, and a clipped step dθ = lr g/||g|| would hide a wrong normaliser).
@@ -186,7 +191,7 @@ def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "
     actor = "actor_rollout_ref.actor"
     overrides = [
         f"actor_rollout_ref.model.path={model_path}",
-        "actor_rollout_ref.model.use_remove_padding=false",  # padded path: no varlen kernels on CPU
+        f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"{actor}.strategy=fsdp2", f"{actor}.ppo_mini_batch_size={groups}", f"{actor}.ppo_epochs=1",
         f"{actor}.ppo_micro_batch_size_per_gpu={micro}", f"{actor}.use_torch_compile=false",
@@ -201,7 +206,16 @@ def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "
         f"data.train_batch_size={groups}", "algorithm.adv_estimator=grpo",
     ]
     opd = opd_overrides(teacher) + [f"{actor}.grad_clip=1e9"] if teacher is not None else []
-    return va.compose_ppo_config(overrides + opd)
+    return va.compose_ppo_config(overrides + opd + dynamic_bsz_overrides(max_token_len))
+
+
+def dynamic_bsz_overrides(max_token_len: int | None) -> list[str]:
+    """verl's token-budgeted micro-batches: the actor's update and its (and the rollout's) log-prob calls."""
+    if max_token_len is None:
+        return []
+    actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    return [f"{actor}.use_dynamic_bsz=true", f"{actor}.ppo_max_token_len_per_gpu={max_token_len}",
+            f"{rollout}.log_prob_use_dynamic_bsz=true", f"{rollout}.log_prob_max_token_len_per_gpu={max_token_len}"]
 
 
 def start_workers(config, dp: int, *, distillation: bool = False):

@@ -80,13 +80,14 @@ class Feed:
 
 
 def sync_step(wg, trajs: list, row_order: list[int], pad_token_id: int, spec: StepSpec | None = None, *,
-              micro: int | None = None) -> dict:
+              micro: int | None = None, max_token_len: int | None = None) -> dict:
     """verl's trainer on the rows in ``row_order``: the spec's batch (old log-probs, advantages), then
-    ``update_actor`` (micro-batches of ``micro`` rows when given, else the worker's configured size)."""
+    ``update_actor`` (micro-batches of ``micro`` rows when given, else the worker's configured size; with
+    ``use_dynamic_bsz``, ``max_token_len`` replaces the configured token budget of the update's micro-batches)."""
     spec = spec or PolicySpec()
     data = spec.verl_batch(wg, trajs, row_order, pad_token_id)
     return verl_update(wg, data, spec.mini_rows(len(row_order)), epochs=spec.epochs, calculate_entropy=spec.entropy,
-                       micro=micro)
+                       micro=micro, max_token_len=max_token_len)
 
 
 def stream_step(wg, trajs: list, arrival: list, pad_token_id: int, spec: StepSpec | None = None, *,
@@ -142,9 +143,10 @@ def count_key(op) -> str:
 
 # ----- verl's side ---------------------------------------------------------------------------
 def verl_update(wg, data, mini_rows: int, *, epochs: int = 1, calculate_entropy: bool = False,
-                micro: int | None = None) -> dict:
+                micro: int | None = None, max_token_len: int | None = None) -> dict:
     """verl's ``update_actor`` on a DataProto batch: mini-batches of ``mini_rows`` rows for ``epochs`` epochs,
-    no shuffle (micro-batches of ``micro`` rows when given, else the worker's configured size)."""
+    no shuffle (micro-batches of ``micro`` rows, or a token budget of ``max_token_len``, when given, else the
+    worker's configured ones)."""
     import numpy as np
 
     td = va.to_no_padding(data.to_tensordict())
@@ -153,6 +155,8 @@ def verl_update(wg, data, mini_rows: int, *, epochs: int = 1, calculate_entropy:
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     if micro is not None:
         va.assign_non_tensor(td, micro_batch_size_per_gpu=int(micro))
+    if max_token_len is not None:
+        va.assign_non_tensor(td, max_token_len_per_gpu=int(max_token_len))
     metrics = va.td_get(wg.update_actor(td), "metrics")
     return {"grad_norm": float(np.mean(metrics["grad_norm"]))}
 
