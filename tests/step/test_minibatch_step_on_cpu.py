@@ -23,7 +23,8 @@ from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY, ROLLOUT_LP_KEY
 from thundersync_verl.step.stream_plan import StreamPlanner
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
-from thundersync_verl.step.thundersync_trainer import build_planner, validate_thundersync_config
+from thundersync_verl.step.grpo_algorithm import build_planner
+from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
 
 class _TQ:

@@ -43,7 +43,7 @@ def test_incompatible_settings_are_refused_naming_the_key(override, key):
 
 def test_a_memory_budget_sizes_the_planner_to_the_learners_buckets():
     from thundersync_verl.config import ThunderSyncConfig
-    from thundersync_verl.step.thundersync_trainer import build_planner
+    from thundersync_verl.step.grpo_algorithm import build_planner
 
     cfg = _cfg("thundersync.memory_budget_bytes=16000")  # rollout.n = 4 buckets of 4000 bytes
     planner = build_planner(cfg, ThunderSyncConfig.from_verl(cfg), bucket_bytes=4000)
@@ -58,7 +58,7 @@ def test_a_memory_budget_sizes_the_planner_to_the_learners_buckets():
 
 def test_a_memory_budget_too_small_for_one_group_is_refused_naming_the_key():
     from thundersync_verl.config import ThunderSyncConfig
-    from thundersync_verl.step.thundersync_trainer import build_planner
+    from thundersync_verl.step.grpo_algorithm import build_planner
 
     cfg = _cfg("thundersync.memory_budget_bytes=4000")
     with pytest.raises(StreamingConfigError, match=r"thundersync.memory_budget_bytes=4000 cannot hold one open group"

@@ -51,7 +51,7 @@ from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.algorithm import choose_algorithm
 from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size
-from thundersync_verl.step.grpo_algorithm import build_planner, steps_per_batch  # build_planner: re-exported
+from thundersync_verl.step.grpo_algorithm import steps_per_batch
 from thundersync_verl.step.streamed_step import StepContext, StreamedStep
 from thundersync_verl.run.timeline import TimelineFeed
 
