@@ -27,7 +27,7 @@ Why:
    completes. So it is held in a companion bucket (``stream_plan.independent_key``) next to the policy
    part: folded with coefficient 1 when the group lands in mini-batch 1, with 0 when it is dropped (the
    row then runs again, KL and entropy included, as a PPO chunk of its own mini-batch). Each bucket then
-   costs two buffers on the learner (``thundersync_trainer.build_planner`` budgets for it).
+   costs two buffers on the learner (``grpo_algorithm.build_planner`` budgets for it).
 """
 
 from __future__ import annotations
