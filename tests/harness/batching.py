@@ -15,7 +15,10 @@ Why:
    does regroup: verl's own update with the budget ``DYNAMIC_FLOOR_MAX_TOKEN_LEN`` instead
    (``floor_regrouped``); ``gap_over_max_floor`` is the gap over the larger of the two floors, as the Megatron
    comparison's fine floor does.
-4. The flags apply to the plain FSDP2 GRPO comparison only; elsewhere they are refused, not ignored.
+4. ``--remove-padding`` applies to the plain GRPO comparison on both engines (on Megatron also in the per-token
+   regime, which verl requires it for): verl's THD path, which the CPU layer spec runs with a block-diagonal
+   causal mask (``backends/megatron/cpu_spec.py`` point 4). ``--dynamic-bsz`` runs on FSDP2 only. Other
+   combinations are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -34,10 +37,17 @@ def add_batching_arguments(parser) -> None:
 def check_batching(parser, args):
     """``args`` when the flags fit the comparison, else ``parser.error``."""
     if (args.remove_padding or args.dynamic_bsz) and (
-            args.engine != "fsdp" or args.algo != "grpo" or args.kl or args.entropy or args.estimator != "grpo"
-            or args.mini_batches > 1 or args.ppo_epochs > 1):
-        parser.error("--remove-padding / --dynamic-bsz run the plain GRPO comparison on --engine fsdp")
+            args.algo != "grpo" or args.kl or args.entropy or args.estimator != "grpo"
+            or args.mini_batches > 1 or args.ppo_epochs > 1 or getattr(args, "float64_sum", False)):
+        parser.error("--remove-padding / --dynamic-bsz run the plain GRPO comparison")
+    if args.dynamic_bsz and args.engine != "fsdp":
+        parser.error("--dynamic-bsz runs on --engine fsdp (the Megatron comparison does not cut micro-batches by tokens)")
     return args
+
+
+def megatron_batching_options(args) -> dict:
+    """``megatron_config`` keywords for the flags."""
+    return {"remove_padding": True} if args.remove_padding else {}
 
 
 def batching_options(args) -> dict:

@@ -48,7 +48,7 @@ def build_megatron_model(folder: Path, seed: int = 0) -> tuple[Path, int, int]:
 
 def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, pp: int = 1,
                     distributed_optimizer: bool = False, optimizer: str | None = None, lr: float = 0.05,
-                    loss_agg_mode: str = "token-mean", dtype: str | None = None):
+                    loss_agg_mode: str = "token-mean", dtype: str | None = None, remove_padding: bool = False):
     """verl's ppo_trainer.yaml with ``model_engine=megatron``, the CPU settings and one mini-batch per step.
 
     ``optimizer``: ``sgd`` (no momentum) by default; Megatron's distributed optimizer takes only Adam,
@@ -67,7 +67,8 @@ def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, p
     overrides = [
         "model_engine=megatron",
         f"actor_rollout_ref.model.path={model_path}",
-        "actor_rollout_ref.model.use_remove_padding=false",  # padded (BSHD) path: THD packing needs TE kernels
+        # padded (BSHD) by default; packed (THD) runs the CPU spec's block-diagonal attention (cpu_spec.py point 4)
+        f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"{mega}.tensor_model_parallel_size={tp}", f"{mega}.pipeline_model_parallel_size={pp}",
         f"{mega}.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         f"{mega}.vanilla_mbridge=true",  # megatron-bridge needs Python >= 3.12; mbridge 0.15 is the path here

@@ -2,9 +2,10 @@
 
 verl 0.9.1 runs the regime where Megatron-Bridge turns it on: context parallel > 1 and dynamic CP. CP > 1 cannot
 run here: megatron-core's local ``DotProductAttention`` asserts ``context_parallel_size == 1`` ("Context
-parallelism is only supported by TEDotProductAttention!"), verl requires THD packing (``use_remove_padding=True``)
-in the regime, which the local attention also refuses ("Packed sequence is not supported by
-DotProductAttention"), and megatron-bridge (the bridge that turns the regime on) imports TransformerEngine. So
+parallelism is only supported by TEDotProductAttention!") and megatron-bridge (the bridge that turns the regime on)
+imports TransformerEngine. verl requires THD packing (``use_remove_padding=True``) in the regime, which the local
+attention refuses ("Packed sequence is not supported by DotProductAttention"): the CPU layer spec runs it with a
+block-diagonal causal mask (``backends/megatron/cpu_spec.py`` point 4; checked here against the HF model). So
 CP > 1 stays unverified on the CPU: the regime is forced on at CP = 1 (``thundersync_harness.megatron_per_token``),
 which is everything the regime changes (loss tuple, no division by the micro-batch count, DDP sum, division by the
 token total at finalize) except the per-CP-rank token count, and verl's own Megatron update in the regime is the
@@ -82,6 +83,13 @@ def group(start_megatron):
 
 
 @pytest.mark.slow  # one Ray launch of verl's Megatron engine
+def test_packed_thd_forward_matches_the_hf_model(group):
+    from megatron_checks import forward_matches_hf
+
+    forward_matches_hf(group)  # verl's THD path (the regime requires it) through the CPU spec's packed attention
+
+
+@pytest.mark.slow
 def test_per_token_regime_streamed_step_equals_verls_update_in_the_regime(group):
     from megatron_checks import streamed_vs_verl
 

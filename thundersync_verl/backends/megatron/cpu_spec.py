@@ -13,6 +13,13 @@ Why:
    tokens (what TransformerEngine's kernels take). The local ``DotProductAttention`` masks scores
    with a [b, 1, s, s] mask, True where attention is NOT allowed, and uses no causal mask when one
    is given. ``PaddedCausalAttention`` builds causal-plus-padding from the [b, s] mask.
+4. Packed sequences (verl's ``use_remove_padding=True``, Megatron's THD format): the local
+   ``DotProductAttention`` refuses ``packed_seq_params`` (TransformerEngine's varlen kernels take them).
+   The same attention runs over the pack as ONE sequence of t tokens under a block-diagonal causal mask
+   built from ``cu_seqlens`` (``packed_causal_mask``): each token attends to the earlier tokens of its own
+   sequence only, which is what the varlen kernel computes. Megatron's rotary embedding already restarts
+   positions per sequence in THD (pure torch). The squeeze of the dummy batch dimension the attention layer
+   does for THD is undone around the call. Quadratic in the pack length: a CPU path for tests.
 """
 
 from __future__ import annotations
@@ -45,16 +52,41 @@ def causal_padding_mask(valid: torch.Tensor) -> torch.Tensor:
     return future.view(1, 1, s, s) | ~valid.bool().view(-1, 1, 1, s)  # [b, 1, s, s]
 
 
+def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[n + 1] cumulative sequence lengths of a pack of ``total`` tokens -> [1, 1, t, t] True where query i must
+    not attend to key j: j is later than i or in another sequence (tokens past ``cu_seqlens[-1]`` form one more)."""
+    bounds = cu_seqlens.to(device="cpu", dtype=torch.long)
+    lengths = bounds.diff()
+    if int(bounds[-1]) < total:
+        lengths = torch.cat([lengths, torch.tensor([total - int(bounds[-1])])])
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [t]
+    if segment.numel() != total:
+        raise ValueError(f"packed sequence lengths cover {segment.numel()} tokens, the pack has {total}")
+    position = torch.arange(total)
+    allowed = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    return (~allowed).view(1, 1, total, total)
+
+
 def _attention_class():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PaddedCausalAttention(DotProductAttention):
         """``DotProductAttention`` that accepts verl's [b, s] padding mask (see the module docstring)."""
 
-        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None:  # point 4: THD, [t, heads, dim] with the batch dimension squeezed
+                if packed_seq_params.qkv_format != "thd":
+                    raise ValueError(f"the CPU attention packs THD sequences only, not {packed_seq_params.qkv_format!r}")
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                mask = packed_causal_mask(cu, query.shape[0]).to(query.device)
+                out = super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                                      attn_mask_type, attention_bias, None)  # [t, 1, heads x dim]
+                return out.squeeze(1)
             if attention_mask is not None and attention_mask.dim() == 2:
                 attention_mask = causal_padding_mask(attention_mask)
-            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
 
     return PaddedCausalAttention
 
