@@ -14,7 +14,7 @@ import torch
 
 import verl  # noqa: F401  (the plugin installs the CPU patches, as in every verl process)
 from thundersync_verl.backends.megatron import cpu_device
-from thundersync_verl.backends.megatron.cpu_spec import TorchNorm, causal_padding_mask
+from thundersync_verl.backends.megatron.cpu_spec import TorchNorm, causal_padding_mask, packed_causal_mask
 from thundersync_verl.core import StreamingConfigError
 
 
@@ -44,6 +44,17 @@ def test_padded_causal_mask_blocks_the_future_and_the_padding():
     assert allowed[0, 1].tolist() == [True, True, False, False]  # not the future
     assert allowed[1, 3].tolist() == [True, True, False, False]  # a padded query sees only real keys
     assert not allowed[:, :, 3][0].any() and not allowed[1, :, 2:].any()  # no one attends to padding
+
+
+def test_packed_causal_mask_keeps_each_sequence_to_itself_and_its_past():
+    mask = packed_causal_mask(torch.tensor([0, 3, 5]), total=7)  # two packed sequences, then 2 alignment tokens
+    assert mask.shape == (1, 1, 7, 7)
+    allowed = (~mask[0, 0]).int().tolist()
+    assert allowed[2] == [1, 1, 1, 0, 0, 0, 0]  # the first sequence: its own past
+    assert allowed[4] == [0, 0, 0, 1, 1, 0, 0]  # the second starts over: it never sees the first
+    assert allowed[6] == [0, 0, 0, 0, 0, 1, 1]  # the tail is one more segment (no query left without a key)
+    with pytest.raises(ValueError, match="cover 7 tokens"):
+        packed_causal_mask(torch.tensor([0, 3, 7]), total=5)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
