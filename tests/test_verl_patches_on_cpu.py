@@ -54,3 +54,21 @@ def test_unflagged_incomplete_or_validation_outputs_go_through_verl(worker_cls):
     calls, fields = _call(worker_cls, {TEACHER_REUSED_KEY: True, "teacher_ids": "ours", "teacher_logprobs": "ours"},
                           validate=True)
     assert calls == 0 and "teacher_ids" not in fields  # validation: verl scores nothing, ours is dropped
+
+
+def test_replay_buffer_rows_follow_the_prompts_then_the_responses_whatever_their_arrival():
+    # point 10 of verl_adapter.patches: two Sync runs on one recording get one batch order (the e2e reward test
+    # checks the consequence: their updates are bitwise equal)
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    from thundersync_verl.verl_adapter.patches import batch_key_order
+
+    assert getattr(replay_buffer.ReplayBuffer._materialize_batch, "_thundersync_patched", False)
+    prompts = {"p": 0, "q": 1}  # the order the trainer submitted them
+    arrived = ["q_1_0", "p_1_0", "q_0_0", "p_0_0"]
+    responses = {"q_1_0": (5,), "p_1_0": (2, 9), "q_0_0": (7,), "p_0_0": (3,)}  # which session got which answer
+    order = batch_key_order(arrived, prompts, [responses[k] for k in arrived])
+    assert [arrived[i] for i in order] == ["p_1_0", "p_0_0", "q_1_0", "q_0_0"]
+    again = list(reversed(arrived))  # another arrival order, the same rows
+    assert [again[i] for i in batch_key_order(again, prompts, [responses[k] for k in again])] == \
+        [arrived[i] for i in order]

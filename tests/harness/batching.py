@@ -88,8 +88,10 @@ def batching_result(args, result: dict, name: str, runs: dict) -> str:
     """Add the ``remove_padding`` / ``dynamic_bsz`` keys (and the regrouped floor's figures) to ``result``;
     the result's name with their suffixes."""
     dynamic = bool(getattr(args, "dynamic_bsz", False))
-    result.update(remove_padding=bool(getattr(args, "remove_padding", False)), dynamic_bsz=dynamic,
+    per_token = bool(getattr(args, "per_token_loss", False))  # packed always: verl requires it in the regime
+    result.update(remove_padding=bool(getattr(args, "remove_padding", False)) or per_token, dynamic_bsz=dynamic,
                   max_token_len_per_gpu=DYNAMIC_MAX_TOKEN_LEN if dynamic else None)
     if "sync_regrouped" in runs:
         result.update(regrouped_floor_figures(runs))
-    return name + ("_remove_padding" if result["remove_padding"] else "") + ("_dynamic_bsz" if dynamic else "")
+    packed = result["remove_padding"] and not per_token  # the per-token results are packed by their name
+    return name + ("_remove_padding" if packed else "") + ("_dynamic_bsz" if dynamic else "")

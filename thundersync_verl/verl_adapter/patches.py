@@ -2,7 +2,7 @@
 
 Each patch is listed, with the reason it exists and the upstream fix that would remove it, in
 ``patches/README.md``; ``APPLIED`` records which ones ran in a process. Where they apply:
-- CPU platform only (1, 2, 5, 7): ``apply_cpu_patches``, which the plugin calls only when the CPU
+- CPU platform only (1, 2, 5, 7, 10): ``apply_cpu_patches``, which the plugin calls only when the CPU
   platform is active; a GPU machine never runs them. It also applies the Megatron-on-CPU patches
   (``backends/megatron/cpu_patches.py``, listed there and in ``patches/README.md``).
 - Every platform (3, 4, 6, 8, 9): the plugin applies them unconditionally. None changes what verl
@@ -50,11 +50,19 @@ Each patch is listed, with the reason it exists and the upstream fix that would 
    drivers (``main_ppo.main``) call right before ``run_ppo`` -> ``ray.init``, first runs this plugin's rules
    (``launch_check.check_run_config``: the sections' classes, patch 8's refusal, and in thundersync mode the
    trainer's ``validate_thundersync_config``); the first refusal is raised there, as one error.
+10. ``replay_buffer_batch_order`` (CPU only): verl's V1 ``ReplayBuffer`` hands the trainer a batch whose rows
+   follow the order their tags reached TransferQueue, i.e. the order trajectories finished, and a replayed
+   recording hands a prompt's recorded answers to its sessions in the order they ask. Two Sync runs on one
+   recording then sum their gradients in other orders and differ by rounding, so every e2e floor (verl's own
+   Sync against Sync) moved about 10x between runs. The batch's rows are put in the order the trainer submitted
+   their prompts (the prompt keys' order in TransferQueue), then by response tokens, then output index: the same
+   rows, the same update up to summation order, and one order for every run. The selected prompts are unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from thundersync_verl.verl_adapter.patch_hooks import APPLIED, when_imported  # noqa: F401 (re-exported: the patch record)
@@ -313,8 +321,42 @@ def patch_valuehead_sdpa_on_cpu() -> None:
     when_imported("verl.utils.model", _wrap)
 
 
+def batch_key_order(keys: list[str], prompt_rank: dict[str, int], responses: list[tuple]) -> list[int]:
+    """Positions of ``{uid}_{session}_{index}`` keys sorted by (the prompt's rank, response tokens, index) (point 10)."""
+    def rank(i: int):
+        uid, _session, index = keys[i].rsplit("_", 2)
+        return prompt_rank.get(uid, len(prompt_rank)), responses[i], int(index)
+
+    return sorted(range(len(keys)), key=rank)
+
+
+def patch_replay_buffer_batch_order() -> None:
+    def _wrap(module):
+        buffer_class = getattr(module, "ReplayBuffer", None)
+        original = getattr(buffer_class, "_materialize_batch", None)
+        if original is None or getattr(original, "_thundersync_patched", False):
+            return
+
+        def _materialize_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
+            meta = original(self, partition_id, selected_prompt_uids, partition_snapshot)
+            if not meta.keys:
+                return meta
+            prompts = {uid: r for r, uid in enumerate(self.prompt_global_steps.get(partition_id, {}))}
+            data = module.tq.kv_batch_get(keys=list(meta.keys), partition_id=partition_id, select_fields=["responses"])
+            responses = [tuple(int(t) for t in row.reshape(-1).tolist()) for row in data["responses"].unbind(0)]
+            order = batch_key_order(list(meta.keys), prompts, responses)
+            return dataclasses.replace(meta, keys=[meta.keys[i] for i in order], tags=[meta.tags[i] for i in order])
+
+        _materialize_batch._thundersync_patched = True
+        buffer_class._materialize_batch = _materialize_batch
+        APPLIED.append("replay_buffer_batch_order")
+
+    when_imported("verl.trainer.ppo.v1.replay_buffer", _wrap)
+
+
 def apply_cpu_patches() -> None:
     patch_gloo_backend_string()
+    patch_replay_buffer_batch_order()
     patch_valuehead_sdpa_on_cpu()
     patch_fsdp_engines_on_cpu()
     patch_fsdp2_offload_unpinned()
