@@ -17,8 +17,8 @@ Why the measurement looks like this:
 4. A wrong coefficient, normaliser, fold or missing term moves the update by 1e-3 or more; the KL and entropy
    coefficients are raised so that each term moves the step.
 5. Several mini-batches: both modes take two optimizer steps on the same trajectories, but their partitions
-   differ (verl's follows its batch order, which follows TransferQueue arrival; ThunderSync's is the order
-   groups complete), so those updates are not comparable here (Sync against Sync at another micro-batch size
+   differ (verl's follows its batch order, the prompts' order on the CPU platform (``verl_adapter.patches``
+   point 10); ThunderSync's is the order groups complete), so those updates are not comparable here (Sync against Sync at another micro-batch size
    differ by ~1.2x the update itself). The same-partition comparison is ``benchmarks/equivalence.py
    --mini-batches K --kl --entropy`` on the engine; this test checks that the swap runs: two optimizer steps,
    staleness 0, the same rewards.
