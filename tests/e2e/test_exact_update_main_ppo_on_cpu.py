@@ -21,7 +21,8 @@ Why the measurement looks like this:
    point 10); ThunderSync's is the order groups complete), so those updates are not comparable here (Sync against Sync at another micro-batch size
    differ by ~1.2x the update itself). The same-partition comparison is ``benchmarks/equivalence.py
    --mini-batches K --kl --entropy`` on the engine; this test checks that the swap runs: two optimizer steps,
-   staleness 0, the same rewards.
+   staleness 0, the same rewards, with verl's reference worker group and ``low_var_kl`` + entropy in the loss (a
+   streamed chunk without reference log-probs is refused, so a run that finishes has used them).
 Measured (token-sum GRPO + k1 + entropy, token-mean reinforce_plus_plus + k1 + entropy): see ``docs/design.md``.
 Slow: seven ``main_ppo`` launches and the shared recording (about 6 minutes on 2 cores).
 """
