@@ -18,8 +18,8 @@ Why the measurement looks like this:
    coefficients are raised so that each term moves the step.
 5. Several mini-batches: both modes take two optimizer steps on the same trajectories, but their partitions
    differ (verl's follows its batch order, the prompts' order on the CPU platform (``verl_adapter.patches``
-   point 10); ThunderSync's is the order groups complete), so those updates are not comparable here (Sync against Sync at another micro-batch size
-   differ by ~1.2x the update itself). The same-partition comparison is ``benchmarks/equivalence.py
+   point 10); ThunderSync's is the order groups complete), so those updates are not comparable here (Sync
+   against Sync at another micro-batch size differ by ~1.2x the update itself). The same-partition comparison is ``benchmarks/equivalence.py
    --mini-batches K --kl --entropy`` on the engine; this test checks that the swap runs: two optimizer steps,
    staleness 0, the same rewards, with verl's reference worker group and ``low_var_kl`` + entropy in the loss (a
    streamed chunk without reference log-probs is refused, so a run that finishes has used them).
