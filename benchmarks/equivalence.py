@@ -74,7 +74,16 @@ Why:
    printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten; a single run
    with ``--seed N`` (N != 0) writes <name>_seedN. When a seed's comparison fails, the seeds compared before it
    are written to <name>_seeds_partial (with ``failed_seed`` and ``seeds_not_run``) before the error is raised.
-13. ``--remove-padding`` / ``--dynamic-bsz`` (FSDP2 GRPO): both paths packed / token-budgeted (``thundersync_harness.batching``).
+13. ``--remove-padding`` / ``--dynamic-bsz`` (FSDP2 GRPO; ``--remove-padding`` on Megatron too, plain or per-token):
+   both paths packed / token-budgeted (``thundersync_harness.batching``).
+14. ``--dtype bf16`` (plain GRPO, fsdp or megatron): bf16 parameters, fp32 master weights and gradients for both
+   paths (``thundersync_harness.precision``, with its diagnostics of the bf16 rounding); JSON <name>_bf16, ``dtype`` key.
+15. ``--engine megatron --moe [--ep 2 --dp 2]``: the plain GRPO comparison on a tiny Qwen3-MoE (4 experts, top-2,
+   router aux loss off; ``thundersync_harness.moe``), experts over ``--ep`` expert-parallel ranks; JSON
+   <name>_moe[_epN] with ``moe`` and ``ep`` keys. ``--estimator`` and ``--mini-batches`` run on Megatron too (``megatron_breadth``).
+16. ``--lora-rank R`` (fsdp GRPO, plain or ``--kl``): a peft adapter on verl's engine, the adapter-off actor as the KL
+   reference, the rollout's staleness measured on an ``hf_cpu`` server, point 7's controls and each step from one
+   point (``thundersync_harness.lora``); JSON <name>_lora<R> (``lora_rank`` key).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -101,7 +110,8 @@ from thundersync_harness.engine_setup import (
     turn_arrival,
     verl_config,
 )
-from thundersync_harness import batching
+from thundersync_harness import batching, lora, moe, precision, settings
+from thundersync_harness import megatron_breadth as breadth
 from thundersync_harness.engine_steps import (
     OPDSpec,
     PolicySpec,
@@ -215,14 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-token-loss", action="store_true", help="megatron: calculate_per_token_loss on (point 11)")
     parser.add_argument("--float64-sum", action="store_true",
                         help="megatron experiment: also the stream summed in float64 across calls (point 11)")
-    batching.add_batching_arguments(parser)
+    settings.add_arguments(parser)  # points 13-16
     add_results_dir_argument(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = batching.check_batching(parser, parser.parse_args(argv))
+    args = settings.check(parser, parser.parse_args(argv))  # points 13-16
     args.results_dir = find_results_dir(args.results_dir)  # refuse before minutes of work, not after
     args.per_seed = None  # report() writes the result, or with several seeds appends (name, result) here
     if args.seeds is None or len(args.seeds) == 1:
@@ -252,24 +262,32 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
     if megatron and (args.algo != "grpo" or args.optimizer != "SGD"):
         parser.error("--engine megatron runs --algo grpo with the Megatron harness optimizer (SGD, or Adam with "
                      "the distributed optimizer)")
-    model_path, pad_id, vocab = (build_megatron_model if megatron else build_tiny_model)(work / "model")
+    build_model = moe.build_moe_model if args.moe else build_megatron_model if megatron else build_tiny_model
+    model_path, pad_id, vocab = build_model(work / "model")
     teacher = build_teacher(model_path, work / "teacher") if args.algo == "opd" else None
     micro = 4
     if megatron:
         config = (per_token_config if args.per_token_loss else megatron_config)(
-            model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp, distributed_optimizer=args.distributed_optimizer)
+            model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp, distributed_optimizer=args.distributed_optimizer,
+            **batching.megatron_batching_options(args))
     else:
         config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher,
                              **batching.batching_options(args))
+    settings.apply(config, args)  # --dtype, --moe / --ep, --lora-rank (points 14-16)
     extra = {}
-    if args.estimator != "grpo":
-        if megatron or args.algo != "grpo" or args.mini_batches > 1 or args.ppo_epochs > 1:
-            parser.error("--estimator runs the one-step GRPO comparison (--algo grpo, --engine fsdp)")
-        return run_estimator_comparison(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
-    if args.mini_batches > 1 or args.ppo_epochs > 1:
-        if megatron or args.algo != "grpo":
-            parser.error("--mini-batches / --ppo-epochs run --algo grpo on --engine fsdp")
-        return run_minibatch(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
+    if args.estimator != "grpo" or args.mini_batches > 1 or args.ppo_epochs > 1:
+        breadth.check_breadth(parser, args)  # what --estimator / --mini-batches refuse, on either engine
+    order = partial(transposed_order, micro=micro)
+    if args.estimator != "grpo":  # point 10; JSON equivalence_estimator_<name>
+        from thundersync_harness.estimator_steps import run_estimator
+
+        return run_then_report(args, work, ray_tmp, t0, "estimator",
+                               lambda: run_estimator(args, model_path, pad_id, vocab, groups, micro, order))
+    if args.mini_batches > 1 or args.ppo_epochs > 1:  # point 9; JSON equivalence_minibatch*
+        from thundersync_harness.minibatch_steps import run_minibatches
+
+        return run_then_report(args, work, ray_tmp, t0, "minibatch",
+                               lambda: run_minibatches(args, model_path, pad_id, vocab, groups, micro, work))
     if args.per_token_loss and (not megatron or args.float64_sum or args.kl or args.entropy):
         parser.error("--per-token-loss runs the plain GRPO comparison on --engine megatron")
     if args.float64_sum and (not megatron or args.distributed_optimizer or args.algo != "grpo" or args.kl
@@ -278,7 +296,10 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
     if args.kl or args.entropy:
         if args.algo != "grpo":
             parser.error("--kl / --entropy run --algo grpo")
-        return run_kl_entropy(args, work, model_path, pad_id, vocab, groups, micro, ray_tmp, t0)
+        from thundersync_harness.kl_entropy_steps import run_kl_entropy
+
+        return run_then_report(args, work, ray_tmp, t0, "terms",  # point 8; JSON equivalence_kl_*
+                               lambda: run_kl_entropy(args, work, model_path, pad_id, vocab, groups, micro, order))
     if args.algo == "opd":
         batches = []
         for s in range(args.steps):
@@ -304,9 +325,12 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         if args.algo == "opd":
             steps = opd_steps(wg, batches, pad_id, micro)
         else:
-            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron, float64_sum=args.float64_sum)
+            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank),
+                               float64_sum=args.float64_sum)
             steps.update(batching.regrouped_floor_steps(args, wg, batches, pad_id))
+            steps.update(precision.diagnostic_steps(args, wg, batches, pad_id))  # --dtype bf16 (point 14)
         runs = {kind: train(wg, fns) for kind, fns in steps.items()}
+        lora.measure_rollout(args, wg, steps, batches, pad_id, config)  # --lora-rank (point 16)
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -314,72 +338,17 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
     return report(args, runs, time.time() - t0, extra)
 
 
-def run_estimator_comparison(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
-                             ray_tmp: Path, t0: float) -> dict:
-    """Point 10: verl's step with ``--estimator`` vs the streamed one; JSON equivalence_estimator_<name>."""
+def run_then_report(args, work: Path, ray_tmp: Path, t0: float, key: str, run) -> dict:
+    """``run()`` -> (runs, extra) with Ray shut down and the work folders removed after; reported with ``{key: extra}``."""
     import ray
 
-    from thundersync_harness.estimator_steps import run_estimator
-
     try:
-        runs, extra = run_estimator(args, model_path, pad_id, vocab, groups, micro, partial(transposed_order, micro=micro))
+        runs, extra = run()
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    return report(args, runs, time.time() - t0, {"estimator": extra})
-
-
-def run_minibatch(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
-                  ray_tmp: Path, t0: float) -> dict:
-    """Point 9: K mini-batches x E epochs, streamed vs verl's sync loop on the same partition; JSON equivalence_minibatch*."""
-    import ray
-
-    from thundersync_harness.minibatch_steps import run_minibatches
-
-    try:
-        runs, extra = run_minibatches(args, model_path, pad_id, vocab, groups, micro, work)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-    return report(args, runs, time.time() - t0, {"minibatch": extra})
-
-
-def run_kl_entropy(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int,
-                   ray_tmp: Path, t0: float) -> dict:
-    """Point 8: the streamed step with KL and/or entropy vs verl's, same settings; JSON equivalence_kl_*."""
-    import ray
-
-    from thundersync_harness import kl_entropy_steps as kle
-
-    kl_type = args.kl_type if args.kl else None
-    if args.engine == "megatron":  # the same steps; the Megatron config and a reference with the actor's layout
-        from thundersync_harness import megatron_kl_entropy as mke
-
-        config = mke.megatron_kl_entropy_config(model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp,
-                                                kl_type=kl_type, entropy=args.entropy, loss_agg_mode=args.loss_agg_mode,
-                                                distributed_optimizer=args.distributed_optimizer)
-        n_workers = args.tp * args.pp * args.dp
-    else:
-        config = kle.kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=args.entropy,
-                                       loss_agg_mode=args.loss_agg_mode, optimizer=args.optimizer)
-        n_workers = args.dp
-    ref_path = kle.build_reference(model_path, work / "ref") if args.kl else None
-    batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
-    try:
-        wg, ref_wg = kle.start_kl_workers(config, n_workers, ref_path)
-        steps = kle.kl_entropy_steps(wg, ref_wg, batches, pad_id, lambda n: (list(range(n)), transposed_order(n, micro)),
-                                     loss_agg_mode=args.loss_agg_mode, entropy=args.entropy)
-        runs = {kind: train(wg, fns) for kind, fns in steps.items()}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-    terms = {"kl_loss_type": kl_type, "kl_loss_coef": kle.KL_COEF if args.kl else 0.0,
-             "entropy_coeff": kle.ENTROPY_COEF if args.entropy else 0.0, "loss_agg_mode": args.loss_agg_mode,
-             "ref_calls": sum(i["ref_calls"] for i in runs["stream"][1])}
-    return report(args, runs, time.time() - t0, {"terms": terms})
+    return report(args, runs, time.time() - t0, {key: extra})
 
 
 def _ops_text(info: dict) -> str:
@@ -444,7 +413,8 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.engine == "megatron":
         layout = f"engine=megatron, tp={args.tp}, pp={args.pp}, dp={args.dp}" + (", per-token loss" * args.per_token_loss)
         optimizer = "adam (eps 1, distributed)" if args.distributed_optimizer else "sgd (no momentum)"
-    print(f"\nequivalence: {args.algo}, {layout}, optimizer={optimizer}, fp32 (float64 possible: {fp64_probe()})")
+    print(f"\nequivalence: {args.algo}, {layout}, optimizer={optimizer}, {precision.describe(args)} "
+          f"(float64 possible: {fp64_probe()})")
     ops_head = "turn chunks" if args.algo == "opd" else "chunks direct/bucket/folds"
     print(f"{'step':>4} | {'gap stream/sync':>16} | {'floor sync_a/sync_b':>19} | {'gap/floor':>9} | {'||dθ||':>9} | "
           f"{'s stream/sync':>13} | {ops_head}")
@@ -473,7 +443,8 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
             f"_kl_{args.kl_type.replace('+', '_st')}" if args.kl else "") + ("_entropy" if args.entropy else "")
     if "estimator" in extra:  # point 10: --estimator (adv_estimator, estimators_streamed, estimators_refused)
         result.update(extra["estimator"])
-        name = f"equivalence_estimator_{args.estimator}"
+        name = f"equivalence_estimator_{args.estimator}" + (
+            "" if args.loss_agg_mode == "token-mean" else f"_{args.loss_agg_mode}")
     if args.engine == "megatron":
         if "stream_prescaled" in runs:  # the plain GRPO comparison runs the diagnostics of point 7
             result.update(_report_diagnostics(runs))
@@ -486,7 +457,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
-    name = batching.batching_result(args, result, name, runs)  # --remove-padding / --dynamic-bsz (point 13)
+    if args.lora_rank and "stream_prescaled" in runs:  # point 16: point 7's controls on the adapter
+        result.update(_report_diagnostics(runs))
+    name = settings.result_name(args, result, name, runs)  # points 13-16
     name = name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}"
     if getattr(args, "per_seed", None) is not None:  # --seeds: main writes the aggregate (point 12)
         args.per_seed.append((name, {"seed": args.seed, "seconds": round(seconds, 1), **result}))

@@ -79,10 +79,41 @@ def test_a_reward_model_with_reward_in_agent_loop_is_refused_on_the_driver():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rollout", ["hf_cpu", "replay"])
-@pytest.mark.parametrize("lora", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.rank=8"])
-def test_lora_on_a_cpu_rollout_is_refused_before_the_run_in_every_mode(mode, rollout, lora):
-    config = compose(lora, f"actor_rollout_ref.rollout.name={rollout}", mode=mode)
-    assert_names(refusal(config), f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.model.lora_rank=0")
+def test_lora_on_a_cpu_rollout_runs_where_the_adapter_is_pushed_and_is_refused_where_verl_drops_it(mode, rollout):
+    """Sync (verl's naive sync) and ThunderSync (its learner's push) bring the adapter to the CPU rollout, which
+    merges it; verl's checkpoint-engine push in async / fully_async sends the base weights only."""
+    config = compose("actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.rollout.name={rollout}", mode=mode)
+    if mode in ("sync", "thundersync"):
+        check_run_config(config)
+    else:
+        assert_names(refusal(config), "actor_rollout_ref.rollout.name=" + rollout, "mode=sync or mode=thundersync")
+
+
+@pytest.mark.parametrize("overrides", [["actor_rollout_ref.model.lora.rank=8"],
+                                       ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"]])
+def test_lora_the_cpu_rollout_cannot_merge_is_refused_naming_the_fsdp_key(overrides):
+    config = compose(*overrides, mode="sync")
+    assert_names(refusal(config), "actor_rollout_ref.rollout.name=hf_cpu", "actor_rollout_ref.model.lora_rank=R")
+
+
+def test_lora_in_thundersync_mode_on_another_rollout_needs_verls_merged_push():
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm"]
+    assert_names(refusal(compose(*lora, mode="thundersync")), "actor_rollout_ref.rollout.name=vllm",
+                 "actor_rollout_ref.model.lora.merge=true")
+    check_run_config(compose(*lora, "actor_rollout_ref.model.lora.merge=true", mode="thundersync"))
+    check_run_config(compose(*lora, mode="async"))  # verl's own push to verl's own rollout: not this plugin's call
+
+
+def test_lora_buckets_are_planned_at_the_adapters_size(tiny_random_lm):
+    """Only the adapter carries a gradient (``bucket_check`` point 5): rank 8 on the tiny model's 14 linear modules."""
+    from thundersync_verl.verl_adapter import bucket_check
+
+    plans = []
+    for lora in ([], ["actor_rollout_ref.model.lora_rank=8"]):
+        config = compose(*lora, mode="thundersync")
+        config.actor_rollout_ref.model.path = str(tiny_random_lm)
+        plans.append(bucket_check.planned_buckets(config))
+    assert plans[1].bucket_bytes == 4 * 8192 < plans[0].bucket_bytes
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "opd", "sao"])

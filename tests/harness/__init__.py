@@ -12,7 +12,8 @@ Why:
 3. Modules: ``tiny_lm`` (tiny Qwen2, verl's synchronous oracle, the streamed accumulator flow),
    ``teacher`` (HF teacher scorer with KV-cache sessions and retries), ``engine_setup`` and
    ``engine_steps`` (verl's FSDP2 engine on the CPU: setup, the synchronous and streamed step), ``batching``
-   (verl's packed rows and token-budgeted micro-batches for the equivalence comparison),
+   (verl's packed rows and token-budgeted micro-batches for the equivalence comparison), ``lora`` (a peft adapter
+   on verl's engine, its adapter-off KL reference and the rollout's measured staleness),
    ``verl_reach`` (every verl name the package relies on, derived from its source, for the API test).
    Heavy imports (transformers, ray, verl workers) happen inside the functions that need them.
 """

@@ -11,7 +11,9 @@ Why:
 3. ``run_estimator`` builds both for ``benchmarks/equivalence.py --estimator NAME``: the same
    trajectories as the GRPO comparison (groups of 4, lengths 2-14, binary rewards with ties), the noise
    floor from verl's update with the rows regrouped, and the JSON keys listing which of verl's
-   estimators stream and why the others are refused.
+   estimators stream and why the others are refused. ``--loss-agg-mode`` reaches both sides (the actor's
+   ``loss_agg_mode`` and the planner's); the engine is ``--engine``'s (``megatron_breadth.policy_config``), and on
+   Megatron at token-mean the diagnostics of ``equivalence.py`` point 7 run too (``megatron_breadth.add_diagnostics``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from thundersync_harness.engine_setup import GROUP_SIZE, make_trajectories, start_workers, verl_config
+from thundersync_harness.engine_setup import GROUP_SIZE, make_trajectories
 from thundersync_harness.engine_steps import PolicySpec, stream_step, sync_step, train
 from thundersync_verl.core.batch_estimators import Outcome
 from thundersync_verl.core.estimators import REFUSED, STREAMED
@@ -85,17 +87,24 @@ def run_estimator(args, model_path, pad_id: int, vocab: int, groups: int, micro:
 
     The caller shuts Ray down. Returns the runs for ``equivalence.report`` and the JSON's estimator keys.
     """
+    from thundersync_harness.megatron_breadth import (add_diagnostics, loss_scale_factor, policy_config,
+                                                      start_policy_workers)
+
     if getattr(args, "kl", False) or getattr(args, "entropy", False):
         raise SystemExit("--estimator compares the policy term alone: run it without --kl / --entropy")
-    config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer)
-    config.algorithm.adv_estimator = args.estimator
+    mode = getattr(args, "loss_agg_mode", "token-mean")
+    config = policy_config(args, model_path, groups=groups, micro=micro, loss_agg_mode=mode,
+                           adv_estimator=args.estimator)  # FSDP2 or Megatron
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
-    wg = start_workers(config, args.dp)
-    spec = EstimatorSpec(adv_estimator=args.estimator)
+    wg, _ = start_policy_workers(config, args)
+    spec = EstimatorSpec(adv_estimator=args.estimator, loss_agg_mode=mode, loss_scale_factor=loss_scale_factor(mode))
     steps = {"sync_a": [], "sync_b": [], "stream": []}
+    diagnostics = getattr(args, "engine", "fsdp") == "megatron" and mode == "token-mean"  # equivalence.py point 7
     for trajs, arrival in batches:
         steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id, spec))
         steps["sync_b"].append(partial(sync_step, wg, trajs, regrouped(len(trajs)), pad_id, spec))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
+        if diagnostics:
+            add_diagnostics(steps, wg, trajs, arrival, pad_id, spec)
     runs = {kind: train(wg, fns) for kind, fns in steps.items()}
-    return runs, {"adv_estimator": args.estimator, **estimator_lists()}
+    return runs, {"adv_estimator": args.estimator, "loss_agg_mode": mode, **estimator_lists()}

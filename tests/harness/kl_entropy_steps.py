@@ -124,3 +124,36 @@ def refuses_kl_chunk_without_reference(wg, pad_token_id: int, groups: int) -> bo
             raise
         return torch.equal(wg.gather_flat_params()[0], before)
     raise AssertionError("a KL chunk without reference log-probs was accepted")
+
+
+def run_kl_entropy(args, work: Path, model_path: Path, pad_id: int, vocab: int, groups: int, micro: int, order):
+    """``benchmarks/equivalence.py`` point 8: the streamed step with KL and/or entropy vs verl's, same settings, on
+    ``args.engine`` (Megatron: the reference group in the actor's layout); ``order(n)`` is the floor's row order.
+    Returns (runs, terms) for the report. The caller shuts Ray down."""
+    from thundersync_harness import lora
+    from thundersync_harness.engine_setup import make_trajectories
+    from thundersync_harness.engine_steps import train
+
+    kl_type = args.kl_type if args.kl else None
+    if args.engine == "megatron":  # the same steps; the Megatron config and a reference with the actor's layout
+        from thundersync_harness import megatron_kl_entropy as mke
+
+        config = mke.megatron_kl_entropy_config(model_path, groups=groups, micro=micro, tp=args.tp, pp=args.pp,
+                                                kl_type=kl_type, entropy=args.entropy, loss_agg_mode=args.loss_agg_mode,
+                                                distributed_optimizer=args.distributed_optimizer)
+        n_workers = args.tp * args.pp * args.dp
+    else:
+        config = kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=args.entropy,
+                                   loss_agg_mode=args.loss_agg_mode, optimizer=args.optimizer)
+        n_workers = args.dp
+    lora.apply_lora(config, args)  # --lora-rank (point 16)
+    batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
+    wg, ref_wg = lora.kl_workers(args, config, n_workers, model_path, work)  # with --lora-rank: the adapter-off actor
+    steps = kl_entropy_steps(wg, ref_wg, batches, pad_id, lambda n: (list(range(n)), order(n)),
+                             loss_agg_mode=args.loss_agg_mode, entropy=args.entropy)
+    runs = {kind: train(wg, fns) for kind, fns in steps.items()}
+    lora.measure_rollout(args, wg, steps, batches, pad_id, config)  # --lora-rank (point 16)
+    terms = {"kl_loss_type": kl_type, "kl_loss_coef": KL_COEF if args.kl else 0.0,
+             "entropy_coeff": ENTROPY_COEF if args.entropy else 0.0, "loss_agg_mode": args.loss_agg_mode,
+             "ref_calls": sum(i["ref_calls"] for i in runs["stream"][1])}
+    return runs, terms

@@ -8,7 +8,11 @@ Why:
    the old log-probs, per-mini-batch normaliser, one optimizer step per mini-batch, the LR step once).
 2. Same partition on both sides: the streamed mini-batch j is the j-th ``ppo_mini_batch_size`` groups
    to COMPLETE in the arrival order; verl is fed the batch ordered by that partition with its shuffle
-   off (``dataloader_kwargs={"shuffle": False}``), so its j-th mini-batch holds the same groups.
+   off (``dataloader_kwargs={"shuffle": False}``), so its j-th mini-batch holds the same groups. With DP > 1
+   the order is rank-major (``verl_order``): verl's ``update_actor`` hands rank r the r-th contiguous 1/dp of the
+   batch and each rank cuts its mini-batches from its own share, so global mini-batch j is every rank's j-th
+   slice; ordered by partition alone, mini-batch j would mix rows of several partitions (measured at DP 2: verl's
+   own update then moves by 10-65% when the rows are regrouped).
 3. Old log-probs: verl's ``compute_log_prob`` at the batch's weights on both sides. The streamed side
    receives them as the rollout's log-probs (what a rollout at the batch's weights reports, with no
    engine mismatch here), which is where the trainer takes them from (``learner_forward=fused``).
@@ -21,6 +25,8 @@ Why:
    (``kl_entropy_steps``): verl's side takes the whole batch's reference log-probs before
    ``update_actor`` (``calculate_entropy`` on), the streamed side each chunk's just before its backward,
    PPO chunks of later mini-batches and epochs included.
+7. The config and the worker group come from ``megatron_breadth`` (``policy_config``, ``start_policy_workers``):
+   the same comparison on verl's FSDP2 engine or, with ``--engine megatron``, on its Megatron engine.
 """
 
 from __future__ import annotations
@@ -29,32 +35,12 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories, start_workers, verl_config
+from thundersync_harness.engine_setup import GROUP_SIZE, Traj, make_trajectories
 from thundersync_harness.engine_steps import (PolicySpec, StreamingLearnerClient, TrajFeed, rollout_batch, stream_step,
                                              sync_step, traj_name, train)
-from thundersync_harness.kl_entropy_steps import kl_entropy_config
 from thundersync_verl.learner.minibatch_loss import build_ppo_chunk
 from thundersync_verl.step.minibatch_plan import MiniBatchPlanner, PPOBackwardOp, StepOp
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY
-
-ACTOR = "actor_rollout_ref.actor"
-
-
-def minibatch_config(model_path, *, groups: int, micro: int, mini_batches: int, epochs: int, optimizer: str = "SGD",
-                     kl_type: str | None = None, entropy: bool = False):
-    """``engine_setup.verl_config`` with ``ppo_mini_batch_size = groups / K`` and ``ppo_epochs = E`` (point 5: KL / entropy)."""
-    from omegaconf import OmegaConf
-
-    if groups % mini_batches:
-        raise ValueError(f"{groups} groups cannot be cut into {mini_batches} equal mini-batches")
-    if kl_type or entropy:
-        config = kl_entropy_config(model_path, groups=groups, micro=micro, kl_type=kl_type, entropy=entropy,
-                                   optimizer=optimizer)
-    else:
-        config = verl_config(model_path, groups=groups, micro=micro, optimizer=optimizer)
-    OmegaConf.update(config, f"{ACTOR}.ppo_mini_batch_size", groups // mini_batches)
-    OmegaConf.update(config, f"{ACTOR}.ppo_epochs", epochs)
-    return config
 
 
 # ----- the partition -------------------------------------------------------------------------
@@ -82,6 +68,22 @@ def regrouped(parts: list[list[int]], micro: int) -> tuple[list[int], int]:
         stride = max(1, len(parts[0]) // micro)
         return [p[i] for p in parts for i in sorted(range(len(p)), key=lambda i: (i % stride, i))], micro
     return [i for p in parts for i in p], max(1, micro // 2)
+
+
+def verl_order(parts: list[list[int]], dp: int = 1) -> list[int]:
+    """The row order that makes verl's global mini-batch j the rows of ``parts[j]`` on ``dp`` data-parallel ranks
+    (point 2): rank by rank, the rank's share of every mini-batch in turn."""
+    if any(len(p) % dp for p in parts):
+        raise ValueError(f"mini-batches of {[len(p) for p in parts]} rows do not split over {dp} data-parallel ranks")
+    return [i for r in range(dp) for p in parts for i in p[r * len(p) // dp:(r + 1) * len(p) // dp]]
+
+
+def _split_like(order: list[int], parts: list[list[int]]) -> list[list[int]]:
+    out, start = [], 0
+    for p in parts:
+        out.append(order[start:start + len(p)])
+        start += len(p)
+    return out
 
 
 # ----- the step, two ways ---------------------------------------------------------------------
@@ -150,12 +152,15 @@ class MiniBatchFeed(TrajFeed):
 def minibatch_steps(wg, batches, pad_token_id: int, micro: int, *, mb_groups: int, epochs: int, ref_wg=None,
                     entropy: bool = False) -> dict:
     """sync_a: verl on the streamed partition; sync_b: the same with rows regrouped (the floor); stream."""
+    from thundersync_verl import verl_adapter as va
+
     spec = MiniBatchSpec(mb_groups=mb_groups, epochs=epochs, ref_wg=ref_wg, entropy=entropy)
-    steps = {"sync_a": [], "sync_b": [], "stream": []}
+    steps, dp = {"sync_a": [], "sync_b": [], "stream": []}, va.actor_dp_size(wg)
     for trajs, arrival in batches:
         parts = partition_rows(trajs, arrival, mb_groups)
         order_b, micro_b = regrouped(parts, micro)
-        steps["sync_a"].append(partial(sync_step, wg, trajs, [i for p in parts for i in p], pad_token_id, spec))
+        order_b = verl_order(_split_like(order_b, parts), dp)
+        steps["sync_a"].append(partial(sync_step, wg, trajs, verl_order(parts, dp), pad_token_id, spec))
         steps["sync_b"].append(partial(sync_step, wg, trajs, order_b, pad_token_id, spec, micro=micro_b))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_token_id, spec))
     return steps
@@ -165,20 +170,18 @@ def run_minibatches(args, model_path, pad_id: int, vocab: int, groups: int, micr
     """The comparison of ``equivalence.py --mini-batches K --ppo-epochs E [--kl] [--entropy]``: (runs, JSON extras).
     Ray is left up; ``work`` holds the reference model with ``--kl``."""
     from thundersync_harness import kl_entropy_steps as kle
+    from thundersync_harness.megatron_breadth import policy_config, start_policy_workers
 
     if groups % args.mini_batches:
         raise SystemExit(f"--mini-batches {args.mini_batches} must divide the {groups} groups of a step")
     mb_groups = groups // args.mini_batches
     kl_type = args.kl_type if getattr(args, "kl", False) else None
     entropy = bool(getattr(args, "entropy", False))
-    config = minibatch_config(model_path, groups=groups, micro=micro, mini_batches=args.mini_batches,
-                              epochs=args.ppo_epochs, optimizer=args.optimizer, kl_type=kl_type, entropy=entropy)
+    config = policy_config(args, model_path, groups=groups, micro=micro, mini_batches=args.mini_batches,
+                           epochs=args.ppo_epochs, kl_type=kl_type, entropy=entropy)  # FSDP2 or Megatron
     batches = [make_trajectories(1000 + 100 * args.seed + s, groups, vocab) for s in range(args.steps)]
-    if kl_type or entropy:
-        ref_path = kle.build_reference(model_path, work / "ref") if kl_type else None
-        wg, ref_wg = kle.start_kl_workers(config, args.dp, ref_path)
-    else:
-        wg, ref_wg = start_workers(config, args.dp), None
+    ref_path = kle.build_reference(model_path, work / "ref") if kl_type else None
+    wg, ref_wg = start_policy_workers(config, args, ref_path, terms=bool(kl_type or entropy))
     t0 = time.time()
     runs = {kind: train(wg, fns) for kind, fns in minibatch_steps(wg, batches, pad_id, micro, mb_groups=mb_groups,
                                                                    epochs=args.ppo_epochs, ref_wg=ref_wg,

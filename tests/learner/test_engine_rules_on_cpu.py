@@ -37,8 +37,9 @@ BREAKS = {
     "param_offload": ("qwen3_8b", [f"{MEGATRON}.param_offload=true"], {"param_offload": True}),
     "use_megatron_fsdp": ("qwen3_8b", [f"{MEGATRON}.use_megatron_fsdp=true"], {"use_megatron_fsdp": True}),
     "dynamic_context_parallel": ("qwen3_8b", [f"{MEGATRON}.dynamic_context_parallel=true"], {"dcp": True}),
-    "auxiliary_losses": ("qwen3_30b_a3b", [f"{MEGATRON}.override_transformer_config.moe_aux_loss_coeff=0.01"],
-                         {"moe": 128, "aux": 0.01}),
+    "auxiliary_losses": ("qwen3_30b_a3b", [f"{MEGATRON}.override_transformer_config.moe_aux_loss_coeff=0.01",
+                                           f"++{MEGATRON}.override_transformer_config.moe_router_load_balancing_type"
+                                           "=aux_loss"], {"moe": 128, "aux": 0.01, "balancing": "aux_loss"}),
     "overlap_grad_reduce": ("qwen3_8b", [f"++{MEGATRON}.override_ddp_config.overlap_grad_reduce=true"],
                             {"overlap_grad_reduce": True}),
     "use_remove_padding": ("qwen3_8b", ["actor_rollout_ref.model.use_remove_padding=false"], None),  # CP 4: per-token
@@ -108,7 +109,8 @@ def _worker(strategy: str = "megatron", **engine):
                              use_megatron_fsdp=engine.pop("use_megatron_fsdp", False),
                              dynamic_context_parallel=engine.pop("dcp", False), use_remove_padding=True)
     tf_config = SimpleNamespace(calculate_per_token_loss=True, num_moe_experts=engine.pop("moe", None),
-                                moe_aux_loss_coeff=engine.pop("aux", 0.0), moe_z_loss_coeff=None)
+                                moe_aux_loss_coeff=engine.pop("aux", 0.0), moe_z_loss_coeff=None,
+                                moe_router_load_balancing_type=engine.pop("balancing", "none"))  # verl's default
     eng = SimpleNamespace(engine_config=config, module=[SimpleNamespace(ddp_config=ddp)],
                           is_param_offload_enabled=engine.pop("param_offload", False), tf_config=tf_config)
     return SimpleNamespace(actor=SimpleNamespace(engine=eng, engine_config=config))
@@ -134,6 +136,21 @@ def test_verls_row_restates_the_error_verls_megatron_engine_raises():
     rule = next(r for r in engine_rules.RULES if r.name == "use_remove_padding")
     assert rule.owner == engine_rules.VERL and rule.why in texts[0]
     assert "calculate_per_token_loss=True requires use_remove_padding=True" in rule.rule
+
+
+def test_a_router_coefficient_without_the_balancing_loss_it_scales_is_not_refused():
+    # verl 0.9.1 builds MoE models with moe_router_load_balancing_type=none (both bridges): Megatron's router then
+    # computes no balancing loss whatever moe_aux_loss_coeff says (Qwen3-MoE checkpoints carry 0.001)
+    from thundersync_verl.learner.engines import make_learner
+
+    make_learner(_worker(moe=4, aux=0.001)).check()  # the live engine: type none
+    recipe = {"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": {
+        "expert_model_parallel_size": 4, "override_transformer_config": {"moe_aux_loss_coeff": 0.001}}}}}
+    assert engine_rules.facts_from_config(recipe)["auxiliary_losses"] is None  # Megatron-Bridge: verl sets none
+    recipe["actor_rollout_ref"]["actor"]["megatron"]["vanilla_mbridge"] = True  # the bridge's own type: unknown
+    assert engine_rules.facts_from_config(recipe)["auxiliary_losses"] == "moe_aux_loss_coeff=0.001"
+    with pytest.raises(StreamingConfigError, match="moe_aux_loss_coeff=0.001"):
+        make_learner(_worker(moe=4, aux=0.001, balancing="seq_aux_loss")).check()
 
 
 # ----- the worker's actor-config validation ---------------------------------------------------------------

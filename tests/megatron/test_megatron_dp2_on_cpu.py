@@ -1,8 +1,9 @@
 """The streamed step on verl's Megatron engine with DP=2 and the distributed optimizer.
 
 Buckets hold only this rank's reduce-scattered region (P / DP values), folded into the grad buffer
-before the one ``finalize_model_grads``. Needs no GPU: two Ray workers on the CPU platform.
-One launch for the module (~30-90 s on 2 cores).
+before the one ``finalize_model_grads``. Several mini-batches per batch (``MiniBatchPlanner``) step the
+sharded optimizer once per mini-batch, as verl's ``update_actor`` does. Needs no GPU: two Ray workers on the
+CPU platform. One launch for the module (~30-90 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -63,3 +64,25 @@ def test_dp2_bucket_budget_refuses_a_bucket_that_does_not_fit_and_the_batch_goes
     metrics = wg.finalize_step(0.1)[0]
     assert metrics["thundersync/peak_bucket_bytes"] == one and metrics["stream/bytes_in_use"] == 0
     assert metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("mb_groups, epochs", [(1, 1), (1, 2)])
+def test_dp2_streamed_mini_batches_equal_verls_update_on_the_same_partition(group, mb_groups, epochs):
+    # several optimizer steps per batch through the sharded optimizer: mini-batch 1 streamed at ratio 1, later
+    # mini-batches and epochs as PPO chunks, one finalize and one distributed-optimizer step per mini-batch
+    from thundersync_harness.engine_setup import make_trajectories
+    from thundersync_harness.engine_steps import relative_gap, stream_step, sync_step, train
+    from thundersync_harness.minibatch_steps import MiniBatchSpec, partition_rows, verl_order
+
+    wg, pad = group.wg, group.pad_id
+    trajs, arrival = make_trajectories(31, GROUPS, group.vocab)
+    order = verl_order(partition_rows(trajs, arrival, mb_groups), dp=2)  # verl's mini-batch j = the stream's
+    spec = MiniBatchSpec(mb_groups=mb_groups, epochs=epochs)
+    [d_stream], [info] = train(wg, [lambda: stream_step(wg, trajs, arrival, pad, spec)])
+    # a mini-batch of one group is 2 rows per data-parallel rank: verl's micro-batches must divide it
+    [d_verl], _ = train(wg, [lambda: sync_step(wg, trajs, order, pad, spec, micro=2)])
+    [d_one], _ = train(wg, [lambda: sync_step(wg, trajs, order, pad)])  # one optimizer step for the batch
+    steps = GROUPS // mb_groups * epochs
+    assert info["thundersync/optimizer_steps"] == info["ops/steps"] + 1 == steps and info["ops/ppo"] > 0
+    assert relative_gap(d_one, d_verl) > 1e-2  # several steps land elsewhere than one
+    assert relative_gap(d_stream, d_verl) < 1e-5, relative_gap(d_stream, d_verl)  # fp32 summation order

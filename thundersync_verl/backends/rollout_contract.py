@@ -10,7 +10,8 @@ optimizer step; everything else is built here once:
 2. ``make_server_adapter_class`` builds the learner-side ``BaseRollout``: every rank iterates the
    pushed weights (FSDP2 ``full_tensor()`` is a collective), ``collect`` turns them into the
    server's payload, and the leader rank of each replica calls
-   ``server.update_weights(payload, global_steps)``. resume / release are no-ops: the servers keep
+   ``server.update_weights(payload, global_steps, peft_config=...)`` (the peft config verl passes with a LoRA
+   actor's naive push, else None: ``backends/lora_weights.py``). resume / release are no-ops: the servers keep
    their weights and per-request state in host memory.
 3. ``ServerControl`` answers the verl control calls that are the same on both servers (wake_up,
    sleep, kv-cache release, profiling, drain); a server supplies ``_in_flight()`` and
@@ -137,7 +138,8 @@ def make_server_adapter_class(name: str, module: str, actor_name: Callable[[int]
         async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
             payload = await collect(weights, wire_format)  # on every rank: the gathers are collectives
             if self.is_leader_rank:
-                await self._server_handle().update_weights.remote(payload, global_steps)
+                await self._server_handle().update_weights.remote(payload, global_steps,
+                                                                  peft_config=kwargs.get("peft_config"))
 
     return _named(ServerAdapter, name, module)
 

@@ -20,6 +20,9 @@ Why:
    reads it, a host->device copy before its add runs on the compute stream and before ``axpy_``
    returns (so the host buffer can be reused or freed). On a CPU the same functions run with the
    stream and events as no-ops.
+7. A fold adds ``alpha * bucket`` into the gradient in the promoted dtype and rounds once into the
+   gradient's: with bf16 gradients and fp32 buckets (``GradLayout`` promotes the accumulation dtype
+   to at least fp32), the bucket is not rounded to bf16 before it is scaled.
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ def _finish_host(pending, alpha: float, accumulate: bool) -> None:
         if alpha != 1.0:
             d.mul_(alpha)
     else:
-        d.add_(staged.to(d.dtype), alpha=alpha)
+        d.add_(staged, alpha=alpha)  # in the promoted dtype, one rounding into d (point 7)
 
 
 def _into_device_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float) -> None:
@@ -256,7 +259,7 @@ def _into_device_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None
             compute = torch.cuda.current_stream(d.device)
             compute.wait_event(side.event())
             s.record_stream(compute)  # allocated on the side stream, consumed on the compute stream
-        s = s.to(device=d.device, dtype=d.dtype)
+        s = s.to(device=d.device)  # the add promotes and rounds once into d (point 7)
         d.add_(s) if alpha == 1.0 else d.add_(s, alpha=alpha)
     _synchronize(side.event())
 

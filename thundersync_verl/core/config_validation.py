@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from thundersync_verl.core.errors import StreamingConfigError, fail, int_at_least
 from thundersync_verl.core.batch_estimators import check_arrival_scope
@@ -204,3 +205,15 @@ def validate_streaming_config(
         rollout_is_lower=lower,
         ratio_is_one=not bypass_mode,
     )
+
+
+BALANCING_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # megatron-core 0.16 router.py
+
+
+def balancing_loss_coeffs(kinds: Any, coeffs: Any) -> list[float]:
+    """The nonzero load-balancing coefficients Megatron's router applies (its ``get_aux_loss_coeff`` for each of
+    ``BALANCING_LOSSES``): ``kinds`` is ``moe_router_load_balancing_type`` (one name with a scalar coefficient, or a
+    list with a list of coefficients). ``none`` / ``sinkhorn`` apply no coefficient, whatever its value."""
+    names = [kinds] if isinstance(kinds, str) else list(kinds)
+    values = [coeffs] * len(names) if coeffs is None or isinstance(coeffs, (int, float, str)) else list(coeffs)
+    return [float(c) for k, c in zip(names, values) if k in BALANCING_LOSSES and c is not None and float(c) != 0.0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from thundersync_verl.core.config_validation import balancing_loss_coeffs
 from thundersync_verl.core.config_validation import config_value as _get
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 
@@ -85,10 +86,14 @@ RULES: tuple[EngineRule, ...] = (
         "auxiliary_losses", "megatron", STREAM, lambda f: bool(f["auxiliary_losses"]),
         "streaming on Megatron does not support losses the schedule scales per call ({auxiliary_losses})",
         "Megatron scales the MoE router's aux / z loss and the MTP loss by the CALL's micro-batch count (or, per "
-        "token, by the batch's token total at finalize); in a streamed call they would take the deferred "
-        "normaliser and the fold coefficients instead",
-        "set moe_aux_loss_coeff=0 and moe_z_loss_coeff=null (override_transformer_config) and "
-        "actor_rollout_ref.model.mtp.enable_train=false"),
+        "token, by the batch's token total at finalize), so in a streamed call they take the deferred normaliser "
+        "and the fold coefficients instead: with this refusal lifted the streamed update misses the router term "
+        "almost whole, 1400-9800x verl's fp32 floor (benchmarks/moe_aux_loss.py: tiny Qwen3-MoE, coefficient "
+        "1e-3). aux_loss and global_aux_loss also balance the experts over ONE micro-batch's tokens, so a row's "
+        "gradient depends on which rows share its micro-batch: regrouping the same rows moves verl's own update "
+        "614-660x the floor (the router term alone by 26-80%), which no streamed grouping reproduces",
+        "set moe_aux_loss_coeff=0 or moe_router_load_balancing_type=none (verl's default) and moe_z_loss_coeff=null "
+        "(override_transformer_config), and actor_rollout_ref.model.mtp.enable_train=false"),
     EngineRule(
         "overlap_grad_reduce", "megatron", STREAM, lambda f: bool(f["overlap_grad_reduce"]),
         "streaming on Megatron needs override_ddp_config.overlap_grad_reduce=false (got {overlap_grad_reduce})",
@@ -143,18 +148,29 @@ def facts_from_config(config: Any) -> dict:
 
 
 def _auxiliary_losses(megatron: Any, otc: Any, model: Any) -> str | None:
-    """What ``va.megatron_auxiliary_losses`` would report. The MoE router's aux-loss coefficient comes from the
-    checkpoint (``router_aux_loss_coef``, 0.001 for Qwen3-MoE) unless the recipe sets it: an MoE recipe (expert
-    parallel > 1, experts or ``moe_*`` keys in override_transformer_config) that does not set it counts as on."""
+    """What ``va.megatron_auxiliary_losses`` would report. The router applies a load-balancing coefficient only for
+    the loss ``moe_router_load_balancing_type`` names: verl 0.9.1 sets it to ``none`` on its Megatron-Bridge path
+    (``provider_overrides`` in ``transformer_impl.py``) unless the recipe sets it; on the mbridge path
+    (``vanilla_mbridge``) the model's bridge picks it (``none`` for Qwen-MoE, Mixtral and DeepSeek-V3,
+    ``seq_aux_loss`` for GLM-4.5), so an MoE recipe there that names no type counts as on. The coefficient comes
+    from the checkpoint (``router_aux_loss_coef``, 0.001 for Qwen3-MoE) unless the recipe sets it: unset counts as
+    on wherever a balancing loss is. MoE recipe: expert parallel > 1, experts or ``moe_*`` keys in
+    override_transformer_config."""
     found = []
     moe = int(_get(megatron, "expert_model_parallel_size", 1) or 1) > 1 or any(str(k).startswith(("moe_", "num_moe"))
                                                                                for k in otc)
     if moe:
+        kinds = _get(otc, "moe_router_load_balancing_type")
+        if kinds is None and not _get(megatron, "vanilla_mbridge", False):
+            kinds = "none"  # verl's Megatron-Bridge provider_overrides
         aux = _get(otc, "moe_aux_loss_coeff")
-        if aux is None:
-            found.append("moe_aux_loss_coeff=the checkpoint's router_aux_loss_coef (the recipe does not set it)")
-        elif any(float(c) != 0.0 for c in (aux if isinstance(aux, (list, tuple)) else [aux])):
-            found.append(f"moe_aux_loss_coeff={aux}")
+        if kinds is not None:  # the type is known: only the loss it names takes a coefficient
+            on = bool(balancing_loss_coeffs(kinds, 1.0 if aux is None else aux))
+        else:  # the bridge's type, unknown here: any coefficient counts
+            on = aux is None or any(float(c) != 0.0 for c in ([aux] if isinstance(aux, (int, float, str)) else aux))
+        if on:
+            found.append("moe_aux_loss_coeff=the checkpoint's router_aux_loss_coef (the recipe does not set it)"
+                         if aux is None else f"moe_aux_loss_coeff={aux}")
         if _get(otc, "moe_z_loss_coeff"):
             found.append(f"moe_z_loss_coeff={_get(otc, 'moe_z_loss_coeff')}")
     if _get(model, "mtp.enable", False) and _get(model, "mtp.enable_train", False):

@@ -30,7 +30,7 @@ from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingInputError, token_weights
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.step.chunk_layout import COEF_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, IndependentTerms, build_stream_chunk
-from thundersync_verl.learner.stream_loss import independent_loss
+from thundersync_verl.learner.stream_loss import independent_loss, loss_log_probs
 
 PPO_KEY = "ts_ppo"  # non-tensor: True on a PPO chunk (minibatch_plan.PPOBackwardOp)
 PPO_KL_METRIC = "stream/ppo_kl"
@@ -59,7 +59,7 @@ class PPOLossSettings:
 
 def stream_ppo_loss(model_output, data, dp_group=None, *, settings: PPOLossSettings):
     """verl's policy loss of one micro-batch against the old log-probs it carries, normaliser deferred (point 2)."""
-    log_prob = va.response_log_probs(model_output, data)  # [B, T]
+    log_prob = loss_log_probs(model_output, data)  # [B, T], fp32 as in verl's loss (stream_loss point 7)
     fields = va.padded_fields(data, "response_mask", COEF_KEY, ROLLOUT_LP_KEY)
     mask = fields["response_mask"].to(log_prob.device).bool()  # [B, T]
     advantages = fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype).unsqueeze(-1)  # [B, 1]

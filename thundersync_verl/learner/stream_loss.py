@@ -42,6 +42,11 @@ Why:
    (``ts_ref_log_prob`` [B, R], computed per arrival by verl's ``compute_ref_log_prob``: the
    reference model is fixed for the whole run); the entropy comes from the backward's own forward
    (verl's ``calculate_entropy``), as in verl's ``ppo_loss``.
+7. bf16 parameters: verl's log-probs can come out of the forward in bf16 (``torch.autocast`` on the CPU keeps
+   ``log_softmax`` in bf16). verl's loss promotes them to fp32 against its fp32 advantages and old log-probs, so
+   the one rounding is where the backward casts the log-probs' gradient back to bf16. The streamed losses do the
+   same (``loss_log_probs``): coefficients, token weights, reference and teacher log-probs stay fp32. Cast to the
+   log-probs' dtype instead, every A_i and 1/|o_i| would be rounded to 8 bits before that cast.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ from thundersync_verl.core import kl_per_token, token_weights
 from thundersync_verl.step.chunk_layout import (ADV_CLAMP_KEY, COEF_KEY, ENTROPY_METRIC, IndependentTerms, KL_LOSS_METRIC, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, NO_TERMS, PARTS, PART_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, TEACHER_KEY, TOKEN_COEF_KEY, chunk_refused)
 
 
+def loss_log_probs(model_output, data) -> torch.Tensor:
+    """verl's response log-probs [B, T] in at least fp32, where the streamed losses compute (point 7)."""
+    log_prob = va.response_log_probs(model_output, data)  # [B, T]
+    return log_prob.to(torch.promote_types(log_prob.dtype, torch.float32))
+
+
 def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str, terms: IndependentTerms = NO_TERMS):
     """dp_size * sum_{i,t} w_{i,t} (-ts_coef_i log pi + kl_coef kl_{i,t} - ent_coef H_{i,t}) for one micro-batch.
 
@@ -62,7 +73,7 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str,
     (KL and entropy). Signature of a verl loss function (``TrainingWorker.set_loss_fn``); returns
     (loss, metrics).
     """
-    log_prob = va.response_log_probs(model_output, data)  # [B, T]
+    log_prob = loss_log_probs(model_output, data)  # [B, T], at least fp32 (point 7)
     fields = va.padded_fields(data, "response_mask", COEF_KEY)
     mask = fields["response_mask"].to(log_prob.device)  # [B, T]
     coef = fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B]
@@ -134,7 +145,7 @@ def stream_token_loss(model_output, data, dp_group=None):
     a_{i,t} = -(log pi(a_{i,t}) - ts_teacher_log_prob_{i,t}), detached, when the chunk carries
     teacher log-probs (OPD), else 1. verl loss-function signature; returns (loss, metrics).
     """
-    log_prob = va.response_log_probs(model_output, data)  # [B, T]
+    log_prob = loss_log_probs(model_output, data)  # [B, T], at least fp32 (point 7)
     has_teacher = TEACHER_KEY in data.keys()
     fields = va.padded_fields(data, COEF_KEY, TOKEN_COEF_KEY, *([TEACHER_KEY] if has_teacher else []))
     token_coef = fields[TOKEN_COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]

@@ -37,6 +37,12 @@ Why:
    figures ``finalize_step`` and ``stream_memory`` report are measured, not estimated. Where they
    live (batch meta ``bucket_device``; host on accelerators by default) is ``core/bucket_memory.py``'s
    call, the one ``thundersync plan`` prices with; host buckets cross to the device in ``axpy_``.
+6. A LoRA actor's weight push through a checkpoint engine (the standalone rollout of ThunderSync): verl 0.9.1
+   sends the frozen base weights there and drops the adapter, so the rollout would never serve the trained one.
+   To the CPU rollouts (``hf_cpu``, ``replay``) ``update_weights`` sends the adapter's tensors instead, as verl's
+   naive sync does, and the server merges them into the base it loaded from the same checkpoint
+   (``backends/lora_weights.py``); every other push is verl's (``launch_check`` refuses the LoRA pushes that
+   would drop the adapter).
 The driver side (``stream_exec.py``) executes the planner's ops against a worker group.
 """
 
@@ -64,6 +70,7 @@ from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_token_loss
 from thundersync_verl.learner.stream_checks import check_chunk, check_folds, check_scale, check_token_chunk
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, independent_key
 from thundersync_verl.learner.engine_rules import actor_config_settings
+from thundersync_verl.backends.lora_weights import CPU_ROLLOUTS
 
 DIRECT = "direct"
 QUEUE_WAIT_S = 600.0  # a queued call waits at most this long for its predecessor
@@ -412,6 +419,17 @@ class StreamingActorWorker(_Base):
         out["stream/open_buckets"] = sorted(state.buckets) if state is not None else []
         out["stream/batch_open"] = state is not None  # a checkpoint is taken only between batches
         return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+        """verl's weight push; a LoRA actor's through a checkpoint engine to a CPU rollout sends its adapter (point 6)."""
+        backend = self.config.rollout.checkpoint_engine.backend if mode == "auto" else mode
+        adapter = None
+        if backend != "naive" and self.config.rollout.name in CPU_ROLLOUTS:
+            adapter = va.lora_adapter_push(self)
+        if adapter is None:
+            return await super().update_weights(global_steps=global_steps, mode=mode)
+        return await self.checkpoint_engine.send_weights(adapter[0], global_steps=global_steps) or {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def gather_flat_params(self) -> torch.Tensor:

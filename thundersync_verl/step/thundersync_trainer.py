@@ -94,22 +94,7 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
     algo.validate(config, ts)  # its own streaming rules
     _check_minibatch_forward(config, ts)
-    _check_kl_reference(config)
     return ts
-
-
-def _check_kl_reference(config) -> None:
-    """KL loss streams with verl's reference worker group (``stream_loss.py`` point 6), not LoRA's."""
-    arr, actor = config.actor_rollout_ref, config.actor_rollout_ref.actor
-    lora = arr.model.get("lora", {}) or {}
-    if actor.get("use_kl_loss", False) and (int(lora.get("rank", 0) or 0) > 0 or int(arr.model.get("lora_rank", 0) or 0) > 0
-                                            or arr.model.get("lora_adapter_path") is not None):
-        raise StreamingConfigError(rule_message(
-            "thundersync mode streams use_kl_loss with verl's reference worker group, not LoRA's reference-in-actor",
-            "with LoRA verl takes the reference log-probs from the actor with its adapter disabled, a path not "
-            "verified with the streaming learner",
-            "set actor_rollout_ref.model.lora_rank=0 (and model.lora.rank=0, no lora_adapter_path), or "
-            "actor_rollout_ref.actor.use_kl_loss=false"))
 
 
 def _check_minibatch_forward(config, ts: ThunderSyncConfig) -> None:

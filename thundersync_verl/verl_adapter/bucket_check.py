@@ -14,6 +14,9 @@ Why:
    buckets, when the node's learner ranks together exceed the host memory available now.
 4. A model whose config cannot be read here (recipe checks without ``MODEL_PATH``) is not sized: the
    learner still enforces the budget bucket by bucket.
+5. With LoRA (``model.lora_rank > 0``, verl's FSDP engine) only the adapter carries a gradient, so a bucket holds
+   the adapter's parameters: peft's adapter built on the meta-device model with verl's settings (rank, target and
+   excluded modules), counted as the learner counts them (``learner/engines/fsdp.py`` point 4).
 """
 
 from __future__ import annotations
@@ -49,6 +52,31 @@ def model_numel(model_path: str) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
+def adapter_numel(model_path: str, lora: dict) -> int | None:
+    """Parameters of the peft adapter ``lora`` (``LoraConfig`` keywords) on the model at ``model_path`` (point 5)."""
+    if not model_path or not os.path.isfile(os.path.join(str(model_path), "config.json")):
+        return None
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, bias="none", **lora))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def lora_settings(config: Any) -> dict | None:
+    """The adapter verl's FSDP engine builds (``model.lora_rank > 0``), as peft ``LoraConfig`` keywords; else None."""
+    model = "actor_rollout_ref.model"
+    rank = int(_get(config, f"{model}.lora_rank", 0) or 0)
+    if rank <= 0 or _get(config, "actor_rollout_ref.actor.strategy", "fsdp") == "megatron":
+        return None
+    plain = {k: _get(config, f"{model}.{k}") for k in ("target_modules", "exclude_modules")}
+    plain = {k: (list(v) if v is not None and not isinstance(v, str) else v) for k, v in plain.items()}
+    return {"r": rank, "lora_alpha": float(_get(config, f"{model}.lora_alpha", 16)), **plain}
+
+
 def grad_shards(config: Any) -> int:
     """Ranks that split one bucket: FSDP and Megatron's distributed optimizer shard over every learner rank,
     plain Megatron DDP over tensor x pipeline parallel only."""
@@ -66,7 +94,8 @@ def planned_buckets(config: Any, numel: int | None = None) -> BucketMemory | Non
     """The planned bucket peak of one learner rank (point 3); None when the model cannot be sized."""
     if numel is None:
         try:
-            numel = model_numel(_get(config, "actor_rollout_ref.model.path", ""))
+            path, lora = _get(config, "actor_rollout_ref.model.path", ""), lora_settings(config)
+            numel = adapter_numel(path, lora) if lora else model_numel(path)
         except Exception:  # an unset ${oc.env:MODEL_PATH}, a config transformers cannot read: not sized (point 4)
             numel = None
     if numel is None:

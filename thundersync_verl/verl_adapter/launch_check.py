@@ -13,7 +13,13 @@ Why:
 3. It runs on the driver through ``verl_patches.patch_launch_config_check`` (verl's ``validate_config``,
    which ``main_ppo`` calls right before ``ray.init``); ``recipes.rules`` (``thundersync recipes check``)
    runs the same function on every shipped recipe.
-4. A LoRA run on a CPU rollout backend is refused (``cpu_rollout_lora``): those backends serve full weights only.
+4. A LoRA run whose weight pushes would not bring the trained adapter to a CPU rollout (``hf_cpu``, ``replay``) is
+   refused (``cpu_rollout_lora``): verl 0.9.1's checkpoint-engine push of a LoRA actor sends the frozen base weights
+   and drops the adapter, so only verl's naive sync (Sync mode) and the ThunderSync learner's own push
+   (``learner/streaming_worker.py`` point 6) reach these backends, which merge the adapter
+   (``backends/lora_weights.py``); the LoRA they merge is the peft adapter of verl's FSDP engine
+   (``model.lora_rank``). In thundersync mode a rollout of another kind gets verl's push, so LoRA there needs
+   verl's merged push (``model.lora.merge=true``).
 5. In thundersync mode the learner's planned bucket peak is checked too (``bucket_check.py``): above
    ``thundersync.memory_budget_bytes`` or above the host memory, the run is refused before it starts.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from thundersync_verl.backends.lora_weights import CPU_ROLLOUTS
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
 from thundersync_verl.envs.swe.swe_config import SWEConfig
@@ -60,9 +67,6 @@ def streams(config: Any) -> bool:
     return _get(config, "trainer.v1.trainer_mode") == "thundersync"
 
 
-CPU_ROLLOUTS = ("hf_cpu", "replay")  # this project's rollout backends (backends/cpu, backends/replay)
-
-
 def lora_rank(config: Any) -> int:
     """The run's LoRA rank (``model.lora_rank`` or ``model.lora.rank``; an adapter path counts as LoRA)."""
     model = "actor_rollout_ref.model"
@@ -71,15 +75,31 @@ def lora_rank(config: Any) -> int:
 
 
 def cpu_rollout_lora(config: Any) -> None:
-    """The CPU rollout backends hold the base model's weights only: a LoRA run is refused before it starts (it
-    used to fail at the first weight push, in every mode, with a KeyError on ``...base_layer.weight``)."""
-    name = _get(config, "actor_rollout_ref.rollout.name")
-    if name in CPU_ROLLOUTS and lora_rank(config) > 0:
+    """Refuse a LoRA run whose rollout would never serve the trained adapter (point 4)."""
+    name, model = _get(config, "actor_rollout_ref.rollout.name"), "actor_rollout_ref.model"
+    cpu = name in CPU_ROLLOUTS
+    if lora_rank(config) <= 0 or not (cpu or streams(config)):
+        return  # no LoRA, or verl's own push to a rollout of its own
+    strategy = _get(config, "actor_rollout_ref.actor.strategy", "fsdp")
+    if cpu and (strategy not in ("fsdp", "fsdp2") or int(_get(config, f"{model}.lora_rank", 0) or 0) <= 0):
         raise StreamingConfigError(rule_message(
-            f"actor_rollout_ref.rollout.name={name} does not serve LoRA adapters (lora_rank={lora_rank(config)})",
-            "the CPU rollout loads the base model and receives full weights; verl pushes LoRA runs' weights as "
-            "adapter tensors (base_layer / lora_A / lora_B), which it cannot place",
-            "set actor_rollout_ref.model.lora_rank=0 for a CPU run, or use rollout.name=vllm on a GPU"))
+            f"actor_rollout_ref.rollout.name={name} merges the LoRA adapter of verl's FSDP engine "
+            f"(actor_rollout_ref.model.lora_rank > 0); this run sets actor.strategy={strategy}, "
+            f"model.lora_rank={_get(config, f'{model}.lora_rank', 0)}, model.lora.rank={_get(config, f'{model}.lora.rank', 0)}",
+            "the FSDP engine builds its peft adapter from model.lora_rank (model.lora.* configures Megatron's LoRA, "
+            "whose pushes the CPU rollout has not been checked with)",
+            "set actor_rollout_ref.actor.strategy=fsdp2 and actor_rollout_ref.model.lora_rank=R (model.lora.rank=0), "
+            "or actor_rollout_ref.model.lora_rank=0 and model.lora.rank=0 for no LoRA"))
+    backend = _get(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive")
+    if backend == "naive" or (cpu and streams(config)) or (not cpu and _get(config, f"{model}.lora.merge", False)):
+        return
+    raise StreamingConfigError(rule_message(
+        f"a LoRA actor (lora_rank={lora_rank(config)}) cannot push its adapter to actor_rollout_ref.rollout.name={name} "
+        f"through checkpoint_engine.backend={backend} in this mode",
+        "verl 0.9.1's checkpoint-engine push of a LoRA actor sends the frozen base weights and drops the adapter: the "
+        "rollout would serve the untrained model for the whole run",
+        "use mode=sync or mode=thundersync with a CPU rollout (both push the adapter, which the rollout merges)"
+        if cpu else "set actor_rollout_ref.model.lora.merge=true (verl then pushes the merged weights)"))
 
 
 def check_run_config(config: Any) -> None:

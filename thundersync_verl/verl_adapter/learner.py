@@ -145,8 +145,29 @@ def full_tensor(tensor):
 
 
 def reset_actor(worker) -> None:
-    """Rebuild the actor from its checkpoint path: fresh weights, optimizer and LR scheduler."""
+    """Rebuild the actor from its checkpoint path: fresh weights, optimizer and LR scheduler.
+
+    Torch's RNG is seeded first: a LoRA adapter (``model.lora_rank > 0``) is initialised at random by peft when
+    verl builds the engine, and every reset must give the same adapter for two runs to start from one policy.
+    """
+    import torch
+
+    torch.manual_seed(RESET_SEED)
     worker.actor.reset()
+
+
+RESET_SEED = 0  # the torch seed every ``reset_actor`` starts from (LoRA's random lora_A init)
+
+
+def lora_adapter_push(worker):
+    """A LoRA actor's adapter as verl's naive sync pushes it once the rollout holds the base weights:
+    ``(iterable of (peft name, full CPU tensor), peft config dict)``. None when the actor has no peft adapter (no
+    LoRA, or verl's Megatron engine) or ``model.lora.merge`` asks for verl's merged weights."""
+    engine = worker.actor.engine
+    module = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
+    if not hasattr(module, "peft_config") or (engine.model_config.lora or {}).get("merge", False):
+        return None
+    return engine.get_per_tensor_param(base_sync_done=True)
 
 
 def dp_group_of(engine):
@@ -250,12 +271,16 @@ def megatron_dp_size(engine) -> int:
 
 
 def megatron_auxiliary_losses(engine) -> str | None:
-    """The losses Megatron scales inside the schedule (MoE router aux / z loss, MTP), as ``name=value``; else None."""
+    """The losses Megatron scales inside the schedule (MoE router aux / z loss, MTP), as ``name=value``; else None.
+    A load-balancing coefficient counts only where the router applies it: for the loss its
+    ``moe_router_load_balancing_type`` names (verl 0.9.1 builds MoE models with ``none``)."""
+    from thundersync_verl.core.config_validation import balancing_loss_coeffs
+
     tf = getattr(engine, "tf_config", None)
     found = []
     if getattr(tf, "num_moe_experts", None):
         aux = getattr(tf, "moe_aux_loss_coeff", 0.0) or 0.0
-        if any(float(c) != 0.0 for c in (aux if isinstance(aux, (list, tuple)) else [aux])):
+        if balancing_loss_coeffs(getattr(tf, "moe_router_load_balancing_type", "aux_loss"), aux):  # Megatron's default
             found.append(f"moe_aux_loss_coeff={aux}")
         if getattr(tf, "moe_z_loss_coeff", None):
             found.append(f"moe_z_loss_coeff={tf.moe_z_loss_coeff}")

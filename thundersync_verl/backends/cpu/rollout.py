@@ -11,6 +11,8 @@
    engine hands it the per-tensor weights after each optimizer step
    (resume -> update_weights -> resume kv), and it ships them to its server.
    Replica and adapter are built by ``backends/rollout_contract.py`` (shared with ``replay``).
+   A LoRA actor's push (peft names: ``base_layer`` weights, ``lora_A`` / ``lora_B`` adapters) is merged into
+   the served weights first (``backends/lora_weights.py``), so the rollout serves the adapted model.
 4. As an on-policy-distillation teacher (verl's ``distillation.teacher_models``), the server
    answers ``sampling_params["prompt_logprobs"]`` like verl's vLLM server: per prompt position p
    the log-prob of token p+1 (or the top-k), a zero row for the last position.
@@ -31,6 +33,7 @@ from thundersync_verl.run import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine
+from thundersync_verl.backends.lora_weights import LoraMerger, LoraSpec
 from thundersync_verl.backends.replay.record import GenerateRecorder
 
 logger = logging.getLogger(__name__)
@@ -124,6 +127,12 @@ class HFCpuServer(contract.ServerControl):
         self.global_steps: Optional[int] = None
         self.requests_served = 0
         self.recorder = GenerateRecorder.from_config(config)  # None unless recording is asked for
+        self.lora = LoraMerger(LoraSpec.from_model_config(model_config), self._model_tensor)
+
+    def _model_tensor(self, name: str):
+        """The served model's parameter ``name`` (what a LoRA merge starts from), None if it has none."""
+        params = dict(self.engine.model.named_parameters())
+        return params.get(name, params.get("model." + name))
 
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
         params = dict(sampling_params or {})
@@ -163,11 +172,14 @@ class HFCpuServer(contract.ServerControl):
         return va.token_output_cls()(token_ids=[token], log_probs=[float(torch.log_softmax(logits[-1], -1)[token])],
                                      stop_reason="completed", extra_fields=extra)
 
-    async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:
-        """Swap weights between decode steps; requests keep their KV caches (like vLLM's in-flight update)."""
+    async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None,
+                             peft_config: Optional[dict] = None) -> int:
+        """Swap weights between decode steps; requests keep their KV caches (like vLLM's in-flight update).
+
+        A LoRA push is merged into the model's own tensors first (``peft_config``: what verl passes with it)."""
         self.engine.pause()
         try:
-            n = self.engine.load_weights(named_tensors, version=global_steps)
+            n = self.engine.load_weights(self.lora.translate(named_tensors, peft_config), version=global_steps)
         finally:
             self.engine.resume()
         self.global_steps = global_steps

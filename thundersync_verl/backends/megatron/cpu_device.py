@@ -15,14 +15,20 @@ Why:
 3. ``param.type()`` reports ``torch.cuda.<T>Tensor`` only to Megatron's optimizer modules, which
    refuse any other string; every other caller sees the truth.
 4. The few ``torch.cuda`` module functions Megatron calls directly (``current_device``,
-   ``synchronize``) get CPU meanings (device 0, which the mode maps to the CPU, and a no-op)
-   in the threads where the mode is active; elsewhere torch's own functions answer.
+   ``synchronize``, and the MoE all-to-all dispatcher's ``current_stream`` / ``stream``) get CPU meanings
+   (device 0, which the mode maps to the CPU; a no-op; ``CPU_STREAM``; no stream switch) in the threads
+   where the mode is active; elsewhere torch's own functions answer.
+5. ``CPU_STREAM`` is a CUDA stream's CPU meaning: CPU work runs in program order, so waiting on a stream,
+   recording an event and synchronising it are no-ops. The MoE all-to-all dispatcher creates one side stream
+   for its device-to-host copies at construction (``torch.cuda.Stream()``, which a CPU build cannot make):
+   ``cpu_patches`` gives it this one instead.
 Nothing here is installed unless verl runs on platform ``cpu`` (``cpu_platform_active``: a caller's
 ``VERL_PLATFORM`` decides, CUDA visibility only when it is unset).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -122,6 +128,44 @@ def is_active() -> bool:
     return getattr(_LOCAL, "mode", None) is not None
 
 
+class CpuEvent:
+    """A CUDA event's CPU meaning (point 5): the work before it is done when it is recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream=None) -> None:
+        return None
+
+
+class CpuStream:
+    """A CUDA stream's CPU meaning (point 5): one in-order stream, so waits and events are no-ops."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event or CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+CPU_STREAM = CpuStream()
+
+
 def install_cuda_shims() -> list[str]:
     """CPU meanings for the ``torch.cuda`` functions Megatron calls directly; returns what was replaced.
 
@@ -130,7 +174,8 @@ def install_cuda_shims() -> list[str]:
     """
     if not cpu_platform_active():
         return []
-    shims = {"current_device": lambda: 0, "synchronize": lambda device=None: None}
+    shims = {"current_device": lambda: 0, "synchronize": lambda device=None: None,
+             "current_stream": lambda device=None: CPU_STREAM, "stream": lambda stream=None: contextlib.nullcontext()}
     for name, cpu_fn in shims.items():
         original = getattr(torch.cuda, name)
         if getattr(original, "_thundersync_patched", False):

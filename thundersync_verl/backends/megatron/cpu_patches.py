@@ -20,6 +20,22 @@ Why:
                              with sequence-parallel norms and the [b, 1, s, s] padded causal mask
    ``mbridge_local_names``   the local spec's ``input_layernorm`` / ``pre_mlp_layernorm`` names
                              mapped to the HF weights mbridge maps TransformerEngine's fused names to
+                             (only where the bridge's own map does not know the name: an MoE layer's
+                             ``pre_mlp_layernorm`` is its own module in both specs); the local MoE
+                             experts (``SequentialMLP``: ``experts.local_experts.<i>.linear_fc1.weight``)
+                             named as TransformerEngine's grouped experts (``experts.linear_fc1.weight<e>``,
+                             e the global expert id under expert parallelism)
+   ``mcore_moe_cpu_dispatch`` the MoE all-to-all dispatcher's device-to-host side stream is
+                             ``cpu_device.CPU_STREAM`` (a CPU build cannot create a CUDA stream), and its
+                             split sizes become numpy arrays on the CPU too: its ``maybe_move_tensor_to_cpu``
+                             converts only CUDA tensors, and ``all_to_all_single`` takes no tensor of sizes
+                             ("incompatible function arguments" with expert parallel > 1)
+   ``mcore_moe_router_gemm`` megatron-core 0.16.1's router gating reads ``te_general_gemm``, which its
+                             ``moe_utils`` defines only when TransformerEngine imports (NameError without
+                             it): defined as None, so the router takes its own torch ``mm`` path
+4. MoE on the CPU: ``moe_grouped_gemm`` and ``moe_permute_fusion`` are off (the grouped GEMM needs the
+   ``grouped_gemm`` CUDA package or TransformerEngine, the fused permutation TransformerEngine): the experts
+   run one by one (``SequentialMLP``), the same function.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ CPU_TRANSFORMER_SETTINGS = {  # kernels with no CPU build, and the p2p mode gloo
     "masked_softmax_fusion": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
     "gradient_accumulation_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
     "use_cpu_initialization": True, "batch_p2p_comm": False,
+    "moe_grouped_gemm": False, "moe_permute_fusion": False,  # point 4: no grouped GEMM / fused permute on a CPU
 }
 # the local spec's separate norms, named as mbridge's TransformerEngine map knows them
 LOCAL_TO_TE_NAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
@@ -141,19 +158,65 @@ def _mbridge_on_cpu(llm_bridge_module) -> None:
 
     def make_names(original):
         def _weight_name_mapping_mcore_to_hf(self, name):
-            for local, te in LOCAL_TO_TE_NAMES.items():
-                if name.endswith(local):
-                    name = name[: -len(local)] + te
-            return original(self, name)
+            try:
+                return original(self, name)
+            except NotImplementedError:  # a local-spec name the bridge's map does not know
+                for local, te in LOCAL_TO_TE_NAMES.items():
+                    if name.endswith(local):
+                        return original(self, name[: -len(local)] + te)
+                raise
 
         return _weight_name_mapping_mcore_to_hf
+
+    def make_global(original):
+        def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
+            names = original(self, model, consider_ep=consider_ep)
+            ep_size, ep_rank = (self.mpu.ep_size, self.mpu.ep_rank) if consider_ep else (1, 0)
+            per_rank = (self.config.num_moe_experts or 0) // max(ep_size, 1)
+            return {k: grouped_expert_name(v, offset=per_rank * ep_rank) for k, v in names.items()}
+
+        return _weight_name_mapping_mcore_local_to_global
 
     _once(cls, "_build_base_config", make_config)
     _record("mbridge_cpu_config")
     _once(cls, "_get_transformer_layer_spec", make_spec)
     _record("mbridge_local_spec")
     _once(llm_bridge_module.Bridge, "_weight_name_mapping_mcore_to_hf", make_names)
+    _once(llm_bridge_module.Bridge, "_weight_name_mapping_mcore_local_to_global", make_global)
     _record("mbridge_local_names")
+
+
+def grouped_expert_name(name: str, offset: int = 0) -> str:
+    """``...mlp.experts.local_experts.<i>.linear_fc1.weight`` -> ``...mlp.experts.linear_fc1.weight<offset + i>``
+    (the name TransformerEngine's grouped experts have, which mbridge maps); any other name unchanged."""
+    head, sep, tail = name.partition(".mlp.experts.local_experts.")
+    if not sep:
+        return name
+    index, _, rest = tail.partition(".")
+    param, _, suffix = rest.rpartition(".")  # linear_fc1 / weight
+    return f"{head}.mlp.experts.{param}.{suffix}{offset + int(index)}"
+
+
+# ----- MoE: router gating and token dispatch --------------------------------------------------
+def _moe_cpu_dispatch(dispatcher_module) -> None:
+    dispatcher_module.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = cpu_device.CPU_STREAM  # set once, read by all
+
+    def make(original):
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+                return tensor.numpy()  # what the CUDA path hands the all-to-all: sizes as a numpy array
+            return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        return maybe_move_tensor_to_cpu
+
+    _once(dispatcher_module, "maybe_move_tensor_to_cpu", make)
+    _record("mcore_moe_cpu_dispatch")
+
+
+def _moe_router_gemm(moe_utils) -> None:
+    if not hasattr(moe_utils, "te_general_gemm"):  # defined only in its TransformerEngine import branch
+        moe_utils.te_general_gemm = None
+    _record("mcore_moe_router_gemm")
 
 
 def apply() -> None:
@@ -167,4 +230,6 @@ def apply() -> None:
     when_imported("megatron.core.tensor_parallel.random", _rng_on_cpu)
     when_imported("verl.workers.config.engine", _fp32_dtype)
     when_imported("mbridge.core.llm_bridge", _mbridge_on_cpu)
+    when_imported("megatron.core.transformer.moe.token_dispatcher", _moe_cpu_dispatch)
+    when_imported("megatron.core.transformer.moe.moe_utils", _moe_router_gemm)
     when_imported(ENGINE_MODULE, _engines_on_cpu)

@@ -17,6 +17,11 @@ Why:
    embeddings. Repeated per streamed call that is wrong (measured: 0.52 relative error with the
    distributed optimizer, 3.35 with PP2 tied embeddings). ``no_finalize`` switches it off for a
    streamed call; ``finalize`` runs it once, at the barrier.
+4. With bf16/fp16 parameters the model holds 16-bit copies and Megatron's mixed-precision optimizer
+   steps fp32 main parameters (``param.main_param``), so the update is the change of the main
+   parameters; the 16-bit copies round it to the parameter's ulp, which is near the size of one
+   step's change. ``master_parameters`` reads the main parameters where the optimizer keeps whole
+   ones, the parameters themselves in fp32 training.
 """
 
 from __future__ import annotations
@@ -115,3 +120,24 @@ def finalize(chunks) -> None:
 
 def local_parameters(chunks) -> list[torch.Tensor]:
     return [p for chunk in chunks for p in chunk.parameters()]
+
+
+def master_parameters(chunks) -> list[torch.Tensor]:
+    """``local_parameters`` with each 16-bit parameter replaced by its fp32 main parameter (point 4)."""
+    from thundersync_verl.core.errors import StreamingConfigError, fail
+
+    out = []
+    for p in local_parameters(chunks):
+        main = getattr(p, "main_param", None)
+        sharded = getattr(p, "main_param_sharded", False) or (main is not None and main.numel() != p.numel())
+        if main is None and not sharded:
+            out.append(p)
+        elif sharded:
+            fail("the fp32 main parameters of a 16-bit model are read whole, one per parameter",
+                 "with the distributed optimizer each rank keeps a shard of every main parameter, and the 16-bit "
+                 "parameters round one step's change to their ulp",
+                 "compare updates with the distributed optimizer in fp32 (megatron.dtype=float32 on the CPU), or "
+                 "without it", cls=StreamingConfigError)
+        else:
+            out.append(main)
+    return out

@@ -19,7 +19,8 @@ Why a rollout backend (and not a mocked agent loop or dataset):
    agent of that shape answers every call (``synthesize.py``), nothing is slept.
 5. ``$THUNDERSYNC_REPLAY_WEIGHTS_DIR`` (benchmarks): the pushed weights are kept and written there
    per version (``weights_v<version>.pt``), so two runs' parameter updates can be compared; unset,
-   pushes carry only their version.
+   pushes carry only their version. A LoRA actor's pushes (peft names, ``backends/lora_weights.py``) are kept as
+   the model the rollout would serve: the checkpoint's weights with each pushed adapter merged in.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.replay.record import GenerateRecorder, engine_section
 from thundersync_verl.backends.replay.recording import Recording
 from thundersync_verl.backends.replay.synthesize import AgenticScript
+from thundersync_verl.backends.lora_weights import LoraMerger, LoraSpec
 
 ROLLOUT_NAME = "replay"
 PATH_KEY = "path"
@@ -96,6 +98,9 @@ class ReplayServer(contract.ServerControl):
         self.active = 0
         self._open = asyncio.Event()  # closed by abort_all_requests, reopened by resume_generation
         self._open.set()
+        self.model_config = model_config
+        self.lora: Optional[LoraMerger] = None  # built at the first LoRA push that is kept (point 5)
+        self.kept: dict = {}  # with LoRA: the served model's tensors, by name
 
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, **kwargs):
         params = dict(sampling_params or {})
@@ -135,7 +140,8 @@ class ReplayServer(contract.ServerControl):
                           "finish_reason": rec.stop_reason, "replay_line": rec.line},
         )
 
-    async def update_weights(self, named_tensors: Optional[list] = None, global_steps: Optional[int] = None) -> int:
+    async def update_weights(self, named_tensors: Optional[list] = None, global_steps: Optional[int] = None,
+                             peft_config: Optional[dict] = None) -> int:
         """Only the version matters here: answers are recorded, not computed (kept weights are written, point 5)."""
         if self.requests_served == 0 and self.resumed_at is None and global_steps is not None and int(global_steps) > 0:
             self.resumed_at = int(global_steps)  # the first push of a run resumed from a checkpoint
@@ -145,8 +151,28 @@ class ReplayServer(contract.ServerControl):
             import torch
 
             os.makedirs(os.environ[WEIGHTS_DIR_ENV], exist_ok=True)
-            torch.save(dict(named_tensors), os.path.join(os.environ[WEIGHTS_DIR_ENV], f"weights_v{self.version}.pt"))
+            torch.save(self._kept(named_tensors, peft_config),
+                       os.path.join(os.environ[WEIGHTS_DIR_ENV], f"weights_v{self.version}.pt"))
         return len(named_tensors or [])
+
+    def _kept(self, named_tensors: list, peft_config: Optional[dict]) -> dict:
+        """What a push leaves the rollout serving: the push itself, or with LoRA the checkpoint's weights with the
+        adapter merged in (point 5)."""
+        if self.model_config is None:  # in-process use without a model: the push as it came
+            return dict(named_tensors)
+        spec = LoraSpec.from_model_config(self.model_config)
+        if self.lora is None and spec is None and peft_config is None:
+            return dict(named_tensors)
+        if self.lora is None:
+            from safetensors.torch import load_file
+
+            folder = _model_path(self.model_config)
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".safetensors"):
+                    self.kept.update(load_file(os.path.join(folder, name)))
+            self.lora = LoraMerger(spec, self.kept.get)
+        self.kept.update(self.lora.translate(named_tensors, peft_config))
+        return dict(self.kept)
 
     def stats(self) -> dict:
         recorded = len(self.recording.plans) if isinstance(self.recording, AgenticScript) else self.recording.num_generates

@@ -9,6 +9,10 @@ Why:
 3. ``finalize`` scales the shards, then runs verl's engine step inside its train mode with
    ``zero_grad_on_exit=True``: the engine clips the full batch gradient and steps exactly as in
    verl's own ``update_actor``.
+4. Only trainable parameters carry a gradient: with LoRA (``model.lora_rank > 0``) the frozen base
+   weights never get a ``.grad``, so buckets, folds and the deferred scale cover the adapter's
+   parameters alone (a bucket costs the adapter's size, not the model's); ``flat_params`` still
+   lists every parameter, so an update is compared on the whole model.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class FSDPLearner(StreamLearner):
         return va.actor_engine(self.worker)
 
     def _params(self) -> list[torch.Tensor]:
-        return va.actor_parameters(self._engine())
+        """The parameters that carry a gradient (point 4)."""
+        return [p for p in va.actor_parameters(self._engine()) if p.requires_grad]
 
     def timed_module(self):
         return self._engine().module
@@ -84,4 +89,5 @@ class FSDPLearner(StreamLearner):
 
     def flat_params(self) -> torch.Tensor:
         with torch.no_grad():
-            return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64) for p in self._params()])
+            return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64)
+                              for p in va.actor_parameters(self._engine())])

@@ -159,9 +159,10 @@ class MegatronLearner(StreamLearner):
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def flat_params(self) -> torch.Tensor:
-        """All ranks' local parameters, concatenated in rank order (replicas appear once per replica)."""
+        """All ranks' local parameters, concatenated in rank order (replicas appear once per replica); with 16-bit
+        parameters their fp32 main parameters, what the optimizer steps (``grads.master_parameters``)."""
         with torch.no_grad():
-            local = torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in mg.local_parameters(self._chunks())])
+            local = torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in mg.master_parameters(self._chunks())])
         if not torch.distributed.is_initialized():
             return local
         parts = [None] * torch.distributed.get_world_size()
