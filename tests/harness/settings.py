@@ -5,13 +5,13 @@ Why:
    own harness module with the same four parts: its arguments, its refusals, what it changes in verl's config (both
    the stream and verl's update read it from there), and the keys and name suffix it adds to the result. They run
    here in one fixed order, so the benchmark names each part once and a new setting is one more module in a list.
-2. The order of the name suffixes is the order of the modules: batching, precision, MoE, LoRA (the result files
-   already written keep their names).
+2. The order of the name suffixes is the order of the modules: batching, precision, MoE, LoRA, policy loss (the
+   result files already written keep their names).
 """
 
 from __future__ import annotations
 
-from thundersync_harness import batching, lora, moe, precision
+from thundersync_harness import batching, lora, moe, policy_loss, precision
 
 
 def add_arguments(parser) -> None:
@@ -19,6 +19,7 @@ def add_arguments(parser) -> None:
     precision.add_precision_arguments(parser)
     moe.add_moe_arguments(parser)
     lora.add_lora_arguments(parser)
+    policy_loss.add_policy_loss_arguments(parser)
 
 
 def check(parser, args):
@@ -26,7 +27,8 @@ def check(parser, args):
     args = batching.check_batching(parser, args)
     args = precision.check_precision(parser, args)
     args = moe.check_moe(parser, args)
-    return lora.check_lora(parser, args)
+    args = lora.check_lora(parser, args)
+    return policy_loss.check_policy_loss(parser, args)
 
 
 def apply(config, args) -> None:
@@ -34,6 +36,7 @@ def apply(config, args) -> None:
     precision.apply_precision(config, args.dtype, args.engine)
     moe.apply_moe_args(config, args)
     lora.apply_lora(config, args)
+    policy_loss.apply_policy_loss(config, args)
 
 
 def result_name(args, result: dict, name: str, runs: dict) -> str:
@@ -41,4 +44,5 @@ def result_name(args, result: dict, name: str, runs: dict) -> str:
     name = batching.batching_result(args, result, name, runs)
     name = precision.precision_result(args, result, name, runs)
     name = moe.moe_result(args, result, name)
-    return lora.lora_result(args, result, name, runs)
+    name = lora.lora_result(args, result, name, runs)
+    return policy_loss.policy_loss_result(args, result, name)

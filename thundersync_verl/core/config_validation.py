@@ -5,7 +5,8 @@ Why:
    mini-batch on a whole number of complete groups (several mini-batches and PPO epochs stream,
    ``step/minibatch_plan.py``), a linear policy term at ratio 1 for the first mini-batch. A few
    verl settings break that silently (batch statistics in the loss, PPO's clip against rollout
-   log-probs at ratio != 1); they must be refused before training.
+   log-probs at ratio != 1); they must be refused before training. Policy losses: one table,
+   ``core/policy_losses.py``.
 2. The function takes plain Python values, not a verl or omegaconf object, so the core stays
    importable without verl; the trainer reads the values from its config and passes them in.
    Every error names the verl config key to change.
@@ -24,8 +25,8 @@ from thundersync_verl.core.batch_estimators import check_arrival_scope
 from thundersync_verl.core.estimators import GroupEstimator, estimator_from_verl
 from thundersync_verl.core.normalizers import check_loss_agg_mode
 from thundersync_verl.core.objectives import KL_KINDS
+from thundersync_verl.core.policy_losses import check_policy_loss
 
-LINEAR_POLICY_LOSSES = ("vanilla", "gpg", "bypass_mode")
 _ACTOR = "actor_rollout_ref.actor"
 _RC = "algorithm.rollout_correction"
 
@@ -173,20 +174,17 @@ def validate_streaming_config(
     bypass_mode: bool = False,
     bypass_loss_type: str = "ppo_clip",
     sign_buckets: bool = False,
+    dro_beta: float | None = None,
 ) -> StreamingSettings:
     """Raise ``StreamingConfigError`` (naming the verl key) unless streaming is exact."""
     _check_steps(ppo_epochs, ppo_mini_batch_size, train_batch_size, rollout_n)
     check_loss_agg_mode(loss_agg_mode, loss_scale_factor)  # its errors name the verl keys
-    if policy_loss_mode not in LINEAR_POLICY_LOSSES:
-        _fail(
-            f"{_ACTOR}.policy_loss.loss_mode={policy_loss_mode!r} is not supported for streaming",
-            "the streamed gradient must be linear in the advantage at ratio 1; other losses use "
-            "batch statistics (clip_cov, kl_cov) or a different surrogate not checked here",
-            f"set {_ACTOR}.policy_loss.loss_mode to one of {list(LINEAR_POLICY_LOSSES[:2])}",
-        )
+    optimizer_steps = ppo_epochs * train_batch_size // ppo_mini_batch_size
+    check_policy_loss(policy_loss_mode, loss_agg_mode=loss_agg_mode, optimizer_steps=optimizer_steps,
+                      dro_beta=dro_beta, ratio_is_one=not bypass_mode)  # core/policy_losses.py: the one table
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     estimator = estimator_from_verl(adv_estimator, norm_adv_by_std_in_grpo, gamma=gamma)
-    _check_estimator_steps(estimator, rollout_n, ppo_epochs * train_batch_size // ppo_mini_batch_size)
+    _check_estimator_steps(estimator, rollout_n, optimizer_steps)
     if use_kl_loss:
         base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
         if base not in KL_KINDS:

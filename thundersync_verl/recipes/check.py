@@ -36,7 +36,7 @@ from pathlib import Path
 from thundersync_verl.recipes import rules as recipe_rules
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "recipes"  # the checkout's recipes/ (this file: thundersync_verl/recipes/)
-USAGE = "usage: thundersync recipes check [--root DIR] [--only TEXT] [--verbose]"
+USAGE = "usage: thundersync recipes check [--root DIR] [--only TEXT] [--verbose] [--list-losses]"
 _ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -246,11 +246,17 @@ def _parse(argv: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     """``thundersync recipes check``: 0 all valid, 1 some invalid, 2 bad arguments."""
+    if "--list-losses" in argv:  # the policy-loss table (core/policy_losses.py), no recipe composed
+        from thundersync_verl.core.policy_losses import format_table
+
+        print(format_table())
+        return 0
     if "-h" in argv or "--help" in argv:
         print(f"{USAGE}\n\ncompose every recipe under --root (default: recipes/ of this checkout) with verl's own "
               "config and check it against every rule a run would apply at start; prints one JSON summary line\n"
               "  --root DIR   the recipes folder\n  --only TEXT  only recipes whose name contains TEXT\n"
-              "  --verbose    also name each valid recipe with what it sets up")
+              "  --verbose    also name each valid recipe with what it sets up\n"
+              "  --list-losses  print which actor.policy_loss.loss_mode values stream, and why the others do not")
         return 0
     try:
         opts = _parse(argv)

@@ -345,6 +345,7 @@ def settings_from_verl_config(config: Any, *, train_batch_size: int | None = Non
         loss_agg_mode=mode,
         loss_scale_factor=_get(actor, "loss_scale_factor"),
         policy_loss_mode=_get(actor, "policy_loss.loss_mode", "vanilla"),
+        dro_beta=_get(actor, "policy_loss.dro_beta"),
         clip_ratio_low=float(low),
         clip_ratio_high=float(_get(actor, "clip_ratio_high", low)),
         clip_ratio_c=float(_get(actor, "clip_ratio_c", 3.0)),
