@@ -10,7 +10,11 @@
    ``staleness_max`` (verl's ``training/off_policy/trajectory_staleness/max``, must be 0) and
    ``trajectories_lost`` (trajectories the steps expected minus those that reached the learner,
    counted in ThunderSync's step trace; must be 0; other modes write no step trace: null).
-4. Ends with ONE line of JSON, also written to ``swe_synthetic.json`` in the results folder
+4. The local sandbox is the kernel one (``envs/jail.py``) wherever it runs; its start and per-command cost are
+   measured beside the older, weaker sandbox's (``sandbox_spawn.shell_costs``), and the agent loop's
+   ``sandbox_start_wait_s`` (how long the first tool call or the verifier waited for the start) shows whether
+   the start still hides behind the first generation.
+5. Ends with ONE line of JSON, also written to ``swe_synthetic.json`` in the results folder
    (``--results-dir``, else ``benchmarks/results/`` of the checkout; ``thundersync_verl/run/results.py``).
 
     python benchmarks/swe_synthetic.py --quick        # 24 instances checked, 2 training steps
@@ -22,17 +26,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from thundersync_verl.data.swe_synthetic import catalog_bugs, generate
 from thundersync_verl.demo import run_env, run_verl
+from thundersync_verl.envs import jail
 from thundersync_verl.envs.swe import swe_verifier as verifier
 from thundersync_verl.envs.swe.swe_config import DEFAULT_TEST_COMMAND
 from thundersync_verl.envs.swe.instance import SWEInstance
 from thundersync_verl.envs.swe.swe_sandbox import LocalWorkspace
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script: shell_costs
+from sandbox_spawn import shell_costs  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO_ROOT / "recipes" / "swe_smith"
@@ -103,6 +112,10 @@ def training_summary(per_step: dict, run_dir: Path, *, steps: int, expected_per_
         "step_time_s": mean([m["timing_s/step"] for m in per_step.values() if "timing_s/step" in m]),
         "tool_calls_per_trajectory": mean([sum(1 for t in r["turns"] if "tool" in t) for r in loop_rows]),
         "sandbox_start_s_mean": mean([r["sandbox_start_s"] for r in loop_rows if r.get("sandbox_start_s")]),
+        "sandbox_start_wait_s_mean": mean(waits := [r["sandbox_start_wait_s"] for r in loop_rows
+                                                    if r.get("sandbox_start_wait_s") is not None]),
+        "sandbox_start_wait_s_max": round(max(waits), 6) if waits else None,
+        "first_generation_s_mean": mean([r["turns"][0]["gen_s"] for r in loop_rows if r.get("turns")]),
         "test_s_mean": mean([r["test_s"] for r in loop_rows]),
     }
 
@@ -131,10 +144,17 @@ def main(argv=None) -> dict:
           f"over {len(rows)} instances ({checks['verifier_s_mean']} s a run)", flush=True)
     for line in checks["failures"]:
         print(f"[swe]   {line}", flush=True)
+    costs = shell_costs(*((3, 10) if args.quick else (5, 20)))
+    print(f"[swe] sandbox start {costs.get('swe_start_s_kernel')} s (kernel) vs {costs['swe_start_s_weak']} s (older); "
+          f"per command {costs.get('swe_command_ms_kernel')} ms vs {costs['swe_command_ms_weak']} ms wall, "
+          f"{costs.get('swe_command_cpu_ms_kernel')} ms vs {costs['swe_command_cpu_ms_weak']} ms CPU", flush=True)
     result = _train(args, work, steps)
+    print(f"[swe] the first tool call or verifier waited {result['sandbox_start_wait_s_mean']} s on average (at most "
+          f"{result['sandbox_start_wait_s_max']} s) for a {result['sandbox_start_s_mean']} s start (first generation "
+          f"{result['first_generation_s_mean']} s)", flush=True)
     result = {"gold_pass_rate": round(checks["gold_pass_rate"], 4), "noop_pass_rate": round(checks["noop_pass_rate"], 4),
-              "instances": len(rows), "mode": args.mode, **result, "verifier_s_mean": checks["verifier_s_mean"],
-              "seconds": round(time.time() - t0, 1)}
+              "instances": len(rows), "mode": args.mode, "sandbox_isolation": "kernel" if jail.support().ok else "weak",
+              **result, **costs, "verifier_s_mean": checks["verifier_s_mean"], "seconds": round(time.time() - t0, 1)}
     write_result("swe_synthetic", result, results_dir)
     return result
 
@@ -152,7 +172,9 @@ def _train(args, work: Path, steps: int) -> dict:
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ts_ray_")  # a private Ray session
     print(f"[swe] main_ppo mode={args.mode}, {steps} steps (log: {run_dir / 'verl.log'})", flush=True)
     per_step = run_verl(cmd, env, run_dir / "verl.log", steps)
-    recipe = OmegaConf.load(RECIPE_DIR / "cpu_synthetic.yaml")
+    # the recipe's data and rollout keys over the CPU base it composes (``cpu_base: tiny`` in its defaults)
+    recipe = OmegaConf.merge(OmegaConf.load(RECIPE_DIR / "cpu_base" / "tiny.yaml"),
+                             OmegaConf.load(RECIPE_DIR / "cpu_synthetic.yaml"))
     per_step_rows = int(recipe.data.train_batch_size) * int(recipe.actor_rollout_ref.rollout.n)
     return training_summary(per_step, run_dir, steps=steps, expected_per_step=per_step_rows, mode=args.mode)
 

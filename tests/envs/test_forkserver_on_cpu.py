@@ -9,21 +9,27 @@ import time
 
 import pytest
 
-from thundersync_verl.envs import forkserver, sandbox
+from thundersync_verl.envs import forkserver, jail, sandbox
 from thundersync_verl.envs.sandbox import run_python, run_python_async
 
 
 def _server() -> forkserver.ForkServer:
-    return forkserver.shared(sandbox._resolve_netns(None), sandbox.GUARD_SOURCE)
+    return sandbox.default_fork_server()
 
 
 def test_calls_are_separate_children_of_one_server():
-    first = run_python("import os\nprint(os.getpid(), os.getppid())", spawn="fork")
-    second = run_python("import os\nprint(os.getpid(), os.getppid())", spawn="fork")
-    pid1, parent1 = map(int, first.stdout.split())
-    pid2, parent2 = map(int, second.stdout.split())
-    assert pid1 != pid2 and parent1 == parent2 == _server().proc.pid
-    assert parent1 != os.getpid()
+    code = "import os\nprint(os.getpid(), os.getppid(), os.readlink('/proc/self/ns/pid')[5:-1])"
+    server = _server()
+    first = run_python(code, spawn="fork", guard_network=False)
+    second = run_python(code, spawn="fork", guard_network=False)
+    pid1, parent1, ns1 = map(int, first.stdout.split())
+    pid2, parent2, ns2 = map(int, second.stdout.split())
+    if jail.support().ok:  # each call runs below the init of a fresh namespace (an inode number may be reused)
+        host = int(os.readlink("/proc/self/ns/pid")[5:-1])
+        assert (pid1, parent1, pid2, parent2) == (2, 1, 2, 1) and host not in (ns1, ns2)
+    else:
+        assert pid1 != pid2 and parent1 == parent2 == server.proc.pid and parent1 != os.getpid()
+    assert _server() is server and server.alive  # one server served both
 
 
 def test_no_state_leaks_from_one_call_to_the_next():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import time
 
 import pytest
 
-from thundersync_verl.envs import forkserver, sandbox
+from thundersync_verl.envs import jail, sandbox
 from thundersync_verl.envs.sandbox import netns_prefix, run_python, run_python_async
 
 CONNECT = """
@@ -100,18 +101,32 @@ def test_hanging_program_is_killed_at_the_wall_timeout():
 
 
 def test_timeout_kills_the_whole_process_group():
-    # With the spawn guard off, the program starts a grandchild; the timeout must kill it too.
-    code = "import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
+    # With the spawn guard off, the program starts a grandchild; the timeout must kill it too. Its pid may be
+    # one of a PID namespace of its own, so it is found on the host by its unique command line.
+    marker = f"{60 + random.random():.6f}"
+    code = f"import subprocess, time\np = subprocess.Popen(['sleep', '{marker}'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
     result = run_python(code, timeout_s=1.0, guard_network=False)
-    assert result.timed_out
-    pid = int(result.stdout.split()[0])
-    time.sleep(0.2)
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            state = next(line for line in f if line.startswith("State:"))
-        assert "Z" in state, f"grandchild {pid} still running: {state}"  # zombie = dead, not yet reaped
-    except FileNotFoundError:
-        pass  # gone entirely
+    assert result.timed_out and result.stdout.strip().isdigit()  # the grandchild was started
+    deadline = time.time() + 5
+    while _running_with(marker) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _running_with(marker), "the grandchild outlived the timeout"
+
+
+def _running_with(marker: str) -> list[int]:
+    """Live (non-zombie) host processes whose command line contains ``marker``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
 
 
 def test_memory_hog_fails_with_memory_limit():
@@ -143,24 +158,30 @@ def test_stdin_cwd_and_environment_are_isolated():
     result = run_python(code, stdin="hello")
     lines = result.stdout.splitlines()
     assert lines[0] == "HELLO"
-    assert os.path.basename(lines[1]).startswith("tsv-sandbox-") and not os.path.exists(lines[1])
+    if jail.support().ok:  # the call's folder, where the kernel sandbox mounts it
+        assert lines[1] == sandbox.JAIL_WORKDIR
+    else:
+        assert os.path.basename(lines[1]).startswith("tsv-sandbox-") and not os.path.exists(lines[1])
     assert eval(lines[2]) == ["HOME", "LANG", "PATH", "PYTHONHASHSEED", "PYTHONIOENCODING", "TMPDIR"]
     assert eval(lines[3]) == ["main.py"]
 
 
-def test_async_calls_run_concurrently(tmp_path):
-    """Each call's child waits for a go file the test writes only once all n children are alive at once."""
-    n, go = 6, tmp_path / "go"
-    server = forkserver.shared(sandbox._resolve_netns(None), sandbox.GUARD_SOURCE)
-    child = (f"import os, time\nt = time.monotonic()\nwhile not os.path.exists({str(go)!r}) and time.monotonic() - t < 120:\n"
-             f"    time.sleep(0.01)\nprint(os.path.exists({str(go)!r}))")
+def test_async_calls_run_concurrently(tmp_path, monkeypatch):
+    """Each call's child waits for a go file in its own folder, which the test writes only once all n children
+    are alive at once (the folder is the one place both the test and a kernel-sandboxed call can see)."""
+    n = 6
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    server = sandbox.default_fork_server()
+    child = ("import os, time\nt = time.monotonic()\nwhile not os.path.exists('go') and time.monotonic() - t < 120:\n"
+             "    time.sleep(0.01)\nprint(os.path.exists('go'))")
 
     async def release():
         most, deadline = 0, time.monotonic() + 60  # a hang guard: calls run one after another never reach n
         while most < n and time.monotonic() < deadline:
             most = max(most, len(_children(server.proc.pid)))
             await asyncio.sleep(0.01)
-        go.touch()
+        for folder in tmp_path.glob(f"{sandbox.WORKDIR_PREFIX}*"):
+            ((folder / "work") if (folder / "work").is_dir() else folder).joinpath("go").touch()
         return most
 
     async def many():

@@ -6,10 +6,14 @@ Why:
    interpreter starts alone take the cores the rollout and the learner need. A fork of a small,
    idle interpreter costs well under a millisecond of it.
 2. The isolation is the one of a spawned sandbox: every call is its own process, in its own
-   session (the timeout kills the whole group), with its kernel limits set by ``setrlimit`` in
-   the child, the network denied by the namespace the server was started in and by the same
-   audit hook, which is installed in the child before user code runs. The server itself never
-   runs user code, so one call cannot leave state for the next.
+   session (the timeout kills the whole group). With the kernel sandbox (``envs/jail.py``) the
+   server runs as root and each child makes the call's fresh namespaces, in which an init (PID 1,
+   so everything the call starts dies with it) and the call's process are forked, the root built
+   and the call's uid taken before user code runs; the child waits and ends the way the call ended.
+   Otherwise the child sets the limits itself and the network is denied by the namespace the server
+   was started in. The python tool's audit hook is installed before user code runs; a child may
+   instead exec a command (the SWE shell). The server itself never runs user code, so one call
+   cannot leave state for the next.
 5. Nothing a call started outlives it: when the call's process exits, the server kills its
    process group while the exited process is still an unreaped zombie (so the group id cannot
    have been reused), and, being the children's subreaper, it kills every process reparented to
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import threading
 
-# Executed with ``python -I -S -B -c`` after the sandbox's guard source (which defines ``_install_guard``):
+# Run by ``python -I -S -B /dev/fd/N`` after the sandbox's guard and jail sources (``_install_guard``, ``_jail_*``):
 # serves fork requests on the socket whose fd is argv[1] until it closes.
 SERVER = r"""
 import ctypes, json, os, resource, signal, socket, select, sys, traceback
@@ -49,9 +53,18 @@ def child(req, fds):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, 1 << 16)
+    spec = req.get("jail")
+    if spec is not None:  # the kernel sandbox: this process relays; below an init, the call runs in the jail
+        _jail_start(spec)
     os.chdir(req["dir"])
-    for name, value in req["limits"].items():
+    for name, value in ({} if spec is not None else req["limits"]).items():
         resource.setrlimit(getattr(resource, name), (value[0], value[1]))
+    if req.get("argv"):  # a command (the SWE shell), not Python: it replaces this process
+        try:
+            os.execvpe(req["argv"][0], req["argv"], req["env"])
+        except OSError as exc:
+            os.write(2, ("sandbox: %s: %s\n" % (req["argv"][0], exc.strerror)).encode())
+            os._exit(127)
     os.environ.clear()
     os.environ.update(req["env"])
     code = 0
@@ -147,7 +160,12 @@ try:
                 continue
             pid = os.fork()
             if pid == 0:
-                child(req, fds)
+                try:
+                    child(req, fds)
+                except BaseException:  # a failed setup (a jail that could not be built): never a second server
+                    traceback.print_exc()
+                finally:
+                    os._exit(125)
             for fd in fds:
                 os.close(fd)
             live[pid] = req["id"]
@@ -171,19 +189,22 @@ class ForkServer:
     """One server process per client process; :meth:`submit` is thread-safe."""
 
     def __init__(self, prefix: tuple[str, ...], guard_source: str) -> None:
+        from thundersync_verl.envs.jail import JAIL_SOURCE, program_file
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        program = guard_source + "\n" + SERVER
+        program = program_file(guard_source + "\n" + JAIL_SOURCE + "\n" + SERVER)  # not on the command line: ps shows it
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
         try:
             self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-I", "-S", "-B", "-c", program, str(theirs.fileno())],
+                [*prefix, sys.executable, "-I", "-S", "-B", f"/dev/fd/{program}", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
+                pass_fds=(theirs.fileno(), program), env=env, start_new_session=True,
             )
         except OSError as exc:
             raise ForkServerError(f"the sandbox fork server could not start: {exc}") from exc
         finally:
             theirs.close()
+            os.close(program)
         self.sock = ours
         self.pid = os.getpid()
         self._ids = itertools.count()
@@ -194,15 +215,19 @@ class ForkServer:
         self._reader.start()
 
     def submit(self, workdir: str, fds: tuple[int, int, int], *, limits: dict[str, tuple[int, int]],
-               env: dict[str, str], guard: bool) -> tuple[int, concurrent.futures.Future]:
+               env: dict[str, str], guard: bool, jail: dict | None = None,
+               argv: list[str] | None = None) -> tuple[int, concurrent.futures.Future]:
         """Fork one child running ``workdir/main.py`` with ``fds`` as its stdin, stdout, stderr.
 
         Returns the request id and a future of the child's exit code (negative: the signal
         that ended it, as ``subprocess`` reports it). ``limits``: ``{"RLIMIT_AS": (soft, hard)}``...
+        ``jail``: a kernel-sandbox spec (``jail.Spec.as_dict``; ``workdir`` is then the path inside it).
+        ``argv``: exec this command in ``workdir`` instead of running ``main.py``.
         """
         rid = next(self._ids)
         waiter: concurrent.futures.Future = concurrent.futures.Future()
-        request = json.dumps({"id": rid, "dir": workdir, "limits": limits, "env": env, "guard": guard}).encode()
+        request = json.dumps({"id": rid, "dir": workdir, "limits": limits, "env": env, "guard": guard,
+                              "jail": jail, "argv": argv}).encode()
         with self._lock:
             if self._dead is not None:
                 raise ForkServerError(self._dead)
@@ -274,9 +299,10 @@ _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def shared(prefix: tuple[str, ...], guard_source: str) -> ForkServer:
-    """This process's server for ``prefix`` (started on first use, restarted if it died)."""
-    key = (os.getpid(), prefix)
+def shared(prefix: tuple[str, ...], guard_source: str, *, kernel: bool = False) -> ForkServer:
+    """This process's server for ``prefix`` (started on first use, restarted if it died); ``kernel``: the one
+    whose children enter the kernel sandbox (kept apart from a weaker one the same process may also use)."""
+    key = (os.getpid(), prefix, kernel)
     with _servers_lock:
         server = _servers.get(key)
         if server is None or not server.alive:

@@ -1,52 +1,43 @@
 """Run untrusted model-written Python in a real, isolated, resource-limited subprocess.
 
 Why it is built this way:
-1. Tool latency is what streaming training hides, so the tool must be a real process with
-   real failure modes (hangs, memory blow-ups, floods of output), not
-   an ``eval`` in the trainer's process.
-2. Two independent network barriers: a fresh Linux network namespace (``unshare --net``,
-   when the kernel lets us) and an audit hook installed by a tiny bootstrap before user code
-   runs, which refuses socket creation, connects, binds, name lookups and process spawning.
-   The hook alone is not a security boundary (native code can bypass it); the namespace alone
-   is not available everywhere. Together they deny the network on every machine we run on.
-3. Limits live in the kernel (``setrlimit`` in the child: address space, CPU seconds, open
-   files, file size); the wall-clock timeout kills the whole process group, so grandchildren
-   cannot outlive the call.
+1. Tool latency is what streaming training hides, so the tool must be a real process with real
+   failure modes (hangs, memory blow-ups, floods of output), not an ``eval`` in the trainer's process.
+2. Two independent barriers: the kernel sandbox (point 8) and an audit hook installed by a tiny
+   bootstrap before user code runs (``sandbox_guard.py``). The hook alone is not a security boundary
+   (native code can bypass it); it refuses early, with a clear error, what the kernel also stops.
+3. Limits live in the kernel (``setrlimit`` in the child); the wall-clock timeout kills the call's
+   whole process group, so grandchildren cannot outlive the call.
 4. Output is read incrementally and capped, so a program that prints gigabytes costs us a
    bounded buffer; the rest is drained and dropped so the child never blocks on a full pipe.
 5. One async implementation (:func:`run_python_async`) lets hundreds of tool calls wait
    concurrently in one event loop; :func:`run_python` is the same code behind a private loop.
    ``extra_latency_s`` models slow remote sandboxes by sleeping in the parent, asynchronously.
-6. Each call is a child forked from a small pre-started sandbox interpreter
-   (:mod:`forkserver`, ~3 ms of CPU per call instead of ~11 ms for a fresh interpreter: the
-   start-up CPU of hundreds of calls per step is what the rollout and learner cores need).
-   ``spawn="exec"`` (or ``THUNDERSYNC_SANDBOX_SPAWN=exec``) starts a fresh interpreter per call
-   instead, with its limits set by ``prlimit`` where installed so the spawn stays cheap; the
-   fork path falls back to it, call by call, if its server cannot start or dies.
+6. Each call is a child forked from a small pre-started sandbox interpreter (:mod:`forkserver`: no
+   interpreter start per call, whose CPU the rollout and learner cores need). ``spawn="exec"`` (or
+   ``THUNDERSYNC_SANDBOX_SPAWN=exec``) starts a fresh interpreter per call instead; the fork path
+   falls back to it, call by call, if its server cannot start or dies.
 7. What the python tool's sandbox guarantees (``tests/envs/test_sandbox_escape_on_cpu.py`` tries
-   each escape, on both spawn paths):
-   - no network: sockets other than AF_UNIX, connects, binds and name lookups are refused by the
-     guard, and the namespace (where available) has no interface but a down loopback;
-   - no new processes: fork, exec, spawn, ``subprocess``, ``os.system`` and the raw
-     ``_posixsubprocess`` are refused, as are ctypes calls and raw-memory access (the way around
-     an audit hook), gc walks (the way to the hook's state) and signals to any other process;
-   - writes only inside the call's fresh working directory (files, folders, renames, links,
-     modes); reads only there, in the interpreter's own library folders, ``/proc/<own pid>``,
-     the zoneinfo files and a few ``/dev`` files: the project, ``$HOME`` and ``/etc`` are refused;
+   each escape, on both spawn paths; ``tests/envs/test_kernel_sandbox_on_cpu.py`` the kernel alone):
+   - the kernel boundary (point 8): the call sees a read-only root holding only the system and the
+     interpreter, its own folder read-write at ``/workspace``, a 16 MiB ``/tmp``; fresh mount, PID,
+     network, IPC and UTS namespaces; an unprivileged uid of its own, no capabilities, no-new-privileges;
+   - and, inside it, the guard: sockets other than AF_UNIX, connects, binds, name lookups, fork, exec,
+     spawn, ``subprocess``, ctypes, raw memory, gc walks and signals to other processes are refused;
+     writes only inside the call's folder, reads only there and in Python's own library;
    - bounded resources: address space (``MemoryError``), CPU seconds, 64 open files, 1 MiB per
-     written file, no core dumps, the wall-clock timeout, and ``max_output_bytes`` kept per stream
-     however much is printed;
-   - clean-up: the working directory is deleted, and every process of the call's group (and, on
-     the fork path, any process that left it) is killed when the call's process exits or times out;
-     the folder of a process killed mid-call is swept by the next process that runs a call;
-   - every violation is a ``SandboxResult`` with ``error`` set (``denied``, ``memory_limit``,
-     ``timeout``...), which the tool turns into an ``error: ...`` turn: never an exception.
-   Not guaranteed: the guard is an in-interpreter hook, not a kernel boundary, so a CPython bug
-   or an escape we did not think of could bypass it; file metadata (``os.stat``, existence) is
-   not hidden; the kernel enforces the network barrier only where ``unshare --net`` works; a
-   process count limit is not set (RLIMIT_NPROC counts every process of the user, the trainer's
-   included, and root ignores it), so fork bombs are stopped by the guard, not by the kernel; with
-   the guard off (tests only) a spawned call's child that leaves the group with ``setsid`` survives.
+     written file, 32 processes (its own uid's), no core dumps, the wall-clock timeout, and
+     ``max_output_bytes`` kept per stream however much is printed;
+   - clean-up: the call's folder is deleted; every process of the call dies with it (its PID namespace;
+     the process group on the weaker path); a killed process's folder is swept by the next one's call;
+   - every violation is a ``SandboxResult`` with ``error`` set (``denied``, ``memory_limit``, ``timeout``...):
+     an ``error: ...`` tool turn, never an exception.
+   Not guaranteed: file metadata inside the read-only root is visible; CPU time is limited per process,
+   not shared between calls; the kernel itself (a kernel bug) is trusted.
+8. Isolation (``isolation`` / ``allow_weak``, :func:`jail.resolve`): the kernel sandbox wherever it runs
+   (root, namespaces allowed); elsewhere the call fails with a rule/why/fix error unless the run opts in
+   to the weaker sandbox (``THUNDERSYNC_SANDBOX_ALLOW_WEAK=1``): the guard, a network namespace where
+   ``unshare --net`` works, rlimits, the trainer's user and filesystem.
 """
 
 from __future__ import annotations
@@ -67,12 +58,19 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from thundersync_verl.envs import forkserver
+from thundersync_verl.envs import forkserver, jail
+from thundersync_verl.envs.jail import JAIL_SOURCE
 from thundersync_verl.envs.sandbox_guard import GUARD_SOURCE
 
-# Executed with ``python -I -S -c``: installs the guard, then runs ``main.py`` from the cwd.
-_BOOTSTRAP = GUARD_SOURCE + r"""
+# Executed with ``python -I -S -c``: enters the kernel sandbox (a spec in argv[2], inside ``unshare``), installs
+# the guard, then runs ``main.py`` from the cwd.
+_BOOTSTRAP = GUARD_SOURCE + JAIL_SOURCE + r"""
 import os, sys
+if len(sys.argv) > 2:
+    import marshal
+    _spec = marshal.loads(bytes.fromhex(sys.argv[2]))
+    _jail_start(_spec, _spec["parent"])
+    del _spec
 if sys.argv[1] == "guard":
     _install_guard(os.getcwd())
 del _install_guard
@@ -214,33 +212,39 @@ async def run_python_async(
     isolate_network: bool | None = None,
     guard_network: bool = True,
     spawn: str | None = None,
+    isolation: str | None = None,
+    allow_weak: bool | None = None,
 ) -> SandboxResult:
     """Run ``code`` in an isolated interpreter and return what it printed.
 
+    ``isolation`` / ``allow_weak``: the kernel sandbox or the weaker one (:func:`jail.resolve`; point 8).
     ``isolate_network``: None uses a network namespace when available, True requires one,
-    False skips it. ``guard_network`` installs the in-interpreter audit hook (keep it on;
-    tests switch it off to check the namespace alone). ``spawn``: ``fork`` (a child of this
-    process's pre-started sandbox server, :mod:`forkserver`) or ``exec`` (a fresh interpreter
-    per call); None reads ``THUNDERSYNC_SANDBOX_SPAWN`` (default ``fork``).
+    False skips it (and with it the kernel sandbox: tests only). ``guard_network`` installs the
+    in-interpreter audit hook (keep it on; tests switch it off to check the kernel barriers alone).
+    ``spawn``: ``fork`` (a child of this process's pre-started sandbox server, :mod:`forkserver`) or
+    ``exec`` (a fresh interpreter per call); None reads ``THUNDERSYNC_SANDBOX_SPAWN`` (default ``fork``).
     """
-    prefix = _resolve_netns(isolate_network)
-    server = _fork_server(prefix, spawn)
+    kernel = isolate_network is not False and jail.resolve(isolation, allow_weak, "the python tool") == "kernel"
+    prefix = () if kernel else _resolve_netns(isolate_network)
+    server = _fork_server(prefix, spawn, kernel)
     env = {"PATH": _MINIMAL_PATH, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
+    limits = _rlimits(mem_mb, cpu_s)
     start = time.perf_counter()
     sweep_stale_workdirs(tempfile.gettempdir())
-    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as workdir:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        env["HOME"] = env["TMPDIR"] = workdir
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as calldir:
+        workdir, spec = _call_folder(calldir, code, kernel, env, limits)
+        inside = spec.cwd if spec is not None else workdir
+        env["HOME"] = env["TMPDIR"] = inside
         outcome = None
         if server is not None:
             try:
-                outcome = await _run_forked(server, workdir, stdin, env, _rlimits(mem_mb, cpu_s), guard_network,
-                                            max_output_bytes, timeout_s)
+                outcome = await _run_forked(server, workdir, inside, stdin, env, limits, guard_network,
+                                            max_output_bytes, timeout_s, None if spec is None else spec.as_dict())
             except forkserver.ForkServerError as exc:
                 logger.warning("%s; running this call in a fresh interpreter", exc)
         if outcome is None:
-            outcome = await _run_spawned(prefix, workdir, stdin, env, mem_mb, cpu_s, guard_network, max_output_bytes, timeout_s)
+            outcome = await _run_spawned(prefix, workdir, stdin, env, mem_mb, cpu_s, guard_network, max_output_bytes,
+                                         timeout_s, spec)
     if isinstance(outcome, SandboxResult):  # the spawn itself failed
         return outcome
     returncode, out, err, timed_out = outcome
@@ -256,6 +260,30 @@ async def run_python_async(
         duration_s=time.perf_counter() - start,
         error=_classify(returncode, timed_out, stderr),
     )
+
+
+JAIL_WORKDIR = "/workspace"  # where a kernel-sandboxed call's folder appears to it
+JAIL_TMP_MB = 16
+JAIL_NPROC = 32  # the call's own uid: only its processes count (the guard refuses new ones anyway)
+
+
+def _call_folder(calldir: str, code: str, kernel: bool, env: dict, limits: dict) -> tuple[str, "jail.Spec | None"]:
+    """Write ``main.py``; with the kernel sandbox, in ``work/`` owned by the call's uid, beside the jail's stage."""
+    if not kernel:
+        with open(os.path.join(calldir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        return calldir, None
+    uid, gid = jail.allocate_ids()
+    workdir, stage = os.path.join(calldir, "work"), os.path.join(calldir, "stage")
+    os.mkdir(workdir, 0o755)
+    os.mkdir(stage, 0o700)
+    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+        f.write(code)
+    for path in (workdir, os.path.join(workdir, "main.py")):
+        os.chown(path, uid, gid)
+    spec = jail.Spec(stage=stage, cwd=JAIL_WORKDIR, rw=[(workdir, JAIL_WORKDIR)], uid=uid, gid=gid, env=env,
+                     rlimits={**limits, "RLIMIT_NPROC": (JAIL_NPROC, JAIL_NPROC)}, tmp_mb=JAIL_TMP_MB)
+    return workdir, spec
 
 
 WORKDIR_PREFIX = "tsv-sandbox-"  # + the owning process's pid + "-": a folder whose owner died is swept
@@ -289,8 +317,10 @@ def sweep_stale_workdirs(folder: str, min_age_s: float = 600.0) -> int:
 _fork_failure_logged = False
 
 
-def _fork_server(prefix: tuple[str, ...], spawn: str | None) -> forkserver.ForkServer | None:
-    """This process's fork server, or None for ``exec`` (or if it cannot start: logged once)."""
+def _fork_server(prefix: tuple[str, ...], spawn: str | None, kernel: bool = False) -> forkserver.ForkServer | None:
+    """This process's fork server, or None for ``exec`` (or if it cannot start: logged once).
+
+    ``kernel``: the server whose children enter the kernel sandbox (it runs as root, in no namespace of its own)."""
     global _fork_failure_logged
     spawn = spawn or os.environ.get("THUNDERSYNC_SANDBOX_SPAWN", "fork")
     if spawn not in ("fork", "exec"):
@@ -298,7 +328,7 @@ def _fork_server(prefix: tuple[str, ...], spawn: str | None) -> forkserver.ForkS
     if spawn == "exec":
         return None
     try:
-        return forkserver.shared(prefix, GUARD_SOURCE)
+        return forkserver.shared(prefix, GUARD_SOURCE, kernel=kernel)
     except forkserver.ForkServerError as exc:
         if not _fork_failure_logged:
             logger.warning("%s; sandbox calls start a fresh interpreter each", exc)
@@ -306,21 +336,32 @@ def _fork_server(prefix: tuple[str, ...], spawn: str | None) -> forkserver.ForkS
         return None
 
 
-async def _run_forked(server, workdir, stdin, env, limits, guard, cap, timeout_s):
-    """One call through the fork server: our pipes become the child's stdout/stderr."""
+def default_fork_server() -> forkserver.ForkServer | None:
+    """The fork server a call with default arguments uses in this process (started if needed)."""
+    kernel = jail.resolve(None, None, "the python tool") == "kernel"
+    return _fork_server(() if kernel else _resolve_netns(None), "fork", kernel)
+
+
+def kernel_fork_server(spawn: str | None = None) -> forkserver.ForkServer | None:
+    """The fork server whose children enter the kernel sandbox, also for commands (the SWE shell), or None
+    for ``exec`` (``spawn`` or ``THUNDERSYNC_SANDBOX_SPAWN``) or when it cannot start."""
+    return _fork_server((), spawn, True)
+
+
+async def _run_forked(server, workdir, inside, stdin, env, limits, guard, cap, timeout_s, jail_spec, argv=None):
+    """One call through the fork server: our pipes become the child's stdout/stderr. A cancelled call is killed."""
     loop = asyncio.get_running_loop()
-    if stdin is not None:  # an unlinked file: the child reads it, its directory shows only main.py
-        path = os.path.join(workdir, ".stdin")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(stdin)
-        in_fd = os.open(path, os.O_RDONLY)
-        os.unlink(path)
+    if stdin is not None:  # an in-memory file: not in the call's folder, and no disk a full workspace lacks
+        in_fd = os.memfd_create("tsv-stdin")
+        os.write(in_fd, stdin.encode("utf-8"))
+        os.lseek(in_fd, 0, os.SEEK_SET)
     else:
         in_fd = os.open(os.devnull, os.O_RDONLY)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        rid, exit_future = server.submit(workdir, (in_fd, out_w, err_w), limits=limits, env=env, guard=guard)
+        rid, exit_future = server.submit(inside, (in_fd, out_w, err_w), limits=limits, env=env, guard=guard,
+                                         jail=jail_spec, argv=argv)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
@@ -345,16 +386,22 @@ async def _run_forked(server, workdir, stdin, env, limits, guard, cap, timeout_s
             timed_out = True
             server.kill(rid)
         returncode = await exit_code
+    except asyncio.CancelledError:
+        server.kill(rid)  # an aborted trajectory leaves nothing running
+        raise
     finally:
         for transport in transports:
             transport.close()
     return returncode, out, err, timed_out
 
 
-async def _run_spawned(prefix, workdir, stdin, env, mem_mb, cpu_s, guard, cap, timeout_s):
-    """One call in a fresh interpreter (``prlimit`` or a ``preexec_fn`` sets the limits)."""
+async def _run_spawned(prefix, workdir, stdin, env, mem_mb, cpu_s, guard, cap, timeout_s, spec=None):
+    """One call in a fresh interpreter (the jail, ``prlimit`` or a ``preexec_fn`` sets the limits)."""
     mode = "guard" if guard else "open"
-    if _prlimit() is not None:
+    if spec is not None:  # the kernel sandbox: the bootstrap makes the jail and runs the code inside it
+        cmd = [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode, spec.encode()]
+        limits = None
+    elif _prlimit() is not None:
         cmd = [*_limit_prefix(_rlimits(mem_mb, cpu_s)), *prefix, sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, mode]
         limits = None
     else:
@@ -428,12 +475,9 @@ def _resolve_netns(isolate_network: bool | None) -> tuple[str, ...]:
         return ()
     prefix = netns_prefix()
     if isolate_network and not prefix:
-        raise RuntimeError(
-            "isolate_network=True needs a Linux network namespace, but `unshare --net` failed here: "
-            "the sandbox must not reach the network. Run as root, enable unprivileged user "
-            "namespaces (kernel.unprivileged_userns_clone=1), or pass isolate_network=None to rely "
-            "on the in-interpreter guard alone."
-        )
+        raise RuntimeError("isolate_network=True needs a Linux network namespace, but `unshare --net` failed here: "
+                           "the sandbox must not reach the network. Run as root, enable unprivileged user namespaces "
+                           "(kernel.unprivileged_userns_clone=1), or pass isolate_network=None (the guard alone).")
     return prefix
 
 

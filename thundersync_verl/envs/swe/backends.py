@@ -24,7 +24,9 @@ def open_workspace(settings, instance: SWEInstance, *, repos_dir: str | Path | N
     if settings.sandbox == "local":
         if repos_dir is None:
             raise WorkspaceError("the local sandbox needs swe.repos_dir (the folder of clean repositories)")
-        return LocalWorkspace(instance, repos_dir, mem_mb=settings.local_mem_mb, cpu_s=settings.local_cpu_s)
+        return LocalWorkspace(instance, repos_dir, mem_mb=settings.local_mem_mb, cpu_s=settings.local_cpu_s,
+                              disk_mb=settings.local_disk_mb, tmp_mb=settings.local_tmp_mb,
+                              max_procs=settings.local_max_procs, allow_weak=settings.allow_weak_sandbox)
     if settings.sandbox == "docker":
         return DockerWorkspace(instance, settings.docker, seed_dir=repos_dir if settings.docker.image else None)
     raise WorkspaceError(f"unknown swe.sandbox {settings.sandbox!r}; the backends are {', '.join(BACKENDS)}")

@@ -3,7 +3,8 @@
 1. Registered with verl's ``@register`` like the embedded tool agent (``envs/agent_loop.py``), so any
    trainer mode that runs verl's AgentLoopWorker runs it; rows select it with ``agent_name``.
 2. Per trajectory: a workspace from ``swe.sandbox`` (``backends.py``) whose start-up is launched when the
-   trajectory starts and awaited at the first tool call, so it overlaps the first generation. Each turn
+   trajectory starts and awaited at the first tool call, so it overlaps the first generation (the wait
+   that is left is recorded as ``sandbox_start_wait_s``). Each turn
    generates on the rollout server, runs the one tool it calls (``tools.py``) and appends the tool turn
    with response_mask 0 (observations are not trained on, as in verl's tool agent). The loop ends on
    ``submit``, a turn without a tool call, ``swe.max_turns``, or the context budget (``swe.max_context``
@@ -56,6 +57,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     scoring: list[asyncio.Task] = field(default_factory=list)  # OPD: one teacher call per finished turn
     submitted: bool = False
+    start_wait_s: float | None = None  # how long the first use of the workspace waited for its start
 
     def append(self, ids: list[int], *, trained: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -108,7 +110,7 @@ class SWEAgentLoop(va.agent_loop_base()):
             action = protocol.parse_action(self.tokenizer.decode(ep.response_ids[action_start:], skip_special_tokens=False))
             if action is None:
                 break
-            result = await self._act(action, workspace, starting)
+            result = await self._act(action, workspace, starting, ep)
             ep.turns[-1].update(tool_s=result.duration_s, tool=getattr(action, "name", "invalid"), tool_kind=result.kind)
             if result.submitted:
                 ep.submitted = True
@@ -117,7 +119,7 @@ class SWEAgentLoop(va.agent_loop_base()):
             if turn_index + 1 >= self.settings.max_turns or self._budget(ep, len(observation)) <= 0:
                 break  # a tool turn only when another action will read it: the trajectory ends on an action
             ep.append(observation, trained=False)
-        verdict = await self._verify(workspace, starting)
+        verdict = await self._verify(workspace, starting, ep)
         return await self._output(ep, verdict, workspace, t_submit, key, kwargs)
 
     def _budget(self, ep: Episode, pending: int = 0) -> int:
@@ -142,14 +144,14 @@ class SWEAgentLoop(va.agent_loop_base()):
                 rollout_log_probs=ep.logprobs[action_start:end])))
         return action_start
 
-    async def _act(self, action, workspace: Workspace, starting: asyncio.Task) -> tools.ToolResult:
+    async def _act(self, action, workspace: Workspace, starting: asyncio.Task, ep: Episode) -> tools.ToolResult:
         """The tool call's result; the first one waits for the workspace start-up (point 2)."""
-        ready, why = await _ready(starting)
+        ready, why = await _ready(starting, ep)
         return await tools.execute(action, workspace if ready else None, timeout_s=self.settings.tool_timeout_s,
                                    max_chars=self.settings.max_observation_chars, unavailable=why)
 
-    async def _verify(self, workspace: Workspace, starting: asyncio.Task) -> verifier.TestVerdict:
-        ready, why = await _ready(starting)
+    async def _verify(self, workspace: Workspace, starting: asyncio.Task, ep: Episode) -> verifier.TestVerdict:
+        ready, why = await _ready(starting, ep)
         if not ready:
             logger.warning("%s: workspace failed to start, scoring 0.0: %s", workspace.instance.instance_id, why)
             return verifier.TestVerdict(0.0, f"workspace failed to start: {why}")
@@ -166,7 +168,8 @@ class SWEAgentLoop(va.agent_loop_base()):
                   "prompt_tokens": len(ep.prompt_ids), "policy_version": min(ep.versions) if ep.versions else 0,
                   "uid": kwargs.get("uid"), "session_id": kwargs.get("session_id"),
                   "instance_id": workspace.instance.instance_id, "sandbox": workspace.backend,
-                  "sandbox_start_s": workspace.start_s, "submitted": ep.submitted, **verdict.extra()}
+                  "sandbox_start_s": workspace.start_s, "sandbox_start_wait_s": ep.start_wait_s,
+                  "submitted": ep.submitted, **verdict.extra()}
         _append_trace(self.settings.trace_path, record)
         extra = {"turn_scores": [], "tool_rewards": [], "thundersync_events": record,
                  "min_global_steps": min(ep.versions) if ep.versions else 0,
@@ -193,8 +196,10 @@ async def _start(workspace: Workspace) -> dict:
     return await verifier.snapshot_tests(workspace, workspace.instance)
 
 
-async def _ready(starting: asyncio.Task) -> tuple[bool, str]:
-    """Whether the workspace started; the reason when it did not (awaiting a finished task is free)."""
+async def _ready(starting: asyncio.Task, ep: Episode | None = None) -> tuple[bool, str]:
+    """Whether the workspace started; the reason when it did not (awaiting a finished task is free). The
+    first wait is kept in ``ep.start_wait_s``: near 0 when the start hid behind the first generation."""
+    t0 = time.perf_counter()
     try:
         await asyncio.shield(starting)
         return True, ""
@@ -204,6 +209,9 @@ async def _ready(starting: asyncio.Task) -> tuple[bool, str]:
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the model and in the reward reason
         return False, f"{type(exc).__name__}: {exc}"
+    finally:
+        if ep is not None and ep.start_wait_s is None:
+            ep.start_wait_s = time.perf_counter() - t0
 
 
 async def _shutdown(workspace: Workspace, starting: asyncio.Task) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.config import (section_of, _Refused, _Section, _choice, _integer, _key, _number, _optional, _path,
+from thundersync_verl.config import (section_of, _Refused, _Section, _boolean, _choice, _integer, _key, _number, _optional, _path,
                                      _section)
 
 SANDBOXES = ("local", "docker")
@@ -68,8 +68,16 @@ class SWEConfig(_Section, va.base_config_cls()):
     max_observation_chars: int = _key(4000, _integer(64), "characters of a tool's output the model sees (the rest is cut)")
     repos_dir: str | None = _key(None, _optional(_path, "a repos/ folder next to the first data.train_files"),
                                  "local sandbox: the folder holding each instance's clean repository under its repo name")
-    local_mem_mb: int = _key(2048, _integer(64), "local sandbox: address-space limit of each command (MiB)")
+    local_mem_mb: int = _key(2048, _integer(64), "local sandbox: address-space limit of each process (MiB); with a "
+                             "cgroup also the memory of the whole workspace")
     local_cpu_s: int = _key(300, _integer(1), "local sandbox: CPU-seconds limit of each command's processes")
+    local_disk_mb: int = _key(1024, _integer(16), "local sandbox: size of the workspace's tmpfs (MiB): the repository "
+                              "copy and everything the agent writes in it")
+    local_tmp_mb: int = _key(256, _integer(1), "local sandbox: size of each command's private /tmp (MiB)")
+    local_max_procs: int = _key(256, _integer(8), "local sandbox: processes one workspace may hold at once")
+    allow_weak_sandbox: bool = _key(False, _boolean, "local sandbox: where the kernel sandbox cannot run (no root, "
+                                    "namespaces forbidden), run commands in the weaker one (the trainer's user and "
+                                    "filesystem) instead of failing")
     test_command: str = _key(DEFAULT_TEST_COMMAND, _text(), "pytest command the verifier runs; the node ids are appended "
                              "(keep -rA: the verifier reads its PASSED/FAILED lines)")
     trace_path: str | None = _key(None, _optional(_path, "no trace"), "JSONL file: one line per finished trajectory")

@@ -5,20 +5,22 @@ Why:
    command with a timeout, read a file, write a file, close it. :class:`Workspace` is exactly that;
    ``swe.sandbox`` picks the implementation in ``backends.open_workspace`` (``local`` here, ``docker``
    in ``docker.py``), so tools, verifier and agent loop never know which one they drive.
-2. ``local`` is this project's subprocess sandbox (``envs/sandbox.py``) around a temporary copy of the
-   instance's clean repository (``<swe.repos_dir>/<repo>``): every command runs as ``bash -c`` in a
-   fresh network namespace when the kernel allows one, under the same kernel limits (``prlimit``),
-   with a minimal environment, in its own process group that the timeout kills whole, and with
-   capped output. Unlike the python tool it must spawn processes (git, pytest), so the
-   in-interpreter spawn guard is not installed; the namespace keeps it off the network. Where the
-   kernel allows, ``bash`` is the first process of a fresh PID namespace (``pidns_prefix``): when it
-   exits, every process it left behind is killed, even one that left its process group. Commands
-   find the trainer's interpreter first on PATH; pytest plugin auto-loading is off, since the
-   trainer environment's plugins are not the repository's (and loading them costs seconds a run).
+2. ``local`` runs every command in the kernel sandbox (``envs/jail.py``): fresh mount, PID, network, IPC
+   and UTS namespaces, a read-only root holding only the system and the trainer's interpreter, the
+   repository read-write at ``/testbed`` (the docker images' path), a private size-capped ``/tmp`` (also
+   ``$HOME``), an unprivileged uid of its own with no capabilities, and kernel limits (rlimits, and a
+   cgroup for process count and memory where one can be made). The workspace's files live on a
+   tmpfs of ``swe.local_disk_mb`` (``envs/jail_host.py``). When bash exits, the kernel kills every process
+   it left. Commands find the trainer's interpreter first on PATH; pytest plugin auto-loading is off,
+   since the trainer environment's plugins are not the repository's (and loading them costs seconds).
+   Where the kernel sandbox cannot run, the older one (network and PID namespaces, rlimits, the trainer's
+   user and filesystem) is used only when the run opts in with ``swe.allow_weak_sandbox``.
 3. Start-up puts the repository in the instance's starting state (SWE-smith semantics, see
    ``instance.py``): ``base_commit`` checked out when given, else the bug ``patch`` applied to the clean
    copy; then the state is committed so ``git diff`` shows only the agent's own edits.
-4. ``start()`` is a coroutine the agent loop launches when the trajectory starts and awaits at the
+4. The file tools read and write through the host, so a path must resolve (symbolic links included)
+   to a regular file inside the repository: a link the agent planted to the host is refused.
+5. ``start()`` is a coroutine the agent loop launches when the trajectory starts and awaits at the
    first tool call, so copying a repository (or starting a container) overlaps the first generation.
 """
 
@@ -28,6 +30,7 @@ import abc
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import shlex
 import shutil
@@ -38,9 +41,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from thundersync_verl.envs import forkserver, jail, jail_host
 from thundersync_verl.envs import sandbox as base_sandbox
 from thundersync_verl.envs.swe.instance import SWEInstance
 
+logger = logging.getLogger(__name__)
 COMMIT_ENV = "git -c user.name=thundersync -c user.email=swe@thundersync.invalid -c commit.gpgsign=false"
 DEFAULT_OUTPUT_BYTES = 64 << 10
 
@@ -171,15 +176,30 @@ def relative_path(path: str) -> PurePosixPath:
 
 
 class LocalWorkspace(Workspace):
-    """A temporary copy of ``<repos_dir>/<repo>`` driven through the project's subprocess sandbox (point 2)."""
+    """A copy of ``<repos_dir>/<repo>`` whose commands run in the kernel sandbox (point 2).
+
+    ``isolation``: None picks the kernel sandbox, or the older one only where the kernel refuses and
+    ``allow_weak`` (``swe.allow_weak_sandbox``) opts in; ``kernel`` requires it; ``weak`` forces the older one
+    (benchmarks compare the two). ``disk_mb``: the workspace's tmpfs; ``tmp_mb``: each command's ``/tmp``;
+    ``max_procs``: processes the workspace may hold at once; ``spawn``: ``fork`` or ``exec`` as for the
+    python tool (None reads ``THUNDERSYNC_SANDBOX_SPAWN``, default ``fork``).
+    """
 
     backend = "local"
+    INSIDE = "/testbed"  # where the repository appears to the commands (the docker images' path)
 
-    def __init__(self, instance: SWEInstance, repos_dir: str | Path, *, mem_mb: int = 2048, cpu_s: int = 300):
+    def __init__(self, instance: SWEInstance, repos_dir: str | Path, *, mem_mb: int = 2048, cpu_s: int = 300,
+                 disk_mb: int = 1024, tmp_mb: int = 256, max_procs: int = 256, isolation: str | None = None,
+                 allow_weak: bool | None = None, spawn: str | None = None):
         super().__init__(instance)
+        self.spawn = spawn  # kernel sandbox: fork (from the sandbox's root server) or exec (a fresh interpreter)
         self.repos_dir = Path(repos_dir)
         self.mem_mb, self.cpu_s = int(mem_mb), int(cpu_s)
-        self.root: Path | None = None  # the temporary folder: repo/ and home/
+        self.disk_mb, self.tmp_mb, self.max_procs = int(disk_mb), int(tmp_mb), int(max_procs)
+        self.isolation = jail.resolve(isolation, allow_weak, "the SWE shell (swe.sandbox=local)")
+        self.root: Path | None = None  # the temporary folder: repo/ (and the jail's stage, or home/)
+        self.uid, self.gid = jail.allocate_ids()
+        self.cgroup: jail_host.Cgroup | None = None
 
     @property
     def repo_dir(self) -> Path:
@@ -189,53 +209,136 @@ class LocalWorkspace(Workspace):
 
     async def _start(self) -> None:
         source = repository_folder(self.repos_dir, self.instance)  # a missing one fails the start, not the row
-        self.root = Path(tempfile.mkdtemp(prefix="tsv-swe-"))
-        (self.root / "home").mkdir()
-        await asyncio.to_thread(shutil.copytree, source, self.root / "repo", symlinks=True)
+        if self.isolation == "kernel":
+            jail_host.sweep(tempfile.gettempdir())
+            self.root = Path(tempfile.mkdtemp(prefix=f"{jail_host.PREFIX}{os.getpid()}-"))
+            try:
+                await asyncio.to_thread(self._fill_kernel_root, source)
+            except OSError as exc:
+                raise WorkspaceError(f"the workspace could not be prepared: {exc} (swe.local_disk_mb={self.disk_mb} "
+                                     "must hold the repository)") from exc
+        else:
+            self.root = Path(tempfile.mkdtemp(prefix="tsv-swe-"))
+            (self.root / "home").mkdir()
+            await asyncio.to_thread(shutil.copytree, source, self.root / "repo", symlinks=True)
         await self.prepare_repository()
+
+    def _fill_kernel_root(self, source: Path) -> None:
+        """The tmpfs, the repository copy owned by the workspace's uid, the jail's stage, the cgroup."""
+        jail_host.mount_tmpfs(str(self.root), self.disk_mb)
+        (self.root / ".stage").mkdir(mode=0o700)
+        shutil.copytree(source, self.root / "repo", symlinks=True)
+        jail_host.chown_tree(str(self.root / "repo"), self.uid, self.gid)
+        self.cgroup = jail_host.Cgroup.create(self.root.name, pids_max=self.max_procs, memory_bytes=self.mem_mb << 20)
 
     def _env(self) -> dict[str, str]:
         path = os.pathsep.join([os.path.dirname(sys.executable), base_sandbox._MINIMAL_PATH])
-        home = str(self.root / "home")
+        home = "/tmp" if self.isolation == "kernel" else str(self.root / "home")
         return {"PATH": path, "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                 "PYTHONHASHSEED": "0", "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the trainer's plugins are not the repository's (5 s a run)
 
-    async def run(self, command: str, *, timeout_s: float, stdin: str | None = None,
-                  max_output_bytes: int = DEFAULT_OUTPUT_BYTES) -> CommandResult:
+    def _limits(self) -> dict[str, tuple[int, int]]:
         limits = base_sandbox._rlimits(self.mem_mb, self.cpu_s)
         limits["RLIMIT_NOFILE"] = (1024, 1024)  # git and pytest open more files than a python tool call
         limits["RLIMIT_FSIZE"] = (64 << 20, 64 << 20)
-        limit_prefix = base_sandbox._limit_prefix(limits) if base_sandbox._prlimit() else ()
-        argv = [*pidns_prefix(), *limit_prefix, "bash", "-c", command]
+        if self.isolation == "kernel":
+            limits["RLIMIT_NPROC"] = (self.max_procs, self.max_procs)  # this workspace's own uid: only its processes
+        return limits
+
+    def _spec(self) -> jail.Spec:
+        return jail.Spec(stage=str(self.root / ".stage"), cwd=self.INSIDE, rw=[(str(self.repo_dir), self.INSIDE)],
+                         uid=self.uid, gid=self.gid, env=self._env(), rlimits=self._limits(), tmp_mb=self.tmp_mb,
+                         cgroups=self.cgroup.procs if self.cgroup else [])
+
+    async def run(self, command: str, *, timeout_s: float, stdin: str | None = None,
+                  max_output_bytes: int = DEFAULT_OUTPUT_BYTES) -> CommandResult:
+        if self.isolation == "kernel":
+            server = base_sandbox.kernel_fork_server(self.spawn)
+            if server is not None:  # a child of the pre-started root server: no interpreter start per command
+                t0 = time.perf_counter()
+                try:
+                    code, out, err, timed_out = await base_sandbox._run_forked(
+                        server, str(self.root), self.INSIDE, stdin, self._env(), {}, False, max_output_bytes, timeout_s,
+                        self._spec().as_dict(), argv=["bash", "-c", command])
+                    return CommandResult(out.text(), err.text(), code, timed_out, time.perf_counter() - t0,
+                                         out.truncated or err.truncated)
+                except forkserver.ForkServerError as exc:
+                    logger.warning("%s; running this command through a fresh interpreter", exc)
+            argv, program = jail.shell_command(self._spec(), ["bash", "-c", command])
+        else:
+            limit_prefix = base_sandbox._limit_prefix(self._limits()) if base_sandbox._prlimit() else ()
+            argv, program = [*pidns_prefix(), *limit_prefix, "bash", "-c", command], None
+        env = self._env()
         t0 = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=self.repo_dir, env=self._env(), start_new_session=True, close_fds=True,
+                *argv, cwd=self.repo_dir, env=env, start_new_session=True, close_fds=True,
+                pass_fds=() if program is None else (program,),
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         except OSError as exc:
             raise WorkspaceError(f"could not start bash: {exc}") from exc
+        finally:
+            if program is not None:
+                os.close(program)
         return await communicate(proc, stdin, max_output_bytes, timeout_s, t0)
 
+    def _inside(self, path: str) -> Path:
+        """``path`` in the repository with every link resolved; refused if that leaves it (point 4)."""
+        repo = os.path.realpath(self.repo_dir)
+        real = os.path.realpath(self.repo_dir / relative_path(path))
+        if real != repo and not real.startswith(repo + os.sep):
+            raise WorkspaceError(f"{path} resolves outside the repository (a symbolic link?); refused")
+        return Path(real)
+
     async def read_file(self, path: str) -> str:
-        target = self.repo_dir / relative_path(path)
+        target = self._inside(path)
+        if not target.is_file():  # not a folder, fifo or device: the trainer must never block on a read
+            reason = ("FileNotFoundError" if not target.exists() else
+                      "IsADirectoryError" if target.is_dir() else "not a regular file")
+            raise WorkspaceError(f"cannot read {path}: {reason}")
         try:
             return await asyncio.to_thread(target.read_text, encoding="utf-8", errors="replace")
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise WorkspaceError(f"cannot read {path}: {type(exc).__name__}") from None
+        except OSError as exc:
+            raise WorkspaceError(f"cannot read {path}: {exc.strerror or exc}") from None
 
     async def write_file(self, path: str, text: str) -> None:
-        target = self.repo_dir / relative_path(path)
-        if target.is_dir():
-            raise WorkspaceError(f"cannot write {path}: it is a folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(target.write_text, text, encoding="utf-8")
+        rel = relative_path(path)
+        try:  # a workspace the agent filled, or any other refusal, is the agent's error, not the trainer's
+            for depth in range(1, len(rel.parts)):  # every folder on the way must stay inside, as it is made
+                folder = self._inside(str(PurePosixPath(*rel.parts[:depth])))
+                if not folder.exists():
+                    folder.mkdir()
+                    self._own(folder)
+                elif not folder.is_dir():
+                    raise WorkspaceError(f"cannot write {path}: {folder.name} is not a folder")
+            target = self._inside(path)
+            if target.exists() and not target.is_file():
+                raise WorkspaceError(f"cannot write {path}: " + ("it is a folder" if target.is_dir() else "not a regular file"))
+            await asyncio.to_thread(target.write_text, text, encoding="utf-8")
+            self._own(target)
+        except OSError as exc:
+            raise WorkspaceError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+    def _own(self, path: Path) -> None:
+        """What the trainer wrote belongs to the workspace's uid, so the agent may change it later."""
+        if self.isolation == "kernel":
+            os.lchown(path, self.uid, self.gid)
 
     async def close(self) -> None:
         root, self.root = self.root, None
+        if self.cgroup is not None:
+            cgroup, self.cgroup = self.cgroup, None
+            await asyncio.to_thread(cgroup.remove)
         if root is not None:
-            await asyncio.to_thread(shutil.rmtree, root, True)
+            await asyncio.to_thread(_remove_root, root)
+
+
+def _remove_root(root: Path) -> None:
+    if os.path.ismount(root):
+        jail_host.unmount(str(root))
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def repository_folder(repos_dir: Path, instance: SWEInstance) -> Path:
