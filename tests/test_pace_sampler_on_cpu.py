@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from thundersync_verl.core.errors import StreamingConfigError, StreamingInputError
 from thundersync_verl.algos.pace.pace_sampler import PaceReplayBufferAsync
@@ -37,6 +38,8 @@ class _TQ:
         self.cleared += list(keys)
 
     def kv_batch_get(self, keys, partition_id, select_fields):
+        if list(select_fields) == ["responses"]:  # the CPU platform's batch-order read (patches point 10), not PACE's
+            return {"responses": [torch.tensor([int(k.rsplit("_", 2)[1])]) for k in keys]}
         self.reads.append((list(keys), list(select_fields)))
         return {f: [self.values[k][f] for k in keys] for f in select_fields}
 

@@ -343,7 +343,9 @@ def patch_replay_buffer_batch_order() -> None:
                 return meta
             prompts = {uid: r for r, uid in enumerate(self.prompt_global_steps.get(partition_id, {}))}
             data = module.tq.kv_batch_get(keys=list(meta.keys), partition_id=partition_id, select_fields=["responses"])
-            responses = [tuple(int(t) for t in row.reshape(-1).tolist()) for row in data["responses"].unbind(0)]
+            rows = data["responses"]
+            rows = rows.unbind(0) if hasattr(rows, "unbind") else rows  # a nested tensor, or one tensor per row
+            responses = [tuple(int(t) for t in row.reshape(-1).tolist()) for row in rows]
             order = batch_key_order(list(meta.keys), prompts, responses)
             return dataclasses.replace(meta, keys=[meta.keys[i] for i in order], tags=[meta.tags[i] for i in order])
 
