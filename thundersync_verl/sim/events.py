@@ -42,9 +42,14 @@ def place_rollouts(dur: np.ndarray, t0: float, slots: int) -> Placement:
     if n <= slots:
         start = np.full(n, float(t0))
         return Placement(start, start + dur, np.arange(n))
-    free = [(float(t0), s) for s in range(slots)]
+    # With no zero-length trajectory among them, the first `slots` take slots 0.. at t0 (the free list pops
+    # them in that order); only the rest wait for a slot to free.
+    first = slots if float(dur[:slots].min()) > 0 else 0
     start, slot = np.empty(n), np.empty(n, dtype=np.int64)
-    for i, d in enumerate(dur.tolist()):
+    start[:first], slot[:first] = float(t0), np.arange(first)
+    free = list(zip((float(t0) + dur[:first]).tolist(), range(first))) + [(float(t0), s) for s in range(first, slots)]
+    heapq.heapify(free)
+    for i, d in enumerate(dur[first:].tolist(), start=first):
         t, s = heapq.heappop(free)
         start[i], slot[i] = t, s
         heapq.heappush(free, (t + d, s))
@@ -156,7 +161,7 @@ class Recorder:
 
 
 def lane_policy(cfg: SimConfig, costs: LearnerCosts, gran: str) -> LanePolicy:
-    budget = cfg.budget_groups if (cfg.mode == "thundersync" and gran == "trajectory") else None
+    budget = cfg.budget_groups if (cfg.streams and gran == "trajectory") else None
     return LanePolicy(dp=costs.dp, chunk_overhead_s=costs.chunk_overhead_s, min_chunk=cfg.min_chunk,
                       max_chunk=cfg.max_chunk, budget_groups=budget, forward_overhead_s=costs.forward_overhead_s)
 

@@ -14,6 +14,9 @@ Why this module exists:
    no more work can arrive.
 4. Everything here is plain Python over pre-sorted lists: thousands of units per step for
    thousands of steps must run in seconds.
+5. A group may be aborted (the tail policy, tail.py: launched but not in the batch): from its
+   `drop_at` time its untrained units are dropped and its buffers freed; units of it trained
+   before then were speculative and are booked as wasted learner work.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class LaneWork:
     cost: np.ndarray  # [U] seconds on one replica
     tokens: np.ndarray  # [U] sequence tokens the unit trains
     forward: np.ndarray | None = None  # [U] True for a trajectory's separate forward pass (OPD turn streaming)
+    drop_at: np.ndarray | None = None  # [G] when each group is aborted (inf: never); point 5
 
     @property
     def size(self) -> int:
@@ -64,6 +68,10 @@ class LaneRun:
     chunks: list = field(default_factory=list)  # (t0, t1, n_units, tokens)
     idle: dict = field(default_factory=lambda: {IDLE_ROLLOUT: 0.0, IDLE_BUDGET: 0.0})
     idle_spans: list = field(default_factory=list)  # (t0, t1, reason) when recorded
+    dropped_units: int = 0  # units of aborted groups never trained (point 5)
+    wasted_units: int = 0  # units of aborted groups trained before the abort
+    wasted_tokens: int = 0
+    wasted_s: float = 0.0  # their share of the lane's compute (cost / dp each)
 
 
 class PendingUnits:
@@ -101,6 +109,22 @@ class PendingUnits:
         if moved:
             self.n_new_units -= len(moved)
             self.closed_units.extend(moved)
+
+    def drop(self, g: int) -> int:
+        """Abort group g: forget its pending units, free its buffers; returns how many units it forgot."""
+        if self.is_open[g]:
+            self.is_open[g] = False
+            self.open_count -= 1
+        removed = 0
+        units = self.open_units.pop(g, None)
+        if units:
+            self.n_open_units -= len(units)
+            removed += len(units)
+        units = self.new_groups.pop(g, None)
+        if units:
+            self.n_new_units -= len(units)
+            removed += len(units)
+        return removed
 
     def eligible(self, budget: int | None, enough: int) -> int:
         """Units trainable now (closed, open, new groups within the budget), counted up to `enough`."""
@@ -145,7 +169,7 @@ def run_lane(work: LaneWork, policy: LanePolicy, t_free: float, record: bool = F
     """
     n_groups = len(work.close)
     budget = policy.budget_groups if (policy.budget_groups is not None and policy.budget_groups < n_groups) else None
-    if fast and budget is None and policy.max_chunk is None:
+    if fast and budget is None and policy.max_chunk is None and work.drop_at is None:
         return _run_unbounded(work, policy, t_free, record)
     return _run_general(work, policy, t_free, budget, record)
 
@@ -181,20 +205,30 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
     pend = PendingUnits(len(close))
     min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
     run = LaneRun(start=t_free, finish=t_free)
+    drops = _Drops(work.drop_at, len(close))
     t, i, j, done = t_free, 0, 0, 0
     while done < n:
         while i < n and ready[i] <= t:
-            pend.add(order[i], groups[order[i]])
+            g = groups[order[i]]
+            if g >= 0 and drops.dropped[g]:
+                run.dropped_units += 1
+                done += 1
+            else:
+                pend.add(order[i], g)
             i += 1
         while j < len(close) and close[close_order[j]] <= t:
             pend.close(close_order[j])
             j += 1
+        removed = drops.advance(t, pend, run)
+        done += removed
+        if done >= n:
+            break
         eligible = pend.eligible(budget, min_chunk)
         blocked = bool(pend.new_groups)
-        # Eligibility grows only by arrivals or, when groups wait for the budget, by closes:
+        # Eligibility grows only by arrivals or, when groups wait for the budget, by closes (or aborts):
         # jump straight to the arrival that could complete a minimum chunk.
         arrive = ready[min(i + max(min_chunk - eligible, 1) - 1, n - 1)] if i < n else np.inf
-        next_t = min(arrive, close[close_order[j]] if (blocked and j < len(close)) else np.inf)
+        next_t = min(arrive, close[close_order[j]] if (blocked and j < len(close)) else np.inf, drops.next_t)
         if eligible == 0 or (eligible < min_chunk and next_t < np.inf):
             if next_t == np.inf:
                 raise RuntimeError("learner lane stalled with untrained units and no future event; this is a bug")
@@ -208,9 +242,54 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
         run.peak_open_groups = max(run.peak_open_groups, pend.open_count)
         t = _chunk(run, policy, t, sum(cost[u] for u in chunk), max(cost[u] for u in chunk), len(chunk),
                    sum(tokens[u] for u in chunk), any(fwd[u] for u in chunk))
+        drops.trained(chunk, groups, cost, tokens, policy.dp)
         done += len(chunk)
-    run.units, run.finish = done, t
+    drops.advance(np.inf, pend, run)  # groups aborted after the lane's last chunk: their trained units are waste
+    run.units, run.finish = done - run.dropped_units, t
     return run
+
+
+class _Drops:
+    """Group aborts in time order (point 5), and what was trained of each group that may be aborted."""
+
+    def __init__(self, drop_at: np.ndarray | None, n_groups: int):
+        self.dropped = [False] * n_groups
+        self.at = drop_at.tolist() if drop_at is not None else [np.inf] * n_groups
+        self.order = [g for g in np.argsort(drop_at, kind="stable").tolist() if self.at[g] < np.inf] \
+            if drop_at is not None else []
+        self.k = 0
+        self.spec: dict[int, list] = {}  # group -> [units, tokens, seconds] trained before its abort
+
+    @property
+    def next_t(self) -> float:
+        return self.at[self.order[self.k]] if self.k < len(self.order) else np.inf
+
+    def advance(self, t: float, pend: PendingUnits, run: LaneRun) -> int:
+        """Abort every group due by t; returns the pending units forgotten."""
+        removed = 0
+        while self.k < len(self.order) and self.at[self.order[self.k]] <= t:
+            g = self.order[self.k]
+            self.k += 1
+            self.dropped[g] = True
+            removed += pend.drop(g)
+            units, tokens, seconds = self.spec.pop(g, (0, 0, 0.0))
+            run.wasted_units += units
+            run.wasted_tokens += tokens
+            run.wasted_s += seconds
+        run.dropped_units += removed
+        return removed
+
+    def trained(self, chunk: list, groups: list, cost: list, tokens: list, dp: int) -> None:
+        if not self.order:
+            return
+        at, spec = self.at, self.spec
+        for u in chunk:
+            g = groups[u]
+            if g >= 0 and at[g] < np.inf:
+                entry = spec.setdefault(g, [0, 0, 0.0])
+                entry[0] += 1
+                entry[1] += tokens[u]
+                entry[2] += cost[u] / dp
 
 
 def _run_unbounded(work: LaneWork, policy: LanePolicy, t_free: float, record: bool) -> LaneRun:

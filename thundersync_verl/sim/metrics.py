@@ -168,6 +168,7 @@ class SimResult:
             "staleness": self.staleness_summary(), "peak_open_groups": self.peak_open_groups,
             "accum_peak_gb_per_rank": self.accum_peak_bytes_per_rank / 1e9,
             "gpu_hours_per_step": self.gpu_hours_per_step,
+            **({"tail": self.extra["tail"]} if "tail" in self.extra else {}),
         }
 
 

@@ -12,12 +12,17 @@ Why this module exists:
    ``thundersync.memory_budget_bytes`` / ``bucket_device`` that hold the plan's peak.
 3. Off-policy modes may be faster but train on stale data; the planner reports that trade
    (speed vs staleness) explicitly instead of silently preferring either.
+4. How many GPUs train and how many generate is a choice per mode, not a constant: a pipeline
+   bound by its rollout tail wants rollout GPUs, one bound by the learner wants learner GPUs.
+   `plan_split` searches the learner share on a ladder (whole replicas) for the lowest score
+   the caller measures (a simulated step time), coarse to fine, as step time is close to
+   unimodal in the split (too few learner GPUs: learner-bound; too many: rollout-bound).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from thundersync_verl.sim.sim_config import SimConfig
 from thundersync_verl.sim.sim_engine import simulate
@@ -30,6 +35,7 @@ if TYPE_CHECKING:  # the simulator imports no torch (core/bucket_memory.py is re
     from thundersync_verl.core.bucket_memory import BucketMemory
 
 BUDGET_LADDER = (1, 2, 4, 8, 16, 32, 64)
+SPLIT_LADDER = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)  # learner share of the GPUs (point 4)
 NEAR_BEST = 0.01  # a smaller budget / simpler granularity wins if within 1% of the best step time
 OFF_POLICY_WORTH_IT = 0.10  # mention an off-policy mode when it is >10% faster
 
@@ -170,3 +176,45 @@ def _pick(cands: list[Candidate], reasons: list) -> Candidate:
                        "within a group correlate, so waiting for the group costs little")
     return pick
 
+
+
+@dataclass
+class SplitChoice:
+    learner_gpus: int
+    score: float
+    tried: dict  # learner GPUs -> score (inf where the deployment is refused, e.g. the model does not fit)
+
+
+def split_candidates(gpus: int, replica: int, ladder=SPLIT_LADDER) -> list[int]:
+    """Learner GPU counts on the ladder, rounded to whole replicas, leaving both sides GPUs."""
+    out = {max(replica, round(f * gpus / replica) * replica) for f in ladder}
+    return sorted(n for n in out if 0 < n < gpus)
+
+
+def plan_split(score: Callable[[int], float], candidates: list[int]) -> SplitChoice:
+    """The candidate learner GPU count with the lowest score (point 4): the quartiles first, then downhill.
+
+    `score(learner_gpus)` may raise ValueError for a split the deployment refuses (scored inf).
+    """
+    if not candidates:
+        raise ValueError("no learner/rollout split to choose from: the cluster has no GPU count that holds whole "
+                         "learner replicas and leaves rollout GPUs; give more GPUs")
+    tried: dict[int, float] = {}
+
+    def at(i: int) -> float:
+        n = candidates[i]
+        if n not in tried:
+            try:
+                tried[n] = float(score(n))
+            except ValueError:
+                tried[n] = float("inf")
+        return tried[n]
+
+    m = len(candidates)
+    best = min(sorted({m // 4, m // 2, (3 * m) // 4} & set(range(m))), key=at)
+    while True:
+        step = min((i for i in (best - 1, best + 1) if 0 <= i < m), key=at, default=best)
+        if at(step) >= at(best):
+            break
+        best = step
+    return SplitChoice(candidates[best], at(best), dict(sorted(tried.items())))

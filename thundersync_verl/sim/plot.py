@@ -5,7 +5,8 @@ Why this module exists:
    per slot, busy bars coloured by batch, idle hatched), the learner lane below (compute,
    optimizer, weight push, idle hatched). One panel per mode over the same number of steps.
 2. The scale-out figure puts every mode's speedup over Sync and ThunderSync's accumulator
-   memory per rank against the budget, for each model size and tail shape.
+   memory per rank against the budget, for each model size and tail shape; the tail study's
+   figure puts each mode's step time against the GPU count, per model, tail and batch.
 3. matplotlib runs headless (Agg) so the figures render on any CI machine.
 """
 
@@ -119,6 +120,47 @@ def plot_scale(rows: list[dict], path) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_step_times(rows: list[dict], path, batches=(64, 8)) -> str:
+    """rows: {gpus, model, tail, batch_per_gpu, mode, step_s, staleness_max}; one panel per (model, tail).
+
+    Step time against GPUs, one colour per mode, one line style per batch per rollout GPU (the
+    tail study, benchmarks/simulate_tail.py); the legend gives each mode's largest staleness.
+    """
+    styles = dict(zip(batches, ("-", "--", ":", "-.")))
+    combos = sorted({(r["model"], r["tail"]) for r in rows})
+    modes = [m for m in ("sync", "async", "fully_async", "thundersync", "thundersync_tail")
+             if any(r["mode"] == m for r in rows)]
+    cols = min(len(combos), 2)
+    nrows = -(-len(combos) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.0 * cols, 4.4 * nrows), squeeze=False)
+    for ax, (model, tail) in zip(axes.ravel(), combos):
+        for mi, mode in enumerate(modes):
+            for b, style in styles.items():
+                sel = sorted((r for r in rows if (r["model"], r["tail"], r["batch_per_gpu"], r["mode"]) ==
+                              (model, tail, b, mode)), key=lambda r: r["gpus"])
+                if not sel:
+                    continue
+                stale = max(r["staleness_max"] for r in rows if r["mode"] == mode)
+                ax.plot([r["gpus"] for r in sel], [r["step_s"] for r in sel], marker="o", ls=style, color=f"C{mi}",
+                        label=f"{mode} (staleness <= {stale})" if b == batches[0] else None)
+        for b, style in styles.items():
+            ax.plot([], [], ls=style, color="black", label=f"{b} per rollout GPU")
+        ax.set_title(f"{model}, {tail} turns: batch = b x GPUs / 2 trajectories", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs (learner + rollout, split chosen per mode)", fontsize=8)
+        ax.set_ylabel("step time (s)")
+        ax.grid(alpha=0.3, which="both")
+    for ax in axes.ravel()[len(combos):]:
+        ax.set_visible(False)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12 / nrows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)

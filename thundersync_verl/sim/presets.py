@@ -164,16 +164,23 @@ SCALE_MODELS = {
 }
 
 
-def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = PAPER_MFU) -> Setting:
+def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = PAPER_MFU, *, learner_gpus: int | None = None,
+                  batch: int | None = None, slots: int | None = None) -> Setting:
     """A cluster of `gpus` B200 split half learner / half rollout, for a model and tail shape.
 
     The batch grows with the rollout fleet (64 sequences per rollout GPU, capped at 16k per
     step); the learner replica grows with the model (tensor x context parallel within a node).
     tail: "lognormal" (the paper's shape) or "pareto" (a heavier, power-law tail).
+    Keyword overrides (the tail study, benchmarks/simulate_tail.py): `learner_gpus` moves the
+    split (a multiple of the replica, tp x 4 GPUs once there are that many), `batch` sets the
+    trajectories per step (a multiple of the group size) and `slots` the sequences the rollout
+    engines hold at once (default: the batch, as above).
     """
     model = SCALE_MODELS[model_key]
-    learner = gpus // 2
+    learner = gpus // 2 if learner_gpus is None else int(learner_gpus)
     tp = 1 if model.params < 100e9 else 8
+    if not 0 < learner < gpus:
+        raise ValueError(f"learner_gpus={learner} must be in 1..{gpus - 1}: both sides need GPUs")
     if learner % tp:
         raise ValueError(f"{model.name} needs tensor parallel {tp} but has only {learner} learner GPUs; "
                          "use a larger cluster for this model")
@@ -182,12 +189,14 @@ def scale_setting(gpus: int, model_key: str, tail: str, mfu: float = PAPER_MFU) 
     if not training_state_fits(model, B200, cluster):
         raise ValueError(f"{model.name} training state ({TRAIN_STATE_BYTES_PER_PARAM} B/param) does not fit "
                          f"{learner} learner GPUs; use a larger cluster for this model")
-    slots = min(64 * (gpus - learner), SCALE_MAX_BATCH)
-    groups = max(1, slots // PAPER_WORKLOAD.group_size)
-    workload = replace(PAPER_WORKLOAD, groups_per_step=groups, turns=scale_turns(tail),
-                       detail="aggregate" if slots > 512 else "full")  # per-turn draws only where cheap
+    size = PAPER_WORKLOAD.group_size
+    n = min(64 * (gpus - learner), SCALE_MAX_BATCH) if batch is None else int(batch)
+    if n < size or n % size:
+        raise ValueError(f"batch={n} must be a positive multiple of the group size {size}")
+    workload = replace(PAPER_WORKLOAD, groups_per_step=n // size, turns=scale_turns(tail),
+                       detail="aggregate" if n > 512 else "full")  # per-turn draws only where cheap
     decode = PAPER_ROLLOUT.decode_s_per_token * (1.0 if model.params < 100e9 else SCALE_LARGE_DECODE_FACTOR)
-    rollout = replace(PAPER_ROLLOUT, slots=slots, decode_s_per_token=decode)
+    rollout = replace(PAPER_ROLLOUT, slots=n if slots is None else int(slots), decode_s_per_token=decode)
     streams = max(1, min(SCALE_SYNC_PARALLELISM, gpus // 8))
     wsync = weight_sync_seconds(model, PAPER_WEIGHT_SYNC_GBPS * streams, PAPER_WEIGHT_SYNC_FIXED_S)
     costs = learner_costs_from_hardware(model, B200, cluster, mfu, chunk_overhead_s=PAPER_CHUNK_OVERHEAD_S,

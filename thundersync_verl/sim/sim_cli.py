@@ -15,12 +15,14 @@ import sys
 from dataclasses import replace
 
 from thundersync_verl.cli_args import Parser, choice_list, existing_file, param_count, positive_float, positive_int, usage_errors
-from thundersync_verl.sim.sim_config import ALGOS, GRANULARITIES, MODES, SimConfig
+from thundersync_verl.sim.sim_config import (ALGOS, ALL_MODES, GRANULARITIES, MODES, TAIL_MODE, TAIL_ROUNDS,
+                                             SimConfig)
 from thundersync_verl.sim.dists import lognormal, pareto
 from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.hardware import B200, H100, ClusterSpec, ModelSpec, learner_costs_from_hardware, weight_sync_seconds
 from thundersync_verl.sim.metrics import comparison_table
 from thundersync_verl.sim.planner import plan
+from thundersync_verl.sim.tail import prompt_source
 from thundersync_verl.sim.presets import (PAPER_CHUNK_OVERHEAD_S, PAPER_OPTIMIZER_S, PAPER_ROLLOUT, PAPER_WEIGHT_SYNC_FIXED_S,
                       PAPER_WORKLOAD, Setting, paper_setting, scale_setting)
 from thundersync_verl.sim.trace import TraceSource, load_trace, replay
@@ -90,16 +92,21 @@ def _simulate_settings(args):
         w, r = _workload(args, setting.workload, setting.rollout)
         setting = replace(setting, workload=w, rollout=r)
     source, setting = _source(args, setting)
+    modes = args.modes.split(",")
+    if TAIL_MODE in modes:  # every mode then trains the same prompts (prompts.py: attempt 0 = the usual batches)
+        source = prompt_source(source)
     costs, base = setting.costs, None
     if args.trace and args.fit_costs:  # the trace's own learner, chunking, calibration; other modes played on it
         base, source, costs = replay(load_trace(args.trace))
         setting = replace(setting, rollout=replace(setting.rollout, slots=base.rollout_slots))
     configs = []
-    for mode in args.modes.split(","):
-        cfg = SimConfig(mode=mode, algo=args.algo, granularity=args.granularity if mode == "thundersync" else None,
+    for mode in modes:
+        cfg = SimConfig(mode=mode, algo=args.algo,
+                        granularity=args.granularity if mode in ("thundersync", TAIL_MODE) else None,
                         steps=args.steps, rollout_slots=setting.rollout.slots, budget_groups=args.budget_groups,
                         gpus=setting.cluster.gpus, bytes_per_buffer=setting.bytes_per_buffer,
-                        record_timeline=bool(args.timeline))
+                        record_timeline=bool(args.timeline), tail_eta=args.tail_eta,
+                        tail_max_deferrals=args.tail_max_deferrals, tail_rounds=args.tail_rounds)
         if base is not None:
             cfg = replace(cfg, mini_batch=base.mini_batch, staleness_threshold=base.staleness_threshold, min_chunk=1,
                           max_chunk=base.max_chunk if mode == "thundersync" else None,
@@ -139,6 +146,14 @@ def _changed_fraction(args) -> float | None:
         return float(json.load(f)["density"])
 
 
+def at_least_one(text: str) -> float:
+    """A number >= 1 (the tail policy's launch factor)."""
+    value = positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1 (1 launches exactly the batch)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from thundersync_verl.core.bucket_memory import BUCKET_DEVICES  # here: importing the simulator pulls no torch
 
@@ -148,7 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", choices=("paper", "scale"), default="paper")
     s.add_argument("--gpus", type=positive_int, default=64, help="scale preset: total GPUs")
     s.add_argument("--model", choices=("30B", "235B"), default="30B", help="scale preset: model size")
-    s.add_argument("--modes", type=choice_list(MODES), default=",".join(MODES))
+    s.add_argument("--modes", type=choice_list(ALL_MODES), default=",".join(MODES),
+                   help=f"comma-separated, of {', '.join(ALL_MODES)} (default: all but {TAIL_MODE})")
+    s.add_argument("--tail-eta", type=at_least_one, default=1.25,
+                   help=f"{TAIL_MODE}: prompt groups launched per step over those the batch needs (>= 1)")
+    s.add_argument("--tail-max-deferrals", type=positive_int, default=2,
+                   help=f"{TAIL_MODE}: a prompt aborted this many times is kept on its next run (>= 1)")
+    s.add_argument("--tail-rounds", choices=TAIL_ROUNDS, default="dedicated",
+                   help=f"{TAIL_MODE}: queued prompts run in rounds of their own, or beside fresh ones (mixed)")
     s.add_argument("--granularity", choices=GRANULARITIES)
     s.add_argument("--budget-groups", type=positive_int, help="thundersync: most GRPO groups holding buffers")
     s.add_argument("--fit-costs", action="store_true", help="with --trace: fit learner costs from its records")

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from thundersync_verl.sim.hardware import SharedCores
 
 MODES = ("sync", "async", "fully_async", "thundersync")
+TAIL_MODE = "thundersync_tail"  # ThunderSync with tail batching (tail.py); opt-in, so not among the default MODES
+ALL_MODES = MODES + (TAIL_MODE,)
+TAIL_ROUNDS = ("dedicated", "mixed")
 ALGOS = ("grpo", "opd")
 GRANULARITIES = ("turn", "trajectory", "group", "batch")
 BUFFERS_PER_OPEN_GROUP = 2  # GRPO: G1 = sum r_i H_i and G2 = sum H_i of the landed trajectories
@@ -43,6 +46,9 @@ class SimConfig:
     verify_second_cost: float = 1.0  # verify_overlap: a second backward's cost / the first's (full recompute)
     verify_rewards: str = "binary"  # verify_overlap: binary (smaller class again) or general (every early one)
     pace: object | None = None  # fully_async: a pace.PacePolicy rejecting stale groups (PACE or verl's drop)
+    tail_eta: float = 1.25  # thundersync_tail: prompt groups launched per step / groups the batch needs
+    tail_max_deferrals: int = 2  # thundersync_tail: a prompt aborted this many times is kept on its next run
+    tail_rounds: str = "dedicated"  # thundersync_tail: queued prompts run in rounds of their own, or "mixed"
 
     @property
     def buffers_per_open_group(self) -> int:
@@ -56,13 +62,20 @@ class SimConfig:
             return "mini_batch"
         return self.granularity or ("turn" if self.algo == "opd" else "trajectory")
 
+    @property
+    def streams(self) -> bool:
+        """ThunderSync's lane (open-group budget, streamed units): plain or with tail batching."""
+        return self.mode in ("thundersync", TAIL_MODE)
+
     def validate(self, batch_size: int) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is unknown; the simulator models {MODES}")
+        if self.mode not in ALL_MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown; the simulator models {ALL_MODES}")
         if self.algo not in ALGOS:
             raise ValueError(f"algo {self.algo!r} is unknown; the simulator models {ALGOS}")
         gran = self.resolved_granularity()
-        if self.mode == "thundersync" and gran not in GRANULARITIES:
+        if self.mode == TAIL_MODE:
+            self._validate_tail()
+        if self.streams and gran not in GRANULARITIES:
             raise ValueError(f"granularity {gran!r} is unknown; thundersync streams at {GRANULARITIES}")
         if self.algo == "grpo" and gran == "turn":
             raise ValueError("GRPO cannot stream per turn: a turn's advantage needs the trajectory's reward; "
@@ -80,6 +93,24 @@ class SimConfig:
         if self.pace is not None and self.mode != "fully_async":
             raise ValueError(f"pace is a fully_async policy (got mode {self.mode!r}): it rejects groups from the "
                              "pool of finished ones, which only a streaming pipeline has; use mode='fully_async'")
+
+    def _validate_tail(self) -> None:
+        if self.algo != "grpo":
+            raise ValueError(f"{TAIL_MODE} keeps or aborts whole GRPO prompt groups (got algo {self.algo!r}); "
+                             "use algo='grpo'")
+        if not self.tail_eta >= 1.0:
+            raise ValueError(f"tail_eta={self.tail_eta} must be >= 1: it is the prompt groups launched per step over "
+                             "those the batch needs (1 = plain ThunderSync); give 1 or more, e.g. 1.25")
+        if isinstance(self.tail_max_deferrals, bool) or not isinstance(self.tail_max_deferrals, int) \
+                or self.tail_max_deferrals < 1:
+            raise ValueError(f"tail_max_deferrals={self.tail_max_deferrals!r} must be a whole number >= 1: a prompt "
+                             "aborted that many times is kept on its next run; give 1 or more")
+        if self.tail_rounds not in TAIL_ROUNDS:
+            raise ValueError(f"tail_rounds={self.tail_rounds!r} is unknown: queued prompts run in rounds of their own "
+                             f"(dedicated) or beside fresh ones in the next round (mixed); use one of {TAIL_ROUNDS}")
+        if self.verify_overlap or (self.shared_cores is not None and self.shared_cores.active):
+            raise ValueError(f"{TAIL_MODE} is simulated on dedicated rollout and learner devices without verify "
+                             "overlap; drop shared_cores and verify_overlap")
 
     def _validate_verify_overlap(self) -> None:
         if self.mode != "thundersync" or self.algo != "grpo" or self.resolved_granularity() != "trajectory":

@@ -16,15 +16,16 @@ Why this module exists:
    step recorder and the one-step-off schedule are events.py's, shared with shared.py.
 3. Batch k comes from the source by index only, so every mode trains the same data.
 4. `simulate` is the one entry point: it dispatches to fully_async.py (streaming), to
-   verify_overlap.py (ThunderSync training trajectories before their reward lands) and to
-   shared.py (rollout and learner on the same cores); none imports this module back.
+   verify_overlap.py (ThunderSync training trajectories before their reward lands), to
+   shared.py (rollout and learner on the same cores) and to tail.py (ThunderSync with tail
+   batching, mode thundersync_tail); none imports this module back.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from thundersync_verl.sim.sim_config import ALGOS, GRANULARITIES, MODES, SimConfig
+from thundersync_verl.sim.sim_config import ALGOS, GRANULARITIES, MODES, TAIL_MODE, SimConfig
 from thundersync_verl.sim.events import (Placement, Recorder, count_tokens, landing_delay, lane_policy, lane_work, one_step_off,
                      place_rollouts, reward_times)
 from thundersync_verl.sim.fully_async import simulate_fully_async
@@ -33,6 +34,7 @@ from thundersync_verl.sim.lane import LaneWork, run_lane
 from thundersync_verl.sim.metrics import SimResult
 from thundersync_verl.sim.sim_pace import simulate_pace
 from thundersync_verl.sim.shared import simulate_shared
+from thundersync_verl.sim.tail import simulate_tail
 from thundersync_verl.sim.verify_overlap import simulate_verify_overlap
 from thundersync_verl.sim.workload import Batch
 
@@ -47,6 +49,8 @@ def simulate(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
     cfg.validate(source.batch_size)
     if cfg.budget_groups is not None and cfg.budget_groups < 0:
         raise ValueError(f"budget_groups={cfg.budget_groups} must be >= 0 (0 = only closed groups, no buffers)")
+    if cfg.mode == TAIL_MODE:
+        return simulate_tail(cfg, source, costs)
     if cfg.mode == "fully_async":
         return simulate_fully_async(cfg, source, costs) if cfg.pace is None else simulate_pace(cfg, source, costs, cfg.pace)
     if cfg.verify_overlap:

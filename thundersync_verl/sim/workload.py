@@ -83,6 +83,7 @@ class Batch:
     turn_gen_tokens: np.ndarray | None = None  # [M] decoded tokens of the turn
     land_s: np.ndarray | None = None  # [N] slot end -> the trainer has the trajectory (replay); None: reward / score
     passed: np.ndarray | None = None  # [N] bool: the verifier's binary outcome (verifier.VerifiedSource)
+    prompt_tokens: np.ndarray | None = None  # [N] prompt part of seq_tokens (synthetic draws); the rest is the response
 
     @property
     def size(self) -> int:
@@ -141,22 +142,30 @@ class SyntheticSource:
 
     def batch(self, index: int) -> Batch:
         rng = np.random.default_rng([self.seed, int(index)])
+        return self.draw(rng, *self._latents(rng))
+
+    def draw(self, rng: np.random.Generator, group: np.ndarray, turns: np.ndarray, env: np.ndarray) -> Batch:
+        """The batch whose turn counts and environment factors are given ([N] each); the rest drawn from rng."""
         if self.workload.detail == "full":
-            return self._full(rng)
-        return self._aggregate(rng)
+            return self._full(rng, group, turns, env)
+        return self._aggregate(rng, group, turns, env)
 
     def _latents(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(group index, turns, environment slowness factor), each [N]."""
         w = self.workload
         z_turns = group_latents(rng, w.groups_per_step, w.group_size, w.icc)  # [N]
         z_env = group_latents(rng, w.groups_per_step, w.group_size, w.icc)  # [N]
+        return self.from_latents(z_turns, z_env)
+
+    def from_latents(self, z_turns: np.ndarray, z_env: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(group index, turns, environment slowness factor) from standard-normal latents ([N] each)."""
+        w = self.workload
         turns = np.clip(np.rint(w.turns.from_latent(z_turns)), 1, w.max_turns).astype(np.int64)  # [N]
-        group = np.repeat(np.arange(w.groups_per_step), w.group_size)  # [N]
+        group = np.repeat(np.arange(len(z_turns) // w.group_size), w.group_size)  # [N]
         return group, turns, w.env_speed.from_latent(z_env)
 
-    def _full(self, rng: np.random.Generator) -> Batch:
+    def _full(self, rng: np.random.Generator, group: np.ndarray, turns: np.ndarray, env: np.ndarray) -> Batch:
         w, r = self.workload, self.rollout
-        group, turns, env = self._latents(rng)
         n = len(turns)
         prompt = np.maximum(np.rint(w.prompt_tokens.sample(rng, n)), 1).astype(np.int64)  # [N]
         ptr = np.concatenate([[0], np.cumsum(turns)])
@@ -182,12 +191,13 @@ class SyntheticSource:
         gen_tok[ptr[:-1]] = np.minimum(gen_tok[ptr[:-1]], np.maximum(w.max_context - prompt, 1))
         gen_s = new_tok * r.prefill_s_per_token + gen_tok * r.decode_s_per_token  # [M]
         score = r.teacher_fixed_s + r.teacher_s_per_token * (new_tok + gen_tok)  # [M]
-        return batch_from_turns(group, w.groups_per_step, turns, gen_s, tool, new_tok, gen_tok,
-                                score, reward)
+        batch = batch_from_turns(group, len(group) // w.group_size, turns, gen_s, tool, new_tok, gen_tok,
+                                 score, reward)
+        batch.prompt_tokens = prompt
+        return batch
 
-    def _aggregate(self, rng: np.random.Generator) -> Batch:
+    def _aggregate(self, rng: np.random.Generator, group: np.ndarray, turns: np.ndarray, env: np.ndarray) -> Batch:
         w, r = self.workload, self.rollout
-        group, turns, env = self._latents(rng)
         n = len(turns)
         prompt = np.maximum(np.rint(w.prompt_tokens.sample(rng, n)), 1)  # [N]
         per_turn = w.gen_tokens.mean() + w.obs_tokens.mean()
@@ -200,8 +210,9 @@ class SyntheticSource:
         dur = (prompt + obs_tok) * r.prefill_s_per_token + gen_tok * r.decode_s_per_token + tool
         last_tok = w.gen_tokens.mean() + w.obs_tokens.mean()
         last_score = np.full(n, r.teacher_fixed_s + r.teacher_s_per_token * last_tok)
-        return Batch(n_groups=w.groups_per_step, group=group, dur_s=dur, reward_s=w.reward_s.sample(rng, n) * env,
-                     seq_tokens=np.rint(seq).astype(np.int64), n_turns=turns, last_score_s=last_score)
+        return Batch(n_groups=n // w.group_size, group=group, dur_s=dur, reward_s=w.reward_s.sample(rng, n) * env,
+                     seq_tokens=np.rint(seq).astype(np.int64), n_turns=turns, last_score_s=last_score,
+                     prompt_tokens=np.minimum(prompt, w.max_context).astype(np.int64))
 
 
 def _gamma_sum(rng: np.random.Generator, dist: Dist, counts: np.ndarray) -> np.ndarray:
