@@ -109,6 +109,9 @@ def _jail_enter(spec):
     mount("tsv-sandbox", stage, "tmpfs", NOSUID | NODEV, "size=4m,mode=0755")
     jail = stage + "/root"
     os.mkdir(jail, 0o755)
+    size = "size=%dm,mode=1777" % spec["tmp_mb"]
+    # the private /tmp first: an interpreter or venv bound from under the host's /tmp stays visible on top of it
+    mount("tsv-tmp", target("/tmp", True), "tmpfs", NOSUID | NODEV, size)
     for src in spec["ro"]:
         bind(src, src, RDONLY | NOSUID | NODEV)
     for path, link in spec["links"].items():
@@ -123,11 +126,9 @@ def _jail_enter(spec):
     for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                        ("stderr", "/proc/self/fd/2")):
         os.symlink(link, dev + "/" + name)
-    size = "size=%dm,mode=1777" % spec["tmp_mb"]
     os.mkdir(dev + "/shm")
     mount("tsv-shm", dev + "/shm", "tmpfs", NOSUID | NODEV | NOEXEC, size)
     mount(None, dev, None, REMOUNT | RDONLY | NOSUID | NOEXEC)
-    mount("tsv-tmp", target("/tmp", True), "tmpfs", NOSUID | NODEV, size)
     mount("proc", target("/proc", True), "proc", NOSUID | NODEV | NOEXEC)
     mount(None, stage, None, REMOUNT | RDONLY | NOSUID | NODEV)
     os.chdir(stage)
