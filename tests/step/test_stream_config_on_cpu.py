@@ -41,7 +41,7 @@ def test_a_streamable_grpo_config_gives_settings_and_a_planner(grpo_config):
         ({f"{ACTOR}.ppo_epochs": 0}, "ppo_epochs=0 must be a positive int"),
         ({f"{ACTOR}.ppo_mini_batch_size": 3}, "ppo_mini_batch_size=3 must divide data.train_batch_size=8"),
         ({"algorithm.adv_estimator": "gae"}, "adv_estimator='gae' cannot be streamed"),
-        ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "not supported for streaming"),
+        ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "loss_mode='clip_cov' cannot be streamed"),
         ({"algorithm.rollout_correction.rollout_is": "token"}, "no IS weights"),
         ({f"{ACTOR}.use_kl_loss": True, f"{ACTOR}.kl_loss_type": "full"}, "kl_loss_type='full' is unknown"),
         ({f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_scale_factor"),
