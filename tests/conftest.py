@@ -107,3 +107,15 @@ def start_engine(tmp_path_factory):
             return Engine(setup.start_workers(config, dp=1, distillation=opd), pad_id, vocab, teacher)
 
         yield start
+
+
+@pytest.fixture(scope="module")
+def equivalence_bench():
+    """``benchmarks/equivalence.py`` loaded as a module (the benchmark's argument and result tests call it, no Ray)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "equivalence.py"
+    spec = importlib.util.spec_from_file_location("equivalence_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

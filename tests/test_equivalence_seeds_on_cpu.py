@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("equivalence_bench", ROOT / "benchmarks" / "equivalence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(equivalence_bench):
+    return equivalence_bench
 
 
 def seed_result(seed: int, ratio: float) -> dict:

@@ -257,31 +257,27 @@ ESCAPES = (
 )
 
 
-def _with_marker(marker: str) -> list[int]:
+def _live_processes(owned) -> list[int]:
+    """Host processes, not zombies, for which ``owned(pid)`` is true (a process that ends meanwhile is skipped)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            if owned(pid):
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state not in ("Z", "X"):
                     found.append(int(pid))
         except OSError:
             continue
     return found
+
+
+def _with_marker(marker: str) -> list[int]:
+    return _live_processes(lambda pid: marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
 
 
 def sandbox_processes() -> list[int]:
     """Live host processes owned by a sandbox uid (point 3)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if jail.ID_BASE <= os.stat(f"/proc/{pid}").st_uid < jail.ID_BASE + jail.ID_SPAN:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state not in ("Z", "X"):
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
+    return _live_processes(lambda pid: jail.ID_BASE <= os.stat(f"/proc/{pid}").st_uid < jail.ID_BASE + jail.ID_SPAN)
 
 
 class _Sampler(threading.Thread):
