@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--coef", type=float, default=1e-3, help="the router loss coefficient (Qwen3-MoE's: 1e-3)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="one step, aux_loss only (a smoke run in about a minute)")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.kinds = 1, "aux_loss"
     kinds = [k for k in args.kinds.split(",") if k]
     for k in kinds:
         moe.parse_aux(f"{k}:{args.coef}")  # refuse an unknown kind before minutes of work
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['stream_over_floor']:>12.1f} | {'refuses' if r['refusal'] else 'streams'}")
     result = {"model": "tiny Qwen3-MoE, 4 experts, top-2, 2 layers", "engine": "megatron", "coef": args.coef,
               "floor": floor, "settings": settings, "seconds": round(time.time() - t0, 1)}
-    write_result("moe_aux_loss", result, results_dir)
+    write_result("moe_aux_loss_quick" if args.quick else "moe_aux_loss", result, results_dir)
     return result
 
 
