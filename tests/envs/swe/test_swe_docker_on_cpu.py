@@ -1,7 +1,7 @@
 """The docker SWE workspace: its docker CLI calls, checked without a daemon; and a run on a real daemon.
 
-1. Command construction: the exact argv of ``docker run`` (limits, network off, label), ``exec``
-   (in-container timeout, env setup), ``cp`` and ``rm``.
+1. Command construction: the exact argv of ``docker run`` (limits, network off, label, unprivileged uid, no
+   capability, read-only root), the preparing container, ``exec`` (in-container timeout, env setup) and ``rm``.
 2. The lifecycle against a stand-in ``docker`` executable that records its argv and runs ``exec``
    scripts in a folder per container: start applies the bug, tools work, close removes the container,
    and a trajectory cancelled mid-command still removes it (cleanup on abort); so does the exit hook.
@@ -36,17 +36,28 @@ STAND_IN = textwrap.dedent("""\
     with open(log, "a") as f:
         f.write(json.dumps(args) + "\\n")
     cmd = args[0]
-    if cmd == "run":
-        os.makedirs(os.path.join(root, args[args.index("--name") + 1]))
+    volume = lambda a: os.path.join(root, "volumes", a[a.index("-v") + 1].split(":")[0])
+    if cmd == "volume" and args[1] == "create":
+        os.makedirs(os.path.join(root, "volumes", args[-1]))
+    elif cmd == "volume" and args[1] == "rm":
+        shutil.rmtree(os.path.join(root, "volumes", args[-1]), ignore_errors=True)
+    elif cmd == "run" and "--rm" in args:  # the preparing container: copy the read-only seed into the volume
+        seed = [a.rsplit(":", 2)[0] for a in args if a.endswith(":/seed:ro")]
+        if seed:
+            shutil.copytree(seed[0], volume(args), dirs_exist_ok=True)
+    elif cmd == "run":
+        with open(os.path.join(root, "containers", args[args.index("--name") + 1]), "w") as f:
+            f.write(volume(args))
         print("0123456789ab")
     elif cmd == "exec":
         name = args[args.index("-w") + 2]
-        sys.exit(subprocess.run(args[args.index("-w") + 3:], cwd=os.path.join(root, name)).returncode)
-    elif cmd == "cp":
-        name = args[2].split(":", 1)[0]
-        shutil.copytree(args[1].rstrip("/."), os.path.join(root, name), dirs_exist_ok=True)
+        with open(os.path.join(root, "containers", name)) as f:
+            cwd = f.read()
+        sys.exit(subprocess.run(args[args.index("-w") + 3:], cwd=cwd).returncode)
     elif cmd == "rm":
-        shutil.rmtree(os.path.join(root, args[-1]), ignore_errors=True)
+        path = os.path.join(root, "containers", args[-1])
+        if os.path.exists(path):
+            os.remove(path)
     elif cmd == "info":
         print("Cannot connect to the Docker daemon", file=sys.stderr)
         sys.exit(1)
@@ -58,15 +69,41 @@ def test_run_exec_and_rm_commands():
     cfg = DockerConfig.from_mapping({"cpus": 1.5, "memory": "2g", "pids_limit": 256})
     assert run_argv(cfg, "tsv-swe-a", "img:1") == [
         "docker", "run", "-d", "--init", "--name", "tsv-swe-a", "--label", "thundersync.swe=1", "--network", "none",
-        "--cpus", "1.5", "--memory", "2g", "--pids-limit", "256", "-w", "/testbed", "img:1", "sleep", "infinity"]
+        "--cpus", "1.5", "--memory", "2g", "--memory-swap", "2g", "--pids-limit", "256", "--ulimit", "nofile=1024:1024",
+        "--user", "1000:1000", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only",
+        "--tmpfs", "/tmp:rw,nosuid,nodev,size=512m", "-e", "HOME=/tmp", "-v", "tsv-swe-a-ws:/testbed",
+        "-w", "/testbed", "img:1", "sleep", "infinity"]
     argv = exec_argv(cfg, "tsv-swe-a", "pytest 'a b'", 30.0, stdin=True)
     assert argv[:7] == ["docker", "exec", "-i", "-w", "/testbed", "tsv-swe-a", "bash"] and argv[7] == "-c"
     assert argv[8] == f"{cfg.env_setup}\ntimeout -s KILL 30 bash -c 'pytest '\"'\"'a b'\"'\"''"
     assert "-i" not in exec_argv(cfg, "n", "ls", 1.0)
+    assert "--user" not in exec_argv(cfg, "n", "ls", 1.0)  # commands run as the container's unprivileged user
     assert remove_argv(cfg, "tsv-swe-a") == ["docker", "rm", "-f", "tsv-swe-a"]
+    assert swe_docker.remove_volume_argv(cfg, "tsv-swe-a") == ["docker", "volume", "rm", "-f", "tsv-swe-a-ws"]
     online = DockerConfig.from_mapping({"network": "bridge", "binary": "/usr/bin/docker", "env_setup": ""})
     assert run_argv(online, "n", "i")[0] == "/usr/bin/docker" and "bridge" in run_argv(online, "n", "i")
     assert exec_argv(online, "n", "ls", 5.0)[-1] == "timeout -s KILL 5 bash -c ls"
+
+
+def test_only_the_preparing_container_holds_capabilities(tmp_path):
+    """The agent's container drops every capability; the short-lived preparing one keeps three, has no network
+    and mounts the host's repository read-only; both run with no-new-privileges."""
+    cfg = DockerConfig.from_mapping({"user": "2000:3000"})
+    prep = swe_docker.prepare_argv(cfg, "tsv-swe-a", "img:1", tmp_path)
+    caps = [prep[i + 1] for i, a in enumerate(prep) if a == "--cap-add"]
+    assert caps == ["CHOWN", "DAC_OVERRIDE", "FOWNER"] and prep[prep.index("--cap-drop") + 1] == "ALL"
+    assert prep[prep.index("--network") + 1] == "none" and "--rm" in prep and f"{tmp_path}:/seed:ro" in prep
+    assert prep[-1] == "cp -a /seed/. /testbed/ && chown -R 2000:3000 /testbed"
+    assert swe_docker.prepare_argv(cfg, "tsv-swe-a", "img:1")[-1] == "chown -R 2000:3000 /testbed"
+    run = run_argv(cfg, "tsv-swe-a", "img:1")
+    assert "--cap-add" not in run and run[run.index("--user") + 1] == "2000:3000"
+    assert all("no-new-privileges" in argv for argv in (prep, run))
+
+
+@pytest.mark.parametrize("user", ["0:0", "root", "1000", "0:1000", "a:b"])
+def test_a_root_or_malformed_user_is_refused(user):
+    with pytest.raises(Exception, match=r"swe\.docker\.user.*uid not 0"):
+        DockerConfig.from_mapping({"user": user})
 
 
 def test_container_names_are_unique_and_docker_safe(synthetic_set):
@@ -82,7 +119,8 @@ def stand_in(tmp_path, monkeypatch):
     exe.write_text(STAND_IN.format(python=sys.executable))
     exe.chmod(0o755)
     (tmp_path / "containers").mkdir()
-    monkeypatch.setenv("STAND_IN_ROOT", str(tmp_path / "containers"))
+    (tmp_path / "volumes").mkdir()
+    monkeypatch.setenv("STAND_IN_ROOT", str(tmp_path))
     monkeypatch.setenv("STAND_IN_LOG", str(tmp_path / "calls.jsonl"))
     cfg = SWEConfig.from_verl({"swe": {"sandbox": "docker", "docker": {"binary": str(exe), "image": "python:3.11"}}})
     log = tmp_path / "calls.jsonl"
@@ -109,9 +147,10 @@ def test_start_tools_and_close_through_the_cli(synthetic_set, stand_in):
     assert '"_".join(words)' in source  # the bug patch was applied inside the "container"
     assert listing.stdout == f"x y\n{inst.instance_id}\n"
     verbs = [c[0] for c in calls()]
-    assert verbs[:2] == ["run", "cp"] and verbs[-1] == "rm" and set(verbs[2:-1]) == {"exec"}
-    assert calls()[0] == run_argv(cfg, name, "python:3.11")[1:]
+    assert verbs[:3] == ["volume", "run", "run"] and verbs[-2:] == ["rm", "volume"] and set(verbs[3:-2]) == {"exec"}
+    assert calls()[2] == run_argv(cfg, name, "python:3.11")[1:] and "--rm" in calls()[1]
     assert not (containers / name).exists() and name not in swe_docker._LIVE
+    assert not (containers.parent / "volumes" / swe_docker.volume_name(name)).exists()
 
 
 @pytest.mark.slow  # about 30 s: as long as the cancelled `sleep 30` command
@@ -132,6 +171,8 @@ def test_a_cancelled_trajectory_still_removes_its_container(synthetic_set, stand
     async def body():
         task = asyncio.create_task(trajectory())
         while not any("sleep 30" in c[-1] for c in calls() if c[0] == "exec"):
+            if task.done():  # the start failed: its error, not a wait for a command that never comes
+                task.result()
             await asyncio.sleep(0.05)
         task.cancel()  # the trajectory is aborted mid-command
         with contextlib.suppress(asyncio.CancelledError):
@@ -139,16 +180,18 @@ def test_a_cancelled_trajectory_still_removes_its_container(synthetic_set, stand
         return task.cancelled()
 
     assert asyncio.run(body())
-    assert calls()[-1] == ["rm", "-f", ws.name] and not (containers / ws.name).exists()
+    assert calls()[-2:] == [["rm", "-f", ws.name], ["volume", "rm", "-f", swe_docker.volume_name(ws.name)]]
+    assert not (containers / ws.name).exists()
 
 
 def test_the_exit_hook_removes_containers_left_behind(stand_in):
     cfg, calls, containers = stand_in
     name = f"tsv-swe-left-{uuid.uuid4().hex[:6]}"
-    (containers / name).mkdir()
+    (containers / name).write_text("")
     swe_docker._LIVE[name] = cfg.binary
     swe_docker._remove_live_containers()
     assert ["rm", "-f", name] in calls() and not (containers / name).exists() and name not in swe_docker._LIVE
+    assert ["volume", "rm", "-f", swe_docker.volume_name(name)] in calls()
 
 
 def test_docker_available_reports_why_not(stand_in):
@@ -184,5 +227,7 @@ def test_one_container_per_trajectory_on_a_real_daemon(synthetic_set):
     name, source, host, net = asyncio.run(body())
     assert '"_".join(words)' in source and not net.ok
     assert host["NetworkMode"] == "none" and host["Memory"] == 1 << 30 and host["NanoCpus"] == 10**9
+    assert host["CapDrop"] == ["ALL"] and not host["CapAdd"] and host["ReadonlyRootfs"]
+    assert "no-new-privileges" in host["SecurityOpt"]
     gone = subprocess.run(["docker", "ps", "-a", "-q", "--filter", f"name={name}"], capture_output=True, text=True)
     assert gone.stdout.strip() == ""

@@ -6,14 +6,21 @@ Why:
    trajectories from seeing each other's edits and lets a crashed one be removed whole.
 2. The CLI (not the SDK) keeps this package free of another dependency and makes every call an argv
    that tests can check without a daemon: :func:`run_argv`, :func:`exec_argv`, :func:`remove_argv`.
-3. Limits are docker's: ``--cpus``, ``--memory``, ``--pids-limit``, and ``--network none`` unless
-   ``swe.docker.network`` says otherwise. Every command runs under ``timeout -s KILL`` inside the
-   container (killing the CLI alone would leave the process running there), with an outer deadline
-   on the CLI call itself.
-4. Cleanup on abort: ``close()`` removes the container (``docker rm -f``); the agent loop calls it in a
-   ``finally``, cancellation included, and containers still alive when the process exits are removed
-   by an ``atexit`` hook. Every container carries the label ``thundersync.swe=1`` so an operator can
-   find strays after a hard kill (``docker ps -a --filter label=thundersync.swe=1``).
+3. Limits are docker's: ``--cpus``, ``--memory`` (no swap beyond it), ``--pids-limit``, ``--ulimit nofile``,
+   and ``--network none`` unless ``swe.docker.network`` says otherwise. Every command runs under
+   ``timeout -s KILL`` inside the container (killing the CLI alone would leave the process running there),
+   with an outer deadline on the CLI call itself.
+4. Cleanup on abort: ``close()`` removes the container (``docker rm -f``) and its workspace volume; the agent
+   loop calls it in a ``finally``, cancellation included, and containers still alive when the process exits
+   are removed by an ``atexit`` hook. Containers and volumes carry the label ``thundersync.swe=1`` so an
+   operator can find strays after a hard kill (``docker ps -a --filter label=thundersync.swe=1``).
+5. The same boundary as the local kernel sandbox (``docs/sandbox.md``): the agent's container runs as an
+   unprivileged uid (``swe.docker.user``, never 0) with every capability dropped (``--cap-drop ALL``) and
+   ``no-new-privileges``, on a read-only root with a size-capped ``/tmp`` (also ``$HOME``). The repository
+   lives on a volume of its own, mounted read-write at ``swe.docker.workdir``: a short-lived preparing
+   container (its only capabilities CHOWN, DAC_OVERRIDE and FOWNER, no network) fills the volume, from the
+   image's own folder (docker copies it into an empty volume) or from the host's clean repository mounted
+   read-only, and hands it to that uid. The agent's container never holds a capability.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import re
 import shlex
 import subprocess
@@ -34,6 +40,7 @@ from thundersync_verl.envs.swe.swe_sandbox import (DEFAULT_OUTPUT_BYTES, Command
                                                communicate, relative_path, repository_folder)
 
 LABEL = "thundersync.swe=1"
+PREPARE_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER")  # the preparing container's only capabilities
 CLI_GRACE_S = 15.0  # the CLI call's own deadline beyond the in-container timeout
 logger = logging.getLogger(__name__)
 _LIVE: dict[str, str] = {}  # container name -> docker binary, for the exit hook
@@ -44,15 +51,40 @@ def container_name(instance: SWEInstance) -> str:
     return f"tsv-swe-{stem}-{uuid.uuid4().hex[:8]}"
 
 
+def volume_name(name: str) -> str:
+    return f"{name}-ws"
+
+
+def volume_argv(cfg, name: str) -> list[str]:
+    """``docker volume create`` of the container's workspace volume (point 5)."""
+    return [cfg.binary, "volume", "create", "--label", LABEL, volume_name(name)]
+
+
+def prepare_argv(cfg, name: str, image: str, seed: Path | None = None) -> list[str]:
+    """The preparing container (point 5): fill the workspace volume and give it to ``cfg.user``."""
+    mounts = ["-v", f"{volume_name(name)}:{cfg.workdir}"]
+    script = f"chown -R {cfg.user} {shlex.quote(cfg.workdir)}"
+    if seed is not None:  # a generic image: the clean repository comes from the host, read-only
+        mounts += ["-v", f"{seed}:/seed:ro"]
+        script = f"cp -a /seed/. {shlex.quote(cfg.workdir)}/ && {script}"
+    return [cfg.binary, "run", "--rm", "--label", LABEL, "--network", "none", "--cap-drop", "ALL",
+            *[a for cap in PREPARE_CAPS for a in ("--cap-add", cap)], "--security-opt", "no-new-privileges",
+            "--user", "0:0", *mounts, "--entrypoint", "sh", image, "-c", script]
+
+
 def run_argv(cfg, name: str, image: str) -> list[str]:
-    """``docker run`` of a detached container that idles until it is removed (``cfg``: ``swe.docker``)."""
+    """``docker run`` of a detached, unprivileged container that idles until it is removed (``cfg``: ``swe.docker``)."""
     return [cfg.binary, "run", "-d", "--init", "--name", name, "--label", LABEL,
-            "--network", cfg.network, "--cpus", f"{cfg.cpus:g}", "--memory", cfg.memory,
-            "--pids-limit", str(cfg.pids_limit), "-w", cfg.workdir, image, "sleep", "infinity"]
+            "--network", cfg.network, "--cpus", f"{cfg.cpus:g}", "--memory", cfg.memory, "--memory-swap", cfg.memory,
+            "--pids-limit", str(cfg.pids_limit), "--ulimit", f"nofile={cfg.nofile}:{cfg.nofile}",
+            "--user", cfg.user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+            "--read-only", "--tmpfs", f"/tmp:rw,nosuid,nodev,size={cfg.tmp_size}", "-e", "HOME=/tmp",
+            "-v", f"{volume_name(name)}:{cfg.workdir}", "-w", cfg.workdir, image, "sleep", "infinity"]
 
 
 def exec_argv(cfg, name: str, command: str, timeout_s: float, *, stdin: bool = False) -> list[str]:
-    """``docker exec`` of ``command`` in the repository folder, killed inside the container at ``timeout_s``."""
+    """``docker exec`` of ``command`` in the repository folder, killed inside the container at ``timeout_s``; it runs
+    as the container's user (``swe.docker.user``, point 5)."""
     seconds = max(1, int(round(timeout_s)))
     script = f"timeout -s KILL {seconds} bash -c {shlex.quote(command)}"
     if cfg.env_setup.strip():
@@ -64,9 +96,8 @@ def remove_argv(cfg, name: str) -> list[str]:
     return [cfg.binary, "rm", "-f", name]
 
 
-def copy_argv(cfg, name: str, source: Path) -> list[str]:
-    """``docker cp`` of a host folder's contents into the container's repository folder."""
-    return [cfg.binary, "cp", f"{source}{os.sep}.", f"{name}:{cfg.workdir}"]
+def remove_volume_argv(cfg, name: str) -> list[str]:
+    return [cfg.binary, "volume", "rm", "-f", volume_name(name)]
 
 
 async def _cli(argv: list[str], timeout_s: float, stdin: str | None = None,
@@ -97,14 +128,13 @@ class DockerWorkspace(Workspace):
     async def _start(self) -> None:
         seed = repository_folder(self.seed_dir, self.instance) if self.seed_dir is not None else None
         _LIVE[self.name] = self.cfg.binary  # registered first: a start cut short is still removed
-        result = await _cli(run_argv(self.cfg, self.name, self.image), self.cfg.start_timeout_s)
-        if not result.ok:
-            raise WorkspaceError(f"docker run {self.image} failed: {result.text()[-400:].strip()}")
+        for argv, what in ((volume_argv(self.cfg, self.name), "docker volume create"),
+                           (prepare_argv(self.cfg, self.name, self.image, seed), f"preparing {self.cfg.workdir} from {self.image}"),
+                           (run_argv(self.cfg, self.name, self.image), f"docker run {self.image}")):
+            result = await _cli(argv, self.cfg.start_timeout_s)
+            if not result.ok:
+                raise WorkspaceError(f"{what} failed: {result.text()[-400:].strip()}")
         self.started = True
-        if seed is not None:  # a generic image: the clean repository comes from the host (run -w made the folder)
-            copied = await _cli(copy_argv(self.cfg, self.name, seed), 120.0)
-            if not copied.ok:
-                raise WorkspaceError(f"copying {seed} into the container failed: {copied.text()[-400:]}")
         await self.prepare_repository()
 
     async def run(self, command: str, *, timeout_s: float, stdin: str | None = None,
@@ -132,9 +162,10 @@ class DockerWorkspace(Workspace):
     async def close(self) -> None:
         if _LIVE.pop(self.name, None) is None:
             return
-        result = await _cli(remove_argv(self.cfg, self.name), 60.0)
-        if not result.ok and "No such container" not in result.stderr:
-            logger.warning("could not remove container %s: %s", self.name, result.text()[-300:])
+        for argv in (remove_argv(self.cfg, self.name), remove_volume_argv(self.cfg, self.name)):
+            result = await _cli(argv, 60.0)
+            if not result.ok and "No such" not in result.stderr:
+                logger.warning("could not remove %s: %s", argv[-1], result.text()[-300:])
 
 
 def docker_available(binary: str = "docker", timeout_s: float = 10.0) -> tuple[bool, str]:
@@ -156,6 +187,7 @@ def _remove_live_containers() -> None:
     for name, binary in list(_LIVE.items()):
         try:
             subprocess.run([binary, "rm", "-f", name], capture_output=True, timeout=30)
+            subprocess.run([binary, "volume", "rm", "-f", volume_name(name)], capture_output=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
             pass
         _LIVE.pop(name, None)

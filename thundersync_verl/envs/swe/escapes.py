@@ -383,6 +383,9 @@ def leftovers(tag: str, docker_binary: str | None = None) -> dict:
         listed = subprocess.run([docker_binary, "ps", "-aq", "--filter", "label=thundersync.swe=1"], capture_output=True,
                                 text=True, timeout=60)
         processes += len(listed.stdout.split())
+        volumes = subprocess.run([docker_binary, "volume", "ls", "-q", "--filter", "label=thundersync.swe=1"],
+                                 capture_output=True, text=True, timeout=60)
+        files += [f"docker volume {v}" for v in volumes.stdout.split()]  # a workspace volume left behind
     return {"leftover_processes": processes, "leftover_files": len(files), "leftover_paths": files[:10]}
 
 

@@ -32,6 +32,13 @@ def _text(*, empty: bool = False) -> Callable:
     return check
 
 
+def _unprivileged(value, key):
+    parts = str(value).split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) == 0:
+        raise _Refused("uid:gid in numbers, uid not 0 (e.g. 1000:1000): the agent's shell never runs as root")
+    return str(value)
+
+
 @dataclass
 class DockerConfig(_Section, va.base_config_cls()):
     """``swe.docker``: one container per trajectory, through the docker CLI (``envs/swe/docker.py``)."""
@@ -49,6 +56,10 @@ class DockerConfig(_Section, va.base_config_cls()):
     env_setup: str = _key(SWE_SMITH_ENV_SETUP, _text(empty=True),
                           "shell run before every command (SWE-smith images: activate the testbed conda env)")
     start_timeout_s: float = _key(600.0, _number(above=0), "seconds docker run (and an image pull) may take")
+    user: str = _key("1000:1000", _unprivileged, "uid:gid the agent's commands run as (never 0: the container "
+                     "holds no capability and the repository volume is handed to this uid)")
+    tmp_size: str = _key("512m", _text(), "size of the container's /tmp tmpfs (also $HOME); its root is read-only")
+    nofile: int = _key(1024, _integer(64), "docker run --ulimit nofile: open files per process")
 
 
 @dataclass
