@@ -48,7 +48,8 @@ def build_megatron_model(folder: Path, seed: int = 0) -> tuple[Path, int, int]:
 
 def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, pp: int = 1,
                     distributed_optimizer: bool = False, optimizer: str | None = None, lr: float = 0.05,
-                    loss_agg_mode: str = "token-mean", dtype: str | None = None, remove_padding: bool = False):
+                    loss_agg_mode: str = "token-mean", dtype: str | None = None, remove_padding: bool = False,
+                    max_token_len: int | None = None):
     """verl's ppo_trainer.yaml with ``model_engine=megatron``, the CPU settings and one mini-batch per step.
 
     ``optimizer``: ``sgd`` (no momentum) by default; Megatron's distributed optimizer takes only Adam,
@@ -56,9 +57,10 @@ def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, p
     lr * g / (|g| + eps), close to linear in g, so dθ still compares gradients rather than their signs.
     ``dtype``: ``engine_setup.platform_dtype()``, from the harness platform (not CUDA visibility): ``float32`` on
     the CPU platform (its patch allows it), ``bfloat16`` on a GPU platform, since verl's config accepts only
-    bf16/fp16 there.
+    bf16/fp16 there. ``max_token_len``: ``use_dynamic_bsz=true`` with that ``ppo_max_token_len_per_gpu`` (and the
+    same budget for log-prob calls), as ``engine_setup.verl_config`` sets it for FSDP2.
     """
-    from thundersync_harness.engine_setup import platform_dtype
+    from thundersync_harness.engine_setup import dynamic_bsz_overrides, platform_dtype
 
     dtype = dtype or platform_dtype()
     optimizer = optimizer or ("adam" if distributed_optimizer else "sgd")
@@ -82,7 +84,7 @@ def megatron_config(model_path: Path, *, groups: int, micro: int, tp: int = 1, p
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"data.train_batch_size={groups}", "algorithm.adv_estimator=grpo",
     ]
-    return va.compose_ppo_config(overrides)
+    return va.compose_ppo_config(overrides + dynamic_bsz_overrides(max_token_len))
 
 
 def _times_fp32(a: float, b: float) -> float:

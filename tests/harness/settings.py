@@ -5,13 +5,13 @@ Why:
    own harness module with the same four parts: its arguments, its refusals, what it changes in verl's config (both
    the stream and verl's update read it from there), and the keys and name suffix it adds to the result. They run
    here in one fixed order, so the benchmark names each part once and a new setting is one more module in a list.
-2. The order of the name suffixes is the order of the modules: batching, precision, MoE, LoRA, policy loss (the
-   result files already written keep their names).
+2. The order of the name suffixes is the order of the modules: batching, precision, MoE, LoRA, policy loss, rollout
+   correction (the result files already written keep their names).
 """
 
 from __future__ import annotations
 
-from thundersync_harness import batching, lora, moe, policy_loss, precision
+from thundersync_harness import batching, lora, moe, policy_loss, precision, rollout_correction
 
 
 def add_arguments(parser) -> None:
@@ -20,6 +20,7 @@ def add_arguments(parser) -> None:
     moe.add_moe_arguments(parser)
     lora.add_lora_arguments(parser)
     policy_loss.add_policy_loss_arguments(parser)
+    rollout_correction.add_rollout_correction_arguments(parser)
 
 
 def check(parser, args):
@@ -28,7 +29,10 @@ def check(parser, args):
     args = precision.check_precision(parser, args)
     args = moe.check_moe(parser, args)
     args = lora.check_lora(parser, args)
-    return policy_loss.check_policy_loss(parser, args)
+    args = policy_loss.check_policy_loss(parser, args)
+    args = rollout_correction.check_rollout_correction(parser, args)
+    args.rc_spec = rollout_correction.rollout_correction_spec(args)  # one spec: its drawn log-probs and counts
+    return args
 
 
 def apply(config, args) -> None:
@@ -45,4 +49,5 @@ def result_name(args, result: dict, name: str, runs: dict) -> str:
     name = precision.precision_result(args, result, name, runs)
     name = moe.moe_result(args, result, name)
     name = lora.lora_result(args, result, name, runs)
-    return policy_loss.policy_loss_result(args, result, name)
+    name = policy_loss.policy_loss_result(args, result, name)
+    return rollout_correction.rollout_correction_result(args, result, name, getattr(args, "rc_spec", None))

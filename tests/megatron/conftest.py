@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from thundersync_harness import engine_setup, megatron_engine, megatron_per_token
+from thundersync_harness import engine_setup, megatron_dynamic, megatron_engine, megatron_per_token
 from thundersync_harness import moe as moe_harness
 
 
@@ -34,13 +34,17 @@ def start_megatron(tmp_path_factory):
     ``per_token_loss``: Megatron's per-token-loss regime forced on (``thundersync_harness.megatron_per_token``).
     ``remove_padding``: verl's packed (THD) path (``use_remove_padding=True``; the CPU spec's packed attention).
     ``moe``: the tiny Qwen3-MoE (4 experts, top-2) instead of the dense model, experts over ``ep`` of the
-    ``dp`` ranks (``thundersync_harness.moe``)."""
+    ``dp`` ranks (``thundersync_harness.moe``).
+    ``max_token_len``: verl's token-budgeted micro-batches (``use_dynamic_bsz=True`` with that
+    ``ppo_max_token_len_per_gpu``), on workers that can record the engine's cut
+    (``thundersync_harness.megatron_dynamic``)."""
     with contextlib.ExitStack() as session:  # Ray and the environment, restored at the module's end if started
         started: list[Path] = []
 
         def start(*, tp: int = 1, pp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
                   groups: int = 2, micro: int = 4, per_token_loss: bool = False,
-                  remove_padding: bool = False, moe: bool = False, ep: int = 1) -> MegatronGroup:
+                  remove_padding: bool = False, moe: bool = False, ep: int = 1,
+                  max_token_len: int | None = None) -> MegatronGroup:
             assert not started, "one layout per test module"
             work = tmp_path_factory.mktemp("megatron")
             started.append(session.enter_context(engine_setup.ray_session()))
@@ -48,12 +52,17 @@ def start_megatron(tmp_path_factory):
                 work / "model")
             build = megatron_per_token.per_token_config if per_token_loss else megatron_engine.megatron_config
             config = build(path, groups=groups, micro=micro, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer,
-                           **({"remove_padding": True} if remove_padding else {}))
+                           **({"remove_padding": True} if remove_padding else {}),
+                           **({"max_token_len": max_token_len} if max_token_len else {}))
             if moe:
                 moe_harness.apply_moe(config, ep=ep)
             world = tp * pp * dp
-            wg = (megatron_per_token.start_per_token_workers(config, world) if per_token_loss
-                  else megatron_engine.start_megatron_workers(config, world, probe=True))
+            if per_token_loss:
+                wg = megatron_per_token.start_per_token_workers(config, world)
+            elif max_token_len:
+                wg = megatron_dynamic.start_dynamic_workers(config, world)
+            else:
+                wg = megatron_engine.start_megatron_workers(config, world, probe=True)
             return MegatronGroup(wg, pad_id, vocab, path, world)
 
         yield start

@@ -42,7 +42,11 @@ def test_a_streamable_grpo_config_gives_settings_and_a_planner(grpo_config):
         ({f"{ACTOR}.ppo_mini_batch_size": 3}, "ppo_mini_batch_size=3 must divide data.train_batch_size=8"),
         ({"algorithm.adv_estimator": "gae"}, "adv_estimator='gae' cannot be streamed"),
         ({f"{ACTOR}.policy_loss.loss_mode": "clip_cov"}, "loss_mode='clip_cov' cannot be streamed"),
-        ({"algorithm.rollout_correction.rollout_is": "token"}, "no IS weights"),
+        ({"algorithm.rollout_correction.rollout_is": "token", f"{ACTOR}.ppo_mini_batch_size": 4},
+         "later mini-batches' PPO chunks carry no IS weights"),
+        ({"algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_batch_normalize":
+          True}, "rollout_is_batch_normalize=true cannot be streamed"),
+        ({"algorithm.rollout_correction.rollout_rs": "token_k1"}, "rejection sampling"),
         ({f"{ACTOR}.use_kl_loss": True, f"{ACTOR}.kl_loss_type": "full"}, "kl_loss_type='full' is unknown"),
         ({f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_scale_factor"),
     ],
@@ -57,6 +61,23 @@ def test_settings_that_break_exactness_are_refused_naming_the_key(grpo_config, c
 def test_kl_loss_and_entropy_bonus_stream(grpo_config, kl_type):
     changes = {f"{ACTOR}.use_kl_loss": True, f"{ACTOR}.kl_loss_type": kl_type, f"{ACTOR}.entropy_coeff": 0.01}
     assert settings_from_verl_config(_with(grpo_config, **changes)).loss_agg_mode == "token-mean"
+
+
+@pytest.mark.parametrize("level, threshold, bounds", [("token", 2.0, (2.0, None)), ("sequence", "0.5_2.0", (2.0, 0.5))])
+def test_rollout_is_streams_in_one_mini_batch_and_reaches_the_worker_through_the_meta(grpo_config, level, threshold,
+                                                                                      bounds):
+    from thundersync_verl.step.stream_plan import rollout_correction_meta
+
+    cfg = _with(grpo_config, **{"algorithm.rollout_correction.rollout_is": level,
+                                "algorithm.rollout_correction.rollout_is_threshold": threshold})
+    trainer = settings_from_verl_config(cfg)
+    meta = rollout_correction_meta(cfg)
+    assert meta == {"rollout_is": level, "rollout_is_threshold": threshold, "rollout_is_batch_normalize": False}
+    worker = settings_from_verl_config(cfg.actor_rollout_ref, train_batch_size=8, **meta)  # what a worker holds
+    for s in (trainer, worker):
+        assert (s.rollout_is, s.rollout_is_upper, s.rollout_is_lower) == (level, *bounds)
+    assert rollout_correction_meta(grpo_config) == {}
+    assert settings_from_verl_config(grpo_config.actor_rollout_ref, train_batch_size=8).rollout_is is None
 
 
 def test_worker_side_validation_uses_the_batch_meta(grpo_config):

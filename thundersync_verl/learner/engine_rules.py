@@ -194,7 +194,8 @@ def actor_config_settings(actor_rollout_ref: Any, meta: Mapping[str, Any]):
     return settings, terms
 
 
-SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo")
+SETTING_KEYS = ("loss_agg_mode", "train_batch_size", "adv_estimator", "norm_adv_by_std_in_grpo", "rollout_is",
+                "rollout_is_threshold", "rollout_is_batch_normalize")
 
 
 def config_refusals(config: Any, *, batch_meta: Mapping[str, Any] | None) -> list[str]:

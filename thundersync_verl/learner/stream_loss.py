@@ -47,17 +47,55 @@ Why:
    the one rounding is where the backward casts the log-probs' gradient back to bf16. The streamed losses do the
    same (``loss_log_probs``): coefficients, token weights, reference and teacher log-probs stay fp32. Cast to the
    log-probs' dtype instead, every A_i and 1/|o_i| would be rounded to 8 bits before that cast.
+8. Rollout correction (``algorithm.rollout_correction.rollout_is``): verl multiplies each token's policy loss by a
+   truncated importance weight of the old log-probs against the rollout engine's (token or sequence level, a TIS
+   clamp or an IcePop band, ``core.rollout_is_weights``). Here the old log-probs are the backward's own forward at
+   the batch's weights (ratio 1), and the rollout's ride in the chunk (``ts_rollout_log_prob``), so the weight of
+   every token is fixed by its own trajectory: a detached factor of the policy term only (not of the KL and
+   entropy terms, as in verl), normaliser unchanged. ``rollout_is_batch_normalize`` needs the whole batch and
+   stays refused (``core/config_validation.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import kl_per_token, token_weights
+from thundersync_verl.core import kl_per_token, rollout_is_weights, token_weights
 from thundersync_verl.step.chunk_layout import (ADV_CLAMP_KEY, COEF_KEY, ENTROPY_METRIC, IndependentTerms, KL_LOSS_METRIC, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, NO_TERMS, PARTS, PART_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, TEACHER_KEY, TOKEN_COEF_KEY, chunk_refused)
+
+
+@dataclass(frozen=True)
+class RolloutIS:
+    """verl's ``rollout_is`` level and parsed threshold (point 8); ``level`` None: no weights."""
+
+    level: str | None = None
+    upper: float | None = None
+    lower: float | None = None
+
+    @classmethod
+    def from_settings(cls, settings) -> "RolloutIS":
+        return cls(getattr(settings, "rollout_is", None), getattr(settings, "rollout_is_upper", None),
+                   getattr(settings, "rollout_is_lower", None))
+
+    def weights(self, data, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The detached [B, T] IS weights of the chunk's tokens (1 where no correction is set)."""
+        if self.level is None:
+            return torch.ones_like(log_prob)
+        if ROLLOUT_LP_KEY not in data.keys():
+            raise chunk_refused(
+                f"algorithm.rollout_correction.rollout_is={self.level!r} is on but the chunk has no {ROLLOUT_LP_KEY}",
+                "each token's IS weight compares the learner's log-prob with the rollout engine's",
+                "send the rollout's log-probs with every chunk (rollout.calculate_log_probs=true; the trainer fetches "
+                "them when rollout_is is set)")
+        rollout = va.padded_fields(data, ROLLOUT_LP_KEY)[ROLLOUT_LP_KEY].to(device=log_prob.device, dtype=log_prob.dtype)
+        return rollout_is_weights(log_prob.detach(), rollout, mask, self.level, self.upper, self.lower)  # [B, T]
+
+
+NO_IS = RolloutIS()
 
 
 def loss_log_probs(model_output, data) -> torch.Tensor:
@@ -66,7 +104,8 @@ def loss_log_probs(model_output, data) -> torch.Tensor:
     return log_prob.to(torch.promote_types(log_prob.dtype, torch.float32))
 
 
-def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str, terms: IndependentTerms = NO_TERMS):
+def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str, terms: IndependentTerms = NO_TERMS,
+                       rollout_is: RolloutIS = NO_IS):
     """dp_size * sum_{i,t} w_{i,t} (-ts_coef_i log pi + kl_coef kl_{i,t} - ent_coef H_{i,t}) for one micro-batch.
 
     ``ts_part`` picks the terms (point 6): "all", "policy" (the ts_coef term) or "independent"
@@ -82,7 +121,8 @@ def stream_policy_loss(model_output, data, dp_group=None, *, loss_agg_mode: str,
     metrics = {"stream/scored_tokens": int((mask != 0).sum()), **_rollout_gap(data, log_prob, mask != 0)}
     loss = log_prob.new_zeros(())  # scalar
     if part != "independent":
-        loss = loss - (coef * (weights * log_prob).sum(dim=-1)).sum()  # scalar
+        is_weights = rollout_is.weights(data, log_prob, mask)  # [B, T], 1 without rollout correction (point 8)
+        loss = loss - (coef * (weights * is_weights * log_prob).sum(dim=-1)).sum()  # scalar
     if part != "policy" and terms.active:
         loss = loss + independent_loss(model_output, data, log_prob, weights, terms, metrics)
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
@@ -126,10 +166,10 @@ def _rollout_gap(data, log_prob, scored) -> dict:
     return {LP_DIFF_METRIC: float(gap)}
 
 
-def make_stream_loss(loss_agg_mode: str, terms: IndependentTerms = NO_TERMS):
-    """The loss function bound to one batch's ``loss_agg_mode`` and KL/entropy settings."""
+def make_stream_loss(loss_agg_mode: str, terms: IndependentTerms = NO_TERMS, rollout_is: RolloutIS = NO_IS):
+    """The loss function bound to one batch's ``loss_agg_mode``, KL/entropy and rollout-correction settings."""
     token_weights(loss_agg_mode, torch.ones(1, 1))  # raises for an unknown mode, before any backward
-    return partial(stream_policy_loss, loss_agg_mode=loss_agg_mode, terms=terms)
+    return partial(stream_policy_loss, loss_agg_mode=loss_agg_mode, terms=terms, rollout_is=rollout_is)
 
 
 def set_chunk_part(chunk, part: str, terms: IndependentTerms) -> None:

@@ -63,7 +63,7 @@ from thundersync_verl.learner.forward_clock import ForwardClock
 from thundersync_verl.learner.engines import StreamLearner, make_learner
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY, IndependentTerms, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, REF_LP_KEY, SEQ_KEY, TEACHER_KEY, TOKEN_COEF_KEY
-from thundersync_verl.learner.stream_loss import make_stream_loss, make_token_stream_loss, set_chunk_part
+from thundersync_verl.learner.stream_loss import NO_IS, RolloutIS, make_stream_loss, make_token_stream_loss, set_chunk_part
 from thundersync_verl.learner.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC
 from thundersync_verl.algos.sao.sao_loss import is_sao_chunk, sao_token_loss
@@ -81,12 +81,14 @@ register, Dispatch, ACTOR_MESH = va.worker_register_api()
 class _BatchState:
     """Per-batch streaming state of one rank: bucket buffers and counters."""
 
-    def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict, terms: IndependentTerms | None = None):
+    def __init__(self, layout: GradLayout, loss_agg_mode: str, meta: dict, terms: IndependentTerms | None = None,
+                 rollout_is: RolloutIS = NO_IS):
         self.pool = BufferPool.for_learner(layout, bucket_device=meta.get(BUCKET_DEVICE_KEY, "auto"), budget_bytes=meta.get(BUDGET_KEY))
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.loss_agg_mode = loss_agg_mode
         self.terms = terms or IndependentTerms()
-        self.loss_fn = make_stream_loss(loss_agg_mode, self.terms)
+        self.rollout_is = rollout_is
+        self.loss_fn = make_stream_loss(loss_agg_mode, self.terms, rollout_is)
         self.meta = dict(meta)
         self.independent_buckets = bool(meta.get(INDEPENDENT_BUCKETS_KEY, False))  # minibatch_plan point 7
         self.failed: str | None = None
@@ -212,7 +214,8 @@ class StreamingActorWorker(_Base):
         with self._exclusive("stream_begin_batch"):
             learner = self._learner()
             layout = learner.bucket_layout()
-            state = _BatchState(layout, settings.loss_agg_mode, meta, terms)  # checks the budget before anything changes
+            state = _BatchState(layout, settings.loss_agg_mode, meta, terms,  # checks the budget before anything changes
+                                RolloutIS.from_settings(settings))
             learner.begin_batch()
             self._ts = state
             self._ts_next = 0  # every call runs on the actor's one event loop thread

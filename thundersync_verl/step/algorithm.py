@@ -22,6 +22,7 @@ from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.core.errors import rule_message
 from thundersync_verl.step.contracts import TrainerAlgorithm
 from thundersync_verl.step.grpo_algorithm import GRPOAlgorithm
+from thundersync_verl.step.stream_plan import rollout_correction_meta
 
 
 def choose_algorithm(config) -> TrainerAlgorithm:
@@ -50,4 +51,5 @@ def begin_batch_meta(config) -> dict:
     elif name == "grpo":
         meta.update(adv_estimator=algorithm.get("adv_estimator", "grpo"),
                     norm_adv_by_std_in_grpo=bool(algorithm.get("norm_adv_by_std_in_grpo", True)))
+        meta.update(rollout_correction_meta(config))  # the learner's IS weights (StreamPlanner.from_settings)
     return meta

@@ -53,6 +53,7 @@ from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
 from thundersync_verl.step.streamed_step import StepContext, StreamedStep
+from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 from thundersync_verl.run.timeline import TimelineFeed
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,13 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "thundersync.learner_forward=fused needs the rollout's log-probs",
             "the fused check compares them with the backward's forward, and old_log_probs is filled from them",
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
+    rollout_is = config.algorithm.get("rollout_correction", None) and config.algorithm.rollout_correction.get("rollout_is")
+    if rollout_is is not None and not arr.rollout.get("calculate_log_probs", False):
+        raise StreamingConfigError(rule_message(
+            f"algorithm.rollout_correction.rollout_is={rollout_is!r} needs the rollout's log-probs",
+            "each token's IS weight compares the learner's log-prob with the rollout engine's, which the learner "
+            "reads from every streamed row",
+            "set actor_rollout_ref.rollout.calculate_log_probs=true, or algorithm.rollout_correction.rollout_is=null"))
     algo.validate(config, ts)  # its own streaming rules
     _check_minibatch_forward(config, ts)
     return ts
@@ -143,6 +151,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
         ce_config = api.omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
         self.rollout_checkpoint = api.CheckpointEngineManager(
             config=ce_config, actor_wg=self.actor_rollout_wg, replicas=self.rollout_manager.get_replicas())
+        self.nodes_at_start = resume.alive_nodes()  # a node lost later is named in the stop (run/resume.py point 4)
 
     def get_llm_client(self):
         return self.algo.llm_client(self.rollout_manager.get_client(), self)
@@ -243,8 +252,14 @@ class ThunderSyncTrainer(api.PPOTrainer):
         with api.marked_timer("stream", timing_raw, color="red"):
             try:
                 out, state = step.run()
-            except ray.exceptions.RayActorError as exc:
-                raise resume.learner_lost(self.global_steps, exc, self.config) from exc
+            except Exception as exc:
+                lost = resume.lost_nodes(getattr(self, "nodes_at_start", {}), wait_s=resume.NODE_LOSS_WAIT_S * isinstance(
+                    exc, (ray.exceptions.RayActorError, TrajectoryNeverArrived)))
+                if lost:
+                    raise resume.node_lost(self.global_steps, lost, exc, self.config) from exc
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    raise resume.learner_lost(self.global_steps, exc, self.config) from exc
+                raise
         timing_raw["gen"] = state.rollout_makespan_s  # verl's name for the rollout's makespan
         metrics.update(step.metrics(out))
         if self.run_state.count_step(out):

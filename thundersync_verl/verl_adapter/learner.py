@@ -15,6 +15,13 @@ def tinker_actor_worker_base():
     return TinkerActorRolloutRefWorker
 
 
+def verl_worker_base():
+    """verl's bare ``Worker`` (rank, world size, dispatch registration): the base of a worker group's class."""
+    from verl.single_controller.base import Worker
+
+    return Worker
+
+
 def worker_register_api():
     """``(register, Dispatch, actor_mesh_dispatch)``: verl's seams for registered worker methods; the third is
     ``actor_mesh_dispatch()``, verl's actor-mesh dispatch for the per-chunk streaming calls."""
@@ -30,7 +37,8 @@ def actor_mesh_dispatch() -> dict:
     there. Two costs of verl's dispatch are left out, both paid on the driver per call: the split when there is one
     part (verl re-chunks the nested tensors into one copy), and the ``ray.put`` of every part through a fresh
     thread pool (``parallel_put``): a part for one rank travels inside the call, a part that several ranks share
-    (tensor/pipeline peers) is put once. With several parts the split is verl's own.
+    (tensor/pipeline peers) is put once. A ``DataParallelParts`` argument (one part per dp rank, built so by the
+    driver) is not split at all; any other batch with several parts is split by verl's own split.
     """
     from functools import partial
 
@@ -40,7 +48,10 @@ def actor_mesh_dispatch() -> dict:
     def dispatch(worker_group, *args, **kwargs):
         dp_size = _mesh_dp_size(worker_group, "actor")
         mapping = worker_group._dispatch_info["actor"]
-        if dp_size == 1:
+        if any(isinstance(v, DataParallelParts) for v in (*args, *kwargs.values())):  # built per rank by the driver
+            parts = [_given_parts(arg, dp_size) for arg in args]
+            kw_parts = {k: _given_parts(v, dp_size) for k, v in kwargs.items()}
+        elif dp_size == 1:
             parts, kw_parts = [[arg] for arg in args], {k: [v] for k, v in kwargs.items()}
         else:
             parts, kw_parts = verl_dispatch._split_args_kwargs_data_proto(dp_size, *args, **kwargs)
@@ -53,6 +64,22 @@ def actor_mesh_dispatch() -> dict:
         return tuple(per_rank(p) for p in parts), {k: per_rank(p) for k, p in kw_parts.items()}
 
     return {"dispatch_fn": dispatch, "collect_fn": partial(verl_dispatch.collect_lazy_compute_data_proto, "actor")}
+
+
+class DataParallelParts(list):
+    """A call's argument already cut into one part per data-parallel rank (in dp-rank order), e.g. a streamed chunk
+    built part by part (``chunk_layout.build_stream_parts``): ``actor_mesh_dispatch`` hands part i to the ranks of
+    dp rank i as it is, without verl's split of the whole batch (which re-chunks every nested tensor per call)."""
+
+
+def _given_parts(value, dp_size: int) -> list:
+    """``value``'s parts: its own for ``DataParallelParts`` (one per dp rank), else the same value for every rank."""
+    if not isinstance(value, DataParallelParts):
+        return [value] * dp_size
+    if len(value) != dp_size:
+        raise ValueError(f"{len(value)} pre-split parts for {dp_size} data-parallel ranks: build one part per rank "
+                         "(stream_exec reads the count from actor_dp_size)")
+    return list(value)
 
 
 def actor_dp_size(worker_group) -> int:
@@ -204,6 +231,14 @@ def grpo_compute_advantage(data, *, adv_estimator: str, norm_adv_by_std_in_grpo:
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
     return compute_advantage(data, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+
+
+def rollout_correction(data, rollout_corr: dict):
+    """verl's trainer-side rollout correction on a DataProto holding ``old_log_probs`` and ``rollout_log_probs``:
+    ``(data, metrics)`` with ``rollout_is_weights`` added (and ``response_mask`` changed by rejection sampling)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    return compute_rollout_correction_and_add_to_batch(data, rollout_corr)
 
 
 def policy_loss_fn(loss_mode: str):

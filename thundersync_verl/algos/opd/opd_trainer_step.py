@@ -99,6 +99,13 @@ class OPDAlgorithm(TrainerAlgorithmDefaults):
                 "OPD turn streaming has no KL loss or entropy bonus term",
                 "a turn chunk's loss is the distillation policy gradient; the configured terms would be silently dropped",
                 "set " + ", ".join(f"actor_rollout_ref.actor.{t}" for t in terms)))
+        rc = config.algorithm.get("rollout_correction", None)
+        if rc is not None and rc.get("rollout_is") is not None:
+            raise StreamingConfigError(rule_message(
+                f"OPD turn streaming carries no rollout IS weights (algorithm.rollout_correction.rollout_is="
+                f"{rc.get('rollout_is')!r})",
+                "a turn chunk's loss is the distillation policy gradient; the weights would be silently dropped",
+                "set algorithm.rollout_correction.rollout_is=null, or run OPD with mode=sync"))
 
     def llm_client(self, client, trainer):
         return attach_teacher_clients(client, trainer.get_teacher_client())  # the agent loops score each turn

@@ -42,6 +42,12 @@ Why:
    Checked against verl's Megatron update in the regime (``tests/megatron/test_megatron_per_token_loss_on_cpu.py``,
    ``benchmarks/equivalence.py --engine megatron --per-token-loss``); CP > 1 itself is not runnable on the CPU
    (Megatron's local attention refuses it: TransformerEngine only).
+7. verl's token-budgeted micro-batches (``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``) need nothing here: verl's
+   engine cuts each streamed call by the budget as it cuts its own update (``prepare_micro_batches``, the count
+   all-reduced over DP), and point 2's round trip (verl's loss x n, the schedule's / n) holds for whatever n the
+   budget gives, as do point 6's per-call seeds. Checked against verl's Megatron update under the same budget
+   (``tests/megatron/test_megatron_dynamic_bsz_on_cpu.py``,
+   ``benchmarks/equivalence.py --engine megatron --dynamic-bsz``).
 """
 
 from __future__ import annotations
