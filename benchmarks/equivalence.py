@@ -74,8 +74,8 @@ Why:
    printed verdict names both. JSON <name>_seeds, so the single-seed results are not overwritten; a single run
    with ``--seed N`` (N != 0) writes <name>_seedN. When a seed's comparison fails, the seeds compared before it
    are written to <name>_seeds_partial (with ``failed_seed`` and ``seeds_not_run``) before the error is raised.
-13. ``--remove-padding`` / ``--dynamic-bsz`` (FSDP2 GRPO; ``--remove-padding`` on Megatron too, plain or per-token):
-   both paths packed / token-budgeted (``thundersync_harness.batching``).
+13. ``--remove-padding`` / ``--dynamic-bsz`` (plain GRPO on FSDP2 or Megatron; on Megatron also ``--per-token-loss``,
+   packed as verl requires there): both paths packed / token-budgeted (``thundersync_harness.batching``).
 14. ``--dtype bf16`` (plain GRPO, fsdp or megatron): bf16 parameters, fp32 master weights and gradients for both
    paths (``thundersync_harness.precision``, with its diagnostics of the bf16 rounding); JSON <name>_bf16, ``dtype`` key.
 15. ``--engine megatron --moe [--ep 2 --dp 2]``: the plain GRPO comparison on a tiny Qwen3-MoE (4 experts, top-2,
@@ -84,6 +84,9 @@ Why:
 16. ``--lora-rank R`` (fsdp GRPO, plain or ``--kl``): a peft adapter on verl's engine, the adapter-off actor as the KL
    reference, the rollout's staleness measured on an ``hf_cpu`` server, point 7's controls and each step from one
    point (``thundersync_harness.lora``); JSON <name>_lora<R> (``lora_rank`` key).
+17. ``--rollout-correction tis|token-mask|sequence-tis|sequence-mask`` (plain GRPO): verl's rollout IS weights
+   against noisy rollout log-probs, verl's trainer function on its side, the learner's loss on the stream's
+   (``thundersync_harness.rollout_correction``); JSON <name>_rc_<variant> (``rollout_correction`` key).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -92,6 +95,7 @@ the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -153,25 +157,28 @@ def float64_sum_stream_step(wg, trajs, arrival: list[int], pad_id: int) -> dict:
         wg.probe_float64_sum(False)
 
 
-def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, float64_sum: bool = False) -> dict:
+def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, float64_sum: bool = False,
+               spec: PolicySpec | None = None) -> dict:
     """``diagnostics``: also the stream with verl's rounding of 1/N (``PrescaledSpec``) and verl's
     update with the advantages x16 and x24 (the control of point 7). ``float64_sum``: also the stream
-    summed in float64 (point 11)."""
+    summed in float64 (point 11). ``spec``: the GRPO spec of every path (default ``PolicySpec()``; e.g. the rollout
+    correction's, point 17)."""
+    spec = spec or PolicySpec()
     kinds = ["sync_a", "sync_b", "stream"] + (["stream_prescaled", "sync_pow2", "sync_other", "sync_fine"]
                                               if diagnostics else []) + (["stream_fp64sum"] if float64_sum else [])
     steps = {kind: [] for kind in kinds}
     for trajs, arrival in batches:
         in_order = list(range(len(trajs)))
-        steps["sync_a"].append(partial(sync_step, wg, trajs, in_order, pad_id))
-        steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id))
-        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id))
+        steps["sync_a"].append(partial(sync_step, wg, trajs, in_order, pad_id, spec))
+        steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id, spec))
+        steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
         if diagnostics:
             steps["stream_prescaled"].append(partial(stream_step, wg, trajs, arrival, pad_id, PrescaledSpec()))
             steps["sync_pow2"].append(partial(sync_step, wg, trajs, in_order, pad_id,
-                                              PolicySpec(advantage_scale=CONTROL_POW2)))
+                                              dataclasses.replace(spec, advantage_scale=CONTROL_POW2)))
             steps["sync_other"].append(partial(sync_step, wg, trajs, in_order, pad_id,
-                                               PolicySpec(advantage_scale=CONTROL_OTHER)))
-            steps["sync_fine"].append(partial(sync_step, wg, trajs, in_order, pad_id, micro=1))
+                                               dataclasses.replace(spec, advantage_scale=CONTROL_OTHER)))
+            steps["sync_fine"].append(partial(sync_step, wg, trajs, in_order, pad_id, spec, micro=1))
         if float64_sum:
             steps["stream_fp64sum"].append(partial(float64_sum_stream_step, wg, trajs, arrival, pad_id))
     return steps
@@ -325,7 +332,7 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         if args.algo == "opd":
             steps = opd_steps(wg, batches, pad_id, micro)
         else:
-            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank),
+            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank), spec=args.rc_spec,
                                float64_sum=args.float64_sum)
             steps.update(batching.regrouped_floor_steps(args, wg, batches, pad_id))
             steps.update(precision.diagnostic_steps(args, wg, batches, pad_id))  # --dtype bf16 (point 14)

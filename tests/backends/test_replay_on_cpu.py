@@ -224,7 +224,7 @@ def test_verl_resolves_rollout_replay_like_hf_cpu():
     assert get_rollout_class("replay").__name__ == "ReplayServerAdapter"
 
 
-# -- end to end: stock main_ppo records one step, then replays it in Sync and ThunderSync modes ---------------
+# -- end to end: stock main_ppo records one step with hf_cpu, then replays it in ThunderSync mode -----------------
 TOY_REWARD = """
 import zlib
 async def score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -292,9 +292,12 @@ def _trajectories(path):
     return gens, rewards
 
 
-@pytest.mark.slow  # launches verl's main_ppo three times
+@pytest.mark.slow  # launches verl's main_ppo twice
 @pytest.mark.timeout(1800)
-def test_main_ppo_replays_one_recorded_step_in_sync_and_thundersync_modes(tmp_path, tool_happy_student):
+def test_main_ppo_replays_one_hf_cpu_recorded_step_in_thundersync_mode(tmp_path, tool_happy_student):
+    """Recorded from the real ``hf_cpu`` rollout (multi-turn, a reward function of its own), replayed in ThunderSync:
+    the same calls, tokens, log-probs, rewards and update. Replays in Sync run in every e2e test on the shared
+    recording (``main_ppo_runs``: their Sync runs), so this one launches ThunderSync only."""
     rec = tmp_path / "recording.jsonl"
     toy = tmp_path / "toy_reward.py"
     toy.write_text(TOY_REWARD)
@@ -305,7 +308,7 @@ def test_main_ppo_replays_one_recorded_step_in_sync_and_thundersync_modes(tmp_pa
     assert len(rewards) == 8 * 4 and len(gens) > len(rewards)  # one step: 8 prompts x rollout.n=4, multi-turn
     assert 0 < sum(r[2] for r in rewards) < len(rewards)
     assert len(recorded) == 1 and recorded[0]["actor/grad_norm"] > 0
-    for mode in ("sync", "thundersync"):
+    for mode in ("thundersync",):
         served = tmp_path / f"served_{mode}.jsonl"
         rows = _main_ppo(
             tmp_path, tool_happy_student, mode,

@@ -40,10 +40,15 @@ MICRO = f"{ACTOR}.ppo_micro_batch_size_per_gpu"
 TERMS = [f"{ACTOR}.use_kl_loss=true", f"{ACTOR}.kl_loss_coef=0.1", f"{ACTOR}.entropy_coeff=0.01",
          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
 K1 = [f"{ACTOR}.kl_loss_type=k1", *TERMS, *runs.RESOLVING_SGD]
+# rollout correction's IS weights in the learner's loss: a replayed rollout's log-probs are the learner's at step 1,
+# so every weight is 1 within rounding and the update stays Sync's; what runs is the wiring (the rows' rollout
+# log-probs fetched into every chunk, the settings in the batch meta: a chunk without them is refused). The weights
+# away from 1 are compared with verl's in tests/learner/test_rollout_correction_engine_on_cpu.py.
+ROLLOUT_IS = "algorithm.rollout_correction.rollout_is=token"
 # (estimator settings, loss aggregation, rule); token-sum's reference runs give the floor both rules use
 SHAPES = {
     "grpo-token-sum": (["algorithm.adv_estimator=grpo", *runs.TOKEN_SUM], runs.within_sums_order),
-    "rpp-token-mean": (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=1.0"], runs.within_floor),
+    "rpp-token-mean": (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=1.0", ROLLOUT_IS], runs.within_floor),
 }
 MINI_BATCHES = ["algorithm.adv_estimator=rloo", f"{ACTOR}.ppo_mini_batch_size=4", f"{ACTOR}.kl_loss_type=low_var_kl",
                 *TERMS]

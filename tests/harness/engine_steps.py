@@ -146,15 +146,15 @@ def verl_update(wg, data, mini_rows: int, *, epochs: int = 1, calculate_entropy:
                 micro: int | None = None, max_token_len: int | None = None) -> dict:
     """verl's ``update_actor`` on a DataProto batch: mini-batches of ``mini_rows`` rows for ``epochs`` epochs,
     no shuffle (micro-batches of ``micro`` rows, or a token budget of ``max_token_len``, when given, else the
-    worker's configured ones)."""
+    worker's configured ones; ``micro`` switches a configured token budget off for this call)."""
     import numpy as np
 
     td = va.to_no_padding(data.to_tensordict())
     va.assign_non_tensor(td, calculate_entropy=calculate_entropy, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=mini_rows, mini_batch_size=mini_rows, epochs=epochs, seed=42,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
-    if micro is not None:
-        va.assign_non_tensor(td, micro_batch_size_per_gpu=int(micro))
+    if micro is not None:  # fixed micro-batches of that size, also where the worker cuts by a token budget
+        va.assign_non_tensor(td, micro_batch_size_per_gpu=int(micro), use_dynamic_bsz=False)
     if max_token_len is not None:
         va.assign_non_tensor(td, max_token_len_per_gpu=int(max_token_len))
     metrics = va.td_get(wg.update_actor(td), "metrics")
@@ -278,8 +278,9 @@ class StreamingLearnerClient:
     """
 
     def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None,
-                 ref_group=None):
+                 ref_group=None, rollout_lp: dict | None = None):
         self.wg, self.ref_wg, self.ref_calls = worker_group, ref_group, 0
+        self.rollout_lp = rollout_lp  # (gid, traj_id) -> the rollout engine's log-probs, sent with each row
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.dp_size = int(dp_size or va.actor_dp_size(worker_group))  # verl's split: TP/PP peers share a part
@@ -294,9 +295,10 @@ class StreamingLearnerClient:
             if isinstance(op, BackwardOp):
                 rows = [trajectories[item] for item in op.items]
                 masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
+                lps = None if self.rollout_lp is None else [self.rollout_lp[item] for item in op.items]
                 chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
                                            dp_size=self.dp_size, pad_token_id=self.pad_token_id,
-                                           temperature=self.temperature, response_masks=masks)
+                                           temperature=self.temperature, response_masks=masks, rollout_log_probs=lps)
                 self.attach_ref(chunk)
                 results.append(self.wg.stream_backward(chunk))
             elif isinstance(op, FoldOp):

@@ -87,6 +87,7 @@ class RolloutCorrectionSpec(PolicySpec):
         data.batch["rollout_log_probs"] = lp
         data, _ = va.rollout_correction(data, self.config())
         self._count(data.batch["rollout_is_weights"], data.batch["response_mask"])
+        self._near_edge(data.batch["old_log_probs"] - lp, data.batch["response_mask"])
         return self.advantages(data)
 
     def meta(self, groups: int) -> dict:
@@ -106,6 +107,21 @@ class RolloutCorrectionSpec(PolicySpec):
         for k, v in (("tokens", int(scored.sum())), ("zero", int((w == 0).sum())), ("at_upper", int((w == upper).sum())),
                      ("between", int(((w > 0) & (w < upper) & (w != 1)).sum()))):
             self.stats[k] = self.stats.get(k, 0) + v
+
+
+    def _near_edge(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> None:
+        """Tokens (token level) or rows (sequence level) whose raw weight lies within 1e-5 (relative) of a threshold:
+        there two correct computations of the old log-probs (verl's forward, the stream's) may fall on either side."""
+        if self.level == "sequence":
+            log_ratio = (log_ratio * mask).sum(dim=-1)  # [B]
+            scored = mask.sum(dim=-1) > 0  # [B]
+        else:
+            scored = mask.bool()  # [B, R]
+        spec = str(self.threshold).split("_")
+        edges = [float(x) for x in spec]
+        raw = torch.exp(log_ratio.double())[scored]
+        near = sum(int(((raw / e - 1).abs() < 1e-5).sum()) for e in edges)
+        self.stats["near_threshold"] = self.stats.get("near_threshold", 0) + near
 
 
 def _key(t) -> tuple:

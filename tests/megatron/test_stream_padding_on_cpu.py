@@ -6,8 +6,9 @@ Padding to the worker count added zero-weight rows to every chunk under TP/PP. T
 ``stream_exec`` builds with verl's own splitter, for a group whose workers report a TP2 x DP2 layout, and
 hand each worker its part as verl's dispatch does (``arg[dp_rank_mapping[i]]``; the rest of verl's dispatch
 only puts the parts in Ray's object store). The streaming calls' own dispatch (``va.actor_mesh_dispatch``) hands
-the workers the same parts, without verl's split for one part and with one put per part that peers share.
-No processes, no GPU.
+the workers the same rows, without verl's split: one data-parallel part is the chunk itself, several are built part
+by part on the driver (``chunk_layout.build_stream_parts``) and sent as built, with one put per part that peers
+share. No processes, no GPU.
 """
 
 from __future__ import annotations
@@ -41,12 +42,26 @@ def _group(dp_ranks: list[int]):
     return LayoutGroup()
 
 
+def _op(n_rows: int) -> BackwardOp:
+    return BackwardOp(tuple((0, f"t{i}") for i in range(n_rows)), tuple(0.5 + i for i in range(n_rows)), "direct",
+                      tuple(len(ROWS[f"t{i}"]["response"]) for i in range(n_rows)))
+
+
 def _chunk(group, n_rows: int):
-    op = BackwardOp(tuple((0, f"t{i}") for i in range(n_rows)), tuple(0.5 + i for i in range(n_rows)), "direct",
-                    tuple(len(ROWS[f"t{i}"]["response"]) for i in range(n_rows)))
-    method, (chunk,) = stream_exec._request(group, op, ROWS, pad_token_id=0, temperature=1.0, queued=False)
+    """What ``stream_exec`` sends: one chunk, or with several data-parallel ranks one part per rank."""
+    method, (chunk,) = stream_exec._request(group, _op(n_rows), ROWS, pad_token_id=0, temperature=1.0, queued=False)
     assert method == "stream_backward"
     return chunk
+
+
+def _whole_split(group, n_rows: int) -> list:
+    """verl's split of the whole padded chunk into the group's data-parallel parts (what verl's dispatch sends)."""
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
+    dp = va.actor_dp_size(group)
+    whole = stream_exec._grpo_chunk(_op(n_rows), ROWS, dp_size=dp, pad_token_id=0, temperature=1.0)
+    (split,), _ = _split_args_kwargs_data_proto(dp, whole)
+    return split
 
 
 @pytest.mark.parametrize("dp_ranks, want", [([0, 0, 1, 1], 2), ([0, 0, 0, 0], 1), ([0, 1, 2, 3], 4)])
@@ -58,24 +73,23 @@ def test_actor_dp_size_is_the_number_of_parts_verl_dispatches(dp_ranks, want):
 
 @pytest.mark.parametrize("n_rows", [1, 3, 5])
 def test_tp2_dp2_chunks_are_padded_to_dp_and_tp_peers_receive_the_same_rows(n_rows):
-    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
-
     mapping = [0, 0, 1, 1]  # workers 0, 1: TP peers of DP rank 0; workers 2, 3: of DP rank 1
     group = _group(mapping)
-    chunk = _chunk(group, n_rows)
-    assert chunk.batch_size[0] == n_rows + n_rows % 2  # a multiple of DP=2, not of the 4 workers
-    (split,), _ = _split_args_kwargs_data_proto(max(mapping) + 1, chunk)  # verl's split into its dp_size parts
-    coefs = [split[mapping[worker]][COEF_KEY] for worker in range(len(mapping))]
+    parts = _chunk(group, n_rows)
+    assert isinstance(parts, va.DataParallelParts) and len(parts) == 2  # one per DP rank, not per worker
+    assert sum(p.batch_size[0] for p in parts) == n_rows + n_rows % 2  # a multiple of DP=2, not of the 4 workers
+    coefs = [parts[mapping[worker]][COEF_KEY] for worker in range(len(mapping))]  # verl's rank -> part mapping
     assert torch.equal(coefs[0], coefs[1]) and torch.equal(coefs[2], coefs[3])  # TP peers: the same rows
-    assert all(c.shape[0] == chunk.batch_size[0] // 2 for c in coefs)  # every DP rank runs as many rows
+    assert all(c.shape[0] == (n_rows + n_rows % 2) // 2 for c in coefs)  # every DP rank runs as many rows
     real = sorted(float(c) for c in torch.cat([coefs[0], coefs[2]]) if c != 0)
     assert real == [0.5 + i for i in range(n_rows)]  # every trajectory exactly once over the DP ranks
 
 
 def test_a_layout_without_data_parallelism_adds_no_padding_row():
-    chunk = _chunk(_group([0, 0]), 3)  # TP2 (or PP2) with DP=1: 3 rows stay 3
+    chunk = _chunk(_group([0, 0]), 3)  # TP2 (or PP2) with DP=1: 3 rows stay 3, in one chunk
     assert chunk.batch_size[0] == 3 and bool((chunk[COEF_KEY] != 0).all())
-    assert _chunk(_group([0, 1]), 3).batch_size[0] == 4  # plain DP2: one zero-weight row, as verl needs
+    parts = _chunk(_group([0, 1]), 3)  # plain DP2: one zero-weight row, as verl needs
+    assert [p.batch_size[0] for p in parts] == [2, 2] and parts[1][COEF_KEY].tolist() == [2.5, 0.0]
 
 
 def test_a_group_without_verls_dispatch_query_pads_to_its_worker_count():
@@ -95,13 +109,15 @@ def test_the_streaming_dispatch_hands_one_part_over_as_it_is():
 
 @pytest.mark.parametrize("n_rows", [1, 4])
 def test_the_streaming_dispatch_gives_each_data_parallel_rank_verls_part(n_rows):
-    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
-
     group = _group([0, 1])
-    chunk = _chunk(group, n_rows)
-    (args,), _ = va.actor_mesh_dispatch()["dispatch_fn"](group, chunk)
-    (verls,), _ = _split_args_kwargs_data_proto(2, chunk)
-    assert len(args) == 2 and all(torch.equal(a[COEF_KEY], v[COEF_KEY]) for a, v in zip(args, verls))
+    parts = _chunk(group, n_rows)
+    (args,), _ = va.actor_mesh_dispatch()["dispatch_fn"](group, parts)
+    verls = _whole_split(group, n_rows)
+    assert len(args) == 2 and all(a is p for a, p in zip(args, parts))  # sent as built: no split, no copy
+    assert all(torch.equal(a[COEF_KEY], v[COEF_KEY]) for a, v in zip(args, verls))  # the rows verl's split gives
+    for a, v in zip(args, verls):  # and the same tokens and positions, row by row
+        assert [r.tolist() for r in a["input_ids"].unbind()] == [r.tolist() for r in v["input_ids"].unbind()]
+        assert [r.tolist() for r in a["position_ids"].unbind()] == [r.tolist() for r in v["position_ids"].unbind()]
 
 
 def test_the_streaming_dispatch_puts_a_shared_part_once_for_its_tensor_parallel_peers(monkeypatch):

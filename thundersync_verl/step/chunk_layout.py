@@ -10,6 +10,9 @@ Why:
    exactly zero, and every rank runs the backward (FSDP's reduce-scatter is a collective).
 3. Every field is checked here, before the chunk leaves the driver (``_check_rows``, ``_check_token_rows``):
    a bad chunk is refused before any work, on the side that built it.
+4. With several data-parallel ranks a row chunk is built part by part (``build_stream_parts``): the rows each rank
+   receives from verl's split of the padded chunk, each part a chunk of its own. verl's split re-chunks every nested
+   tensor of the whole chunk on every call; the parts reach the ranks without it (``va.DataParallelParts``).
 """
 
 from __future__ import annotations
@@ -168,6 +171,46 @@ def build_stream_chunk(
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
     return va.to_no_padding(td)
+
+
+def build_stream_parts(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    coefs: Sequence[float],
+    dest: str,
+    *,
+    dp_size: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    response_masks: Sequence[Sequence[int]] | None = None,
+    rollout_log_probs: Sequence[Sequence[float]] | None = None,
+    ref_log_probs: Sequence[Sequence[float]] | None = None,
+) -> list:
+    """``build_stream_chunk``'s chunk as ``dp_size`` chunks, one per data-parallel rank (point 4).
+
+    Rank i receives the rows verl's split would give it: the chunk's rows padded to a multiple of ``dp_size``
+    (padding rows as in point 2), cut into equal contiguous parts. Each part is a chunk of its own rows (its own
+    no-padding layout and widths, as a one-rank chunk of those rows), so the dispatch sends it without splitting.
+    """
+    _check_rows(prompts, responses, coefs, dest, response_masks)
+    dp_size = int(dp_size)
+    rows, n_pad = len(prompts), (-len(prompts)) % dp_size
+    per_part = (rows + n_pad) // dp_size
+    masks = [list(m) for m in response_masks] if response_masks is not None else [[1] * len(r) for r in responses]
+    pad = {"prompt": prompts[-1], "response": responses[-1], "mask": [0] * len(responses[-1]), "coef": 0.0,
+           "rollout": None if rollout_log_probs is None else rollout_log_probs[-1],
+           "ref": None if ref_log_probs is None else ref_log_probs[-1]}
+    columns = {"prompt": list(prompts), "response": list(responses), "mask": masks, "coef": list(coefs),
+               "rollout": None if rollout_log_probs is None else list(rollout_log_probs),
+               "ref": None if ref_log_probs is None else list(ref_log_probs)}
+    columns = {k: None if v is None else v + [pad[k]] * n_pad for k, v in columns.items()}
+    parts = []
+    for i in range(dp_size):
+        cut = {k: None if v is None else v[i * per_part:(i + 1) * per_part] for k, v in columns.items()}
+        parts.append(build_stream_chunk(cut["prompt"], cut["response"], cut["coef"], dest, dp_size=1,
+                                        pad_token_id=pad_token_id, temperature=temperature, response_masks=cut["mask"],
+                                        rollout_log_probs=cut["rollout"], ref_log_probs=cut["ref"]))
+    return parts
 
 
 def attach_ref_log_probs(chunk, worker_group, *, ref_in_actor: bool = False, dp_size: int = 1,

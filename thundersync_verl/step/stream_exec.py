@@ -10,6 +10,8 @@
    data-parallel size with zero-coefficient, zero-mask rows; a ``FoldOp`` is one ``stream_fold``. The size is
    the parts verl's actor-mesh dispatch cuts a batch into (``verl_adapter.actor_dp_size``), not the worker
    count: Megatron's tensor/pipeline/context-parallel peers of one data-parallel rank receive the same rows.
+   With several data-parallel ranks it is built as one part per rank (``build_stream_parts``: the rows verl's split
+   would give each) and dispatched as built (``va.DataParallelParts``); one rank gets the chunk itself, unsplit.
 3. An OPD ``TurnBackwardOp`` carries its own rows (each turn's prefix and teacher log-probs): it becomes one
    per-token chunk (``OPDStreamClient.chunk``) for ``stream_token_backward``; so does a SAO
    ``SAOBackwardOp`` (``sao_stream.sao_chunk``: per-token GAE or whitening-bucket coefficients, the band).
@@ -39,7 +41,7 @@ from thundersync_verl.learner.minibatch_loss import build_ppo_chunk
 from thundersync_verl.step.minibatch_plan import PPOBackwardOp
 from thundersync_verl.algos.opd.opd_stream import OPDStreamClient, TurnBackwardOp
 from thundersync_verl.algos.sao.sao_streaming import SAOBackwardOp, sao_chunk
-from thundersync_verl.step.chunk_layout import SEQ_KEY, build_stream_chunk
+from thundersync_verl.step.chunk_layout import SEQ_KEY, build_stream_chunk, build_stream_parts
 from thundersync_verl.step.stream_plan import BackwardOp, FoldOp
 
 ROW_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "extra_fields"]
@@ -117,9 +119,10 @@ def _ppo_chunk(op, rows, **layout):  # a later mini-batch: verl's PPO loss again
                            ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
 
 
-def _grpo_chunk(op, rows, **layout):
+def _grpo_chunk(op, rows, *, parts: bool = False, **layout):
+    """The op's chunk; ``parts``: one chunk per data-parallel rank (``build_stream_parts``)."""
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
-    return build_stream_chunk([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
+    return (build_stream_parts if parts else build_stream_chunk)([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                               op.dest, response_masks=[r["mask"] for r in chunk_rows],
                               rollout_log_probs=_row_field(chunk_rows, "rollout_lp"),
                               ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
@@ -144,6 +147,7 @@ class OpKind:
     chunk: Callable | None  # (op, rows, dp_size=, pad_token_id=, temperature=) -> chunk; None: the op is its payload
     stats: Callable = lambda op, parts: {}  # (op, the worker's metric parts) -> this op type's own figures
     row_items: bool = False  # the op's items name the step's fetched rows, (group, key): their tokens are its cost
+    parts: bool = False  # ``chunk`` can build one part per data-parallel rank (``parts=True``): no split on dispatch
 
 
 OP_KINDS: dict[type, OpKind] = {  # every op type a planner emits, in one table (looked up along the op's MRO)
@@ -151,7 +155,7 @@ OP_KINDS: dict[type, OpKind] = {  # every op type a planner emits, in one table 
     TurnBackwardOp: OpKind("backward", "stream_token_backward", _opd_chunk, _opd_stats),
     SAOBackwardOp: OpKind("backward", "stream_token_backward", _sao_chunk, _sao_stats),
     PPOBackwardOp: OpKind("backward", "stream_backward", _ppo_chunk, row_items=True),
-    BackwardOp: OpKind("backward", "stream_backward", _grpo_chunk, row_items=True),
+    BackwardOp: OpKind("backward", "stream_backward", _grpo_chunk, row_items=True, parts=True),
 }
 
 
@@ -169,9 +173,14 @@ def _request(worker_group, op, rows, *, pad_token_id: int, temperature: float, q
     if kind.chunk is None:
         return kind.method + suffix, ((op.folds, seq) if queued else (op.folds,))
     dp_size = va.actor_dp_size(worker_group)  # verl's split: TP/PP/CP peers share one part, so no padding for them
-    chunk = kind.chunk(op, rows, dp_size=dp_size, pad_token_id=pad_token_id, temperature=temperature)
-    if queued:
-        va.assign_non_tensor(chunk, **{SEQ_KEY: int(seq)})
+    layout = {"dp_size": dp_size, "pad_token_id": pad_token_id, "temperature": temperature}
+    if kind.parts and dp_size > 1:  # one part per data-parallel rank, sent as built (point 2)
+        chunk = va.DataParallelParts(kind.chunk(op, rows, parts=True, **layout))
+    else:
+        chunk = kind.chunk(op, rows, **layout)
+    for part in (chunk if isinstance(chunk, va.DataParallelParts) else [chunk]):
+        if queued:
+            va.assign_non_tensor(part, **{SEQ_KEY: int(seq)})
     return kind.method + suffix, (chunk,)
 
 

@@ -28,6 +28,7 @@ Why:
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping
@@ -134,10 +135,9 @@ class StreamPlanner(PlannerDefaults):
         self._sizes: dict[Hashable, int] = {}
         self._rewards: dict[Hashable, dict[Hashable, float]] = {}
         self._tokens: dict[Item, int] = {}
-        self._ready: list[Item] = []
+        self._clear_ready()
         self._buckets: dict[Hashable, set[float]] = {}
         self._queued: list[FoldOp] = []
-        self.held_count = 0  # ready trajectories the memory budget held back at the last plan
 
     @classmethod
     def from_settings(cls, settings: StreamingSettings, **kwargs) -> "StreamPlanner":
@@ -146,8 +146,13 @@ class StreamPlanner(PlannerDefaults):
         name = getattr(est, "verl_name", "rloo" if est.name == "rloo" else "grpo")
         norm = getattr(est, "norm_by_std", True)
         eps = getattr(est, "epsilon", 1e-6)
-        return cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
-                   loss_scale_factor=settings.loss_scale_factor, **kwargs)
+        planner = cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
+                      loss_scale_factor=settings.loss_scale_factor, **kwargs)
+        if settings.rollout_is is not None:  # the learner's loss weighs each token (stream_loss.py point 8)
+            upper, lower = settings.rollout_is_upper, settings.rollout_is_lower
+            planner.verl_settings.update(rollout_is=settings.rollout_is, rollout_is_batch_normalize=False,
+                                         rollout_is_threshold=upper if lower is None else f"{lower}_{upper}")
+        return planner
 
     # ----- batch lifecycle ----------------------------------------------------------------
     def begin_batch(self, group_sizes: Mapping[Hashable, int]) -> None:
@@ -157,7 +162,8 @@ class StreamPlanner(PlannerDefaults):
         self._acc.begin_batch(self._view.begin(group_sizes))
         self._sizes = dict(group_sizes)
         self._rewards = {gid: {} for gid in group_sizes}
-        self._tokens, self._ready, self._buckets, self._queued = {}, [], {}, []
+        self._tokens, self._buckets, self._queued = {}, {}, []
+        self._clear_ready()
 
     def arrive(self, group_id: Hashable, traj_id: Hashable, reward: float, num_tokens: int) -> None:
         """A finished trajectory with its reward; if it closes its group, a FoldOp is queued.
@@ -180,7 +186,7 @@ class StreamPlanner(PlannerDefaults):
         self._view.record(group_id, traj_id, reward, num_tokens)
         self._rewards[group_id][traj_id] = float(reward)
         self._tokens[item] = int(num_tokens)
-        self._ready.append((shadow_gid, shadow_tid))
+        self._fresh.append((shadow_gid, shadow_tid))
         if self._view.closes_group(shadow_gid):  # this arrival closed the (shadow) group
             self._queue_fold(shadow_gid)
 
@@ -194,7 +200,7 @@ class StreamPlanner(PlannerDefaults):
     @property
     def ready(self) -> list[Item]:
         """Arrived trajectories whose backward has not been planned yet."""
-        return [self._view.real_item(item) for item in self._ready]
+        return [self._view.real_item(item) for item in self._all_ready()]
 
     @property
     def queued_folds(self) -> int:
@@ -204,12 +210,12 @@ class StreamPlanner(PlannerDefaults):
     @property
     def ready_count(self) -> int:
         """How many arrived trajectories wait for their backward (the step's planner interface)."""
-        return len(self._ready)
+        return self._ranked_count + len(self._held) + len(self._fresh)
 
     def rank_ready(self) -> ScheduleHint:
         """The core's ranking of the ready trajectories: closed groups first, then open ones,
         new groups only while the memory budget allows (``wait`` holds the rest)."""
-        return self._acc.rank_ready(self._ready)
+        return self._acc.rank_ready(self._all_ready())
 
     def next_ops(self, max_chunk_size: int | None = None, max_backwards: int | None = None) -> list:
         """Queued folds, then backward chunks for every ready trajectory that may run now.
@@ -219,21 +225,45 @@ class StreamPlanner(PlannerDefaults):
         row whose group closes meanwhile goes direct, in one chunk with other groups' rows, instead of into its
         own bucket. ``held_count`` is then the trajectories the memory budget held back, not those left by
         the cap.
+
+        The chunks a ranking leaves unplanned are kept, in rank order, until something new arrives (``_rank``):
+        planning a few chunks at a time out of a backlog then costs per chunk, not a ranking of every ready row
+        per call (which made a driver's CPU per trajectory grow with the batch).
         """
+        if max_backwards is not None and int(max_backwards) < 0:
+            raise ValueError(f"max_backwards must be >= 0 (chunks to plan besides the folds), got {max_backwards}")
         ops: list = list(self._queued)
         self._queued = []
-        chunks, waiting = self._acc.split_into_chunks(self._ready, max_chunk_size or self.max_chunk_size)
-        if max_backwards is not None:
-            if int(max_backwards) < 0:
-                raise ValueError(f"max_backwards must be >= 0 (chunks to plan besides the folds), got {max_backwards}")
-            chunks, later = chunks[:max_backwards], [item for chunk in chunks[max_backwards:] for item in chunk]
-        else:
-            later = []
-        for chunk in chunks:
-            ops.append(self._plan(chunk))
-        self._ready = later + list(waiting)
-        self.held_count = len(waiting)
+        size = max_chunk_size or self.max_chunk_size
+        if max_backwards is None or self._fresh or size != self._ranked_size or (self._held and not self._ranked):
+            self._rank(size)
+        take = len(self._ranked) if max_backwards is None else min(int(max_backwards), len(self._ranked))
+        for _ in range(take):
+            ops.append(self._plan(self._ranked[0]))  # a chunk the shadow refuses stays ready
+            self._ranked_count -= len(self._ranked.popleft())
         return ops
+
+    def _rank(self, size: int) -> None:
+        """Rank and chunk every ready trajectory (``split_into_chunks``): the chunks to plan, in order, and those
+        the memory budget holds back. Valid until the next arrival: planning a ranked chunk changes no other
+        chunk's loss weights or admission (the ranking counted every admitted group's reservation)."""
+        chunks, waiting = self._acc.split_into_chunks(self._all_ready(), size)
+        self._ranked, self._ranked_size = collections.deque(chunks), size
+        self._ranked_count = sum(len(chunk) for chunk in chunks)
+        self._held, self._fresh = list(waiting), []
+        self.held_count = len(self._held)
+
+    def _all_ready(self) -> list[Item]:
+        """Every ready trajectory: the ranked chunks' in order, then those held back, then the fresh arrivals."""
+        return [item for chunk in self._ranked for item in chunk] + self._held + self._fresh
+
+    def _clear_ready(self, items: list[Item] | None = None) -> None:
+        """No ranking; ``items`` (default none) ready, as fresh arrivals."""
+        self._ranked: collections.deque = collections.deque()  # chunks of the last ranking, not planned yet
+        self._ranked_count, self._ranked_size = 0, None
+        self._held: list[Item] = []  # held back by the memory budget at the last ranking
+        self._fresh: list[Item] = list(items or [])  # arrived since the last ranking
+        self.held_count = 0  # ready trajectories the memory budget held back at the last plan
 
     def _plan(self, chunk: list[Item]) -> BackwardOp:
         plan = self._acc.plan_chunk(chunk)
@@ -258,8 +288,9 @@ class StreamPlanner(PlannerDefaults):
         run later, at the weights of their own mini-batch (``MiniBatchPlanner``).
         """
         keep = set(keep_groups)
-        taken = [item for item in self._ready if item[0] not in keep]
-        self._ready = [item for item in self._ready if item[0] in keep]
+        ready = self._all_ready()
+        taken = [item for item in ready if item[0] not in keep]
+        self._clear_ready([item for item in ready if item[0] in keep])
         return taken
 
     def end_batch(self) -> None:
@@ -315,11 +346,14 @@ class StreamPlanner(PlannerDefaults):
 # ----- config ----------------------------------------------------------------------------
 
 def settings_from_verl_config(config: Any, *, train_batch_size: int | None = None, adv_estimator: str | None = None,
-                              norm_adv_by_std_in_grpo: bool | None = None, loss_agg_mode: str | None = None) -> StreamingSettings:
+                              norm_adv_by_std_in_grpo: bool | None = None, loss_agg_mode: str | None = None,
+                              rollout_is: str | None = None, rollout_is_threshold: float | str | None = None,
+                              rollout_is_batch_normalize: bool | None = None) -> StreamingSettings:
     """Validate a verl config (the trainer's, or its ``actor_rollout_ref``) for streaming.
 
     Raises ``StreamingConfigError`` naming the key to change. Keyword arguments supply what an
-    ``actor_rollout_ref``-only config lacks (the worker passes them from the batch meta).
+    ``actor_rollout_ref``-only config lacks (the worker passes them from the batch meta: the trainer's
+    ``rollout_correction_meta``).
     """
     full = _get(config, "actor_rollout_ref") is not None
     arr = _get(config, "actor_rollout_ref") if full else config
@@ -355,27 +389,52 @@ def settings_from_verl_config(config: Any, *, train_batch_size: int | None = Non
         gamma=float(_get(config, "algorithm.gamma", 1.0)) if full else 1.0,
         use_kl_loss=bool(_get(actor, "use_kl_loss", False)),
         kl_loss_type=_get(actor, "kl_loss_type", "low_var_kl"),
-        rollout_is=_get(config, f"{rc}.rollout_is") if full else None,
-        rollout_is_batch_normalize=bool(_get(config, f"{rc}.rollout_is_batch_normalize", False)) if full else False,
+        rollout_is=_get(config, f"{rc}.rollout_is") if full else rollout_is,
+        rollout_is_threshold=(_get(config, f"{rc}.rollout_is_threshold", 2.0) if full
+                              else 2.0 if rollout_is_threshold is None else rollout_is_threshold),
+        rollout_is_batch_normalize=bool(_get(config, f"{rc}.rollout_is_batch_normalize", False) if full
+                                        else rollout_is_batch_normalize),
         bypass_mode=bool(_get(config, f"{rc}.bypass_mode", False)) if full else False,
         bypass_loss_type=_get(config, f"{rc}.loss_type", "ppo_clip") if full else "ppo_clip",
     )
-    _check_policy_term_only(actor, settings)
+    if full and _get(config, f"{rc}.rollout_rs") is not None:
+        raise StreamingConfigError(rule_message(
+            f"{rc}.rollout_rs={_get(config, f'{rc}.rollout_rs')!r} (rejection sampling) cannot be streamed yet",
+            "it removes tokens from the response mask after the old-log-prob forward, which changes the batch's token "
+            "count and the group statistics the stream fixes on arrival",
+            f"set {rc}.rollout_rs=null (rollout_is weights stream), or run mode=sync"))
+    steps = int(_get(actor, "ppo_epochs", 1)) * (int(tbs) if tbs is not None else mini) // mini  # as validate_streaming_config
+    _check_policy_term_only(actor, settings, optimizer_steps=steps)
     return settings
 
 
-def _check_policy_term_only(actor: Any, settings: StreamingSettings) -> None:
-    """The streaming worker's loss is the policy term at ratio 1 plus verl's KL loss and entropy bonus
-    (``stream_loss.py`` point 6: advantage-free per-token terms), no importance weights."""
+def rollout_correction_meta(config: Any) -> dict:
+    """The ``algorithm.rollout_correction`` keys the learner's loss needs (``stream_loss.py`` point 8), for the batch
+    meta: the worker holds only ``actor_rollout_ref``."""
+    rc = "algorithm.rollout_correction"
+    level = _get(config, f"{rc}.rollout_is")
+    if level is None:
+        return {}
+    return {"rollout_is": level, "rollout_is_threshold": _get(config, f"{rc}.rollout_is_threshold", 2.0),
+            "rollout_is_batch_normalize": bool(_get(config, f"{rc}.rollout_is_batch_normalize", False))}
+
+
+def _check_policy_term_only(actor: Any, settings: StreamingSettings, *, optimizer_steps: int = 1) -> None:
+    """The streaming worker's loss is the policy term at ratio 1 (times verl's rollout IS weights, ``stream_loss.py``
+    point 8) plus verl's KL loss and entropy bonus (point 6: advantage-free per-token terms)."""
     extra = []
-    if settings.rollout_is is not None or not settings.ratio_is_one:
-        extra.append("algorithm.rollout_correction.rollout_is=null and bypass_mode=false")
+    if not settings.ratio_is_one:
+        extra.append("algorithm.rollout_correction.bypass_mode=false")
+    if settings.rollout_is is not None and optimizer_steps > 1:
+        extra.append("algorithm.rollout_correction.rollout_is=null, or one mini-batch per step "
+                     "(actor.ppo_mini_batch_size = data.train_batch_size, ppo_epochs=1): later mini-batches' PPO "
+                     "chunks carry no IS weights")
     if extra:
         raise StreamingConfigError(
             rule_message(
-                "the streaming learner streams the policy-gradient term (ratio 1, no IS weights), KL loss and "
-                "entropy bonus only",
-                "importance-weight terms are not part of its chunk loss, so the update would silently differ "
+                "the streaming learner streams the policy-gradient term (ratio 1, with verl's rollout IS weights in "
+                "the first mini-batch), KL loss and entropy bonus only",
+                "other importance-weight terms are not part of its chunk loss, so the update would silently differ "
                 "from verl's",
                 "set " + ", ".join(extra),
             )

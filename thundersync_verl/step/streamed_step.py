@@ -42,6 +42,7 @@ from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNe
 
 
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
+LISTING_SHARE = 0.02  # listings take at most about this share of the driver's waiting time (``StreamedStep._wait``)
 
 
 @dataclass
@@ -153,6 +154,8 @@ class StreamedStep:
         self._capped = ctx.coalesce and not ctx.deterministic and self.planner.fills_free_slots
         self._ahead = False  # the last ``_plan_now`` said yes only because the learner is about to go idle
         self._listed_for: float | None = None  # the plan moment the last just-in-time listing was made for
+        # the rollout's log-probs ride with each row: verl's old-log-prob check, or rollout correction's IS weights
+        self._rollout_lp = ctx.fused_forward or self.planner.verl_settings.get("rollout_is") is not None
         self._t_listing: float | None = None  # when the last listing began
 
     def run(self) -> tuple[dict, StepState]:
@@ -291,7 +294,12 @@ class StreamedStep:
         the gate hands on its next block). The one listing added is at each moment to plan ahead (``_plan_at``),
         so that the next call takes every row that landed until then. Waking the driver the moment a learner
         call finished (``ray.wait`` on the call instead of the pause) showed no gain in paired runs on the
-        emulated device (within their noise), so the pause stays a plain sleep.
+        emulated device (within their noise), so the pause stays a plain sleep. A listing returns the whole
+        partition, so it costs more the larger the batch (about 30 ms at 16k trajectories, ``driver_throughput.py``;
+        at a fixed 10-80 ms pause a 16k step's driver would list for most of its wait): the pause is never
+        shorter than the last listing took over ``LISTING_SHARE`` once that exceeds ``POLL_CAP_S``, which keeps
+        listings a bounded share of the wait at any batch size (16k: one listing every ~1.5 s in a step of
+        minutes). Listings of small batches (under ~1.6 ms) keep the schedule above unchanged.
         """
         while True:
             self.pipe.collect()
@@ -308,7 +316,8 @@ class StreamedStep:
                 self._t_listing = time.time()  # a plan that follows begins here (the pipeline's lead)
                 arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
                 self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
-                self._next_listing = time.time() + self._pause
+                floor = self.source.trajectories.last_listing_s / LISTING_SHARE  # listings: a bounded share
+                self._next_listing = time.time() + (max(self._pause, floor) if floor > POLL_CAP_S else self._pause)
                 if arrivals or self.source.done:
                     return arrivals
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
@@ -326,7 +335,7 @@ class StreamedStep:
             return
         keys = [k for k, _ in arrivals.trajectories]
         missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
-        state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self.ctx.fused_forward) if missing else {})
+        state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self._rollout_lp) if missing else {})
         rows = {k: state.rows[k] for k in keys}
         gate = self.source.gate
         planned = {}
@@ -366,7 +375,7 @@ class StreamedStep:
 
     def _row_content(self, keys: list) -> dict[str, tuple]:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
-        self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self.ctx.fused_forward))
+        self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self._rollout_lp))
         return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
 
     def _op_tokens(self, op) -> int | None:

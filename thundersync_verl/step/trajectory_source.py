@@ -9,7 +9,9 @@
    not stepped the optimizer: nothing is half-applied.
 3. The source only polls (one ``kv_list`` call, a controller RPC); waiting, its interval and the
    timeout belong to the one streamed step (``streamed_step.py``): the agent loop exposes no push
-   channel through verl's public surface.
+   channel through verl's public surface. A listing returns the whole partition, so its cost grows with
+   the batch: the source times each one (``last_listing_s``) for the step to space them by, and skips the
+   keys it has seen before looking at anything else.
 4. ``BatchOrderGate`` (``thundersync.deterministic``): a streamed step sums its gradients in the order
    trajectories land, and floating-point addition is not associative, so two runs on the same
    trajectories (a run and its resumed continuation) differ in the last bits. The gate hands landed
@@ -40,6 +42,7 @@ class TrajectorySource:
         self.seen: dict[str, dict] = {}
         self.arrival_time: dict[str, float] = {}
         self.listings = 0  # kv_list calls made (each one a controller RPC)
+        self.last_listing_s = 0.0  # wall seconds of the last listing (the RPC and reading it), for the step's pause
 
     @property
     def done(self) -> bool:
@@ -52,8 +55,11 @@ class TrajectorySource:
 
     def poll(self) -> list[tuple[str, dict]]:
         """New finished trajectories of this batch (possibly none)."""
+        t0 = time.time()
         new = []
         for key, tag in self._snapshot().items():
+            if key in self.seen:
+                continue
             uid = key.split("_")[0]
             if uid not in self.uids:
                 continue
@@ -70,6 +76,7 @@ class TrajectorySource:
                 self.seen[key] = tag
                 self.arrival_time[key] = time.time()
                 new.append((key, tag))
+        self.last_listing_s = time.time() - t0
         return new
 
 
