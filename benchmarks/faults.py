@@ -28,7 +28,17 @@ Why:
    must take no optimizer step: its checkpoint's
    parameters equal the previous step's. The cut push must be refused by the rollout and repeated
    whole: what the rollout received as version 1 equals the learner's step-1 checkpoint bit for bit.
-5. ``half_steps``: steps whose optimizer update ran on part of a batch (a step recorded with fewer
+6. Node loss, on a local 3-node Ray cluster (``thundersync_verl/run/cluster.py``: a head and two one-slot nodes
+   as separate raylets; runs reach it through ``RAY_ADDRESS``): the raylet of the node running the learner is
+   killed between two chunks of step 2, that node is restarted and the run resumed; the raylet of the node
+   running the rollout server is then killed mid-batch (at a generate call of step 2); after that node's restart
+   a clean resume runs to the end. An agent loop on a lost node dies with it and reports nothing, so such a step
+   may only stop at ``thundersync.trajectory_timeout_s`` (60 s here, as for ``rollout_kill``); an agent loop
+   elsewhere reports its failed call at once. Each stop must name the lost node (its ``thundersync_<name>``
+   resource; which node ran which role is read from Ray's actor table), push no weights of the stopped step,
+   and the next resume must restore the last checkpoint bit for bit; the final weights must equal the
+   uninterrupted one-node run's bit for bit (``node_resume_bitwise``; ``resume_bitwise`` with ``--only``).
+7. ``half_steps``: steps whose optimizer update ran on part of a batch (a step recorded with fewer
    trajectories than the batch, or a failed step whose weights were pushed); ``trajectories_lost``:
    trajectories expected by the completed steps minus those they learned from.
 """
@@ -55,7 +65,7 @@ WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 FLOOR_FACTOR = 3.0  # a resumed run's final gap may be this many times the run-to-run floor
 DETERMINISTIC = ["thundersync.deterministic=true"]  # the resume comparison's ThunderSync runs (point 3)
 RESUME_COMPARED = {"uninterrupted", "uninterrupted_again", "disk_full", "learner_kill", "verifier_hang", "rollout_kill",
-                   "resumed"}
+                   "resumed", "learner_node_kill", "rollout_node_kill", "node_resumed"}
 TEACHER_HANG_EVERY = 10  # teacher requests of one agent-loop worker process
 ROLLOUT_KILL_CALL = 12  # a step of the paper workload makes ~100 generate calls: the replica dies mid-batch
 
@@ -81,12 +91,18 @@ def replay_run(name: str, ctx: dict, *, faults: str = "", extra: list[str] | Non
     shutil.rmtree(wdir, ignore_errors=True)
     wdir.mkdir(parents=True)
     env = {WEIGHTS_ENV: str(wdir), ENV: faults, LOG_ENV: str(ctx["work"] / f"faults_{name}.jsonl")}
+    cluster_args: list[str] = []
+    if ctx.get("cluster") is not None:  # point 6: the run goes to the running cluster, its env with it
+        from thundersync_harness.cluster_runs import on_cluster
+
+        logs = {"VERL_FILE_LOGGER_PATH": str(ctx["work"] / f"{mode}_{name}" / "metrics.jsonl")}
+        cluster_args, env = on_cluster(ctx["cluster"], {**env, **logs})
     ckpt_args = ([f"trainer.default_local_dir={ckpt}", "trainer.save_freq=1", "trainer.resume_mode=auto"] if ckpt
                  else ["trainer.resume_mode=disable"])
     ordered = DETERMINISTIC if mode == "thundersync" and name in RESUME_COMPARED else []
     try:
         run = er.run_replay(mode, STEPS, ctx["inputs"], ctx["work"], "paper", ctx["rec"], 0.0, tag="_" + name,
-                            extra=ckpt_args + ordered + list(extra or []), env=env)
+                            extra=ckpt_args + ordered + cluster_args + list(extra or []), env=env)
         ok, error = True, ""
     except RuntimeError:
         run = from_log(ctx["work"] / f"{mode}_{name}", STEPS)
@@ -167,6 +183,42 @@ def resume_chain(ctx: dict) -> dict:
                 "verifier_hang": checks["verifier_hang"] and restores["rollout_kill"],
                 "rollout_kill": checks["rollout_kill"] and restores["resumed"] and runs[4]["ok"]}
     return {"runs": runs, "checks": checks, "restores": restores, "survived": survived}
+
+
+NODE_LOST = "left the cluster"  # the stop's rule line when a Ray node is lost (run/resume.py point 4)
+
+
+def node_loss(ctx: dict) -> dict:
+    """Point 6: the learner node's raylet killed in step 2, then (resumed) the rollout node's, then a clean resume."""
+    from thundersync_harness.cluster_runs import cluster_env, placement
+    from thundersync_verl.run.cluster import LocalCluster, layout
+
+    ckpt = ctx["work"] / "ckpt_nodes"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    cluster = LocalCluster(layout("split"), cluster_env(ctx["work"]))
+    lost: dict[str, str] = {}  # fault -> the node that hosted its role (Ray chose it: read from the actor table)
+    try:
+        cluster.start()
+        ctx = {**ctx, "cluster": cluster, "reuse": set()}  # a chain on a fresh cluster: nothing read back
+        runs = [replay_run("learner_node_kill", ctx, faults="learner_node_kill@batch=2,chunk=2", ckpt=ckpt,
+                           expect_fail=True)]
+        lost["learner_node_kill"] = (placement(cluster)["learner"] or ["?"])[0]
+        cluster.restart_node(lost["learner_node_kill"])
+        runs.append(replay_run("rollout_node_kill", ctx, faults=f"rollout_node_kill@call={ROLLOUT_KILL_CALL}",
+                               ckpt=ckpt, extra=["thundersync.trajectory_timeout_s=60"], expect_fail=True))
+        lost["rollout_node_kill"] = (placement(cluster)["rollout_server"] or ["?"])[0]
+        cluster.restart_node(lost["rollout_node_kill"])
+        runs.append(replay_run("node_resumed", ctx, ckpt=ckpt))
+    finally:
+        left = cluster.stop()
+    checks = {name: NODE_LOST in run["error"] and f"thundersync_{lost[name]}" in run["error"] and weights(run, 2) is None
+              for name, run in zip(("learner_node_kill", "rollout_node_kill"), runs)}
+    restores = {"rollout_node_kill": same_bits(weights(runs[1], 1), weights(runs[0], 1)),
+                "node_resumed": same_bits(weights(runs[2], 1), weights(runs[0], 1))}
+    survived = {"learner_node_kill": checks["learner_node_kill"] and restores["rollout_node_kill"],
+                "rollout_node_kill": checks["rollout_node_kill"] and restores["node_resumed"] and runs[2]["ok"]}
+    return {"runs": runs, "checks": checks, "restores": restores, "survived": survived, "lost_nodes": lost,
+            "leftover_processes": left}
 
 
 def sync_resume(ctx: dict) -> dict:
@@ -257,7 +309,8 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-CLEAR_ERRORS = ("could not be written", "learner worker died", "did not arrive within", "its agent loop failed")
+CLEAR_ERRORS = ("could not be written", "learner worker died", "did not arrive within", "its agent loop failed",
+                NODE_LOST)
 
 
 def first_clear_error(log: str) -> str:
@@ -284,9 +337,25 @@ def losses(runs: list[dict]) -> tuple[int, int]:
     return lost, half
 
 
+def node_loss_only(ctx: dict, base: dict, t0: float) -> dict:
+    """``--only node_loss``: the uninterrupted one-node run and the node-loss chain (point 6), nothing else."""
+    nodes = node_loss(ctx)
+    lost, half = losses([base, *nodes["runs"]])
+    final = weights(nodes["runs"][-1], STEPS)
+    return {"faults_tried": len(nodes["survived"]), "faults_survived": sum(nodes["survived"].values()),
+            "trajectories_lost": lost, "half_steps": half, "resume_bitwise": same_bits(final, weights(base, STEPS)),
+            "deterministic": True, "survived": nodes["survived"], "checks": nodes["checks"],
+            "restores": nodes["restores"], "lost_nodes": nodes["lost_nodes"],
+            "leftover_processes": nodes["leftover_processes"],
+            "errors": {r["name"]: first_clear_error(r["error"]) for r in nodes["runs"]},
+            "steps": STEPS, "trajectories_per_step": PER_STEP, "seconds": round(time.time() - t0, 1)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the acceptance run: 3 steps per run (the only size so far)")
+    ap.add_argument("--only", choices=["all", "node_loss"], default="all",
+                    help="node_loss: only the node-loss faults (point 6), written to faults_node_loss.json")
     ap.add_argument("--work-dir", default="runs/faults")
     ap.add_argument("--reuse", default="", help="runs (comma-separated names) read back from their logs in --work-dir "
                     "instead of run again, e.g. uninterrupted,uninterrupted_again,recoverable")
@@ -298,8 +367,13 @@ def main(argv=None) -> dict:
     inputs, rec = setup(work)
     ctx = {"work": work, "inputs": inputs, "rec": rec, "reuse": set(filter(None, args.reuse.split(",")))}
     base = replay_run("uninterrupted", ctx)
+    if args.only == "node_loss":
+        result = node_loss_only(ctx, base, t0)
+        write_result("faults_node_loss", result, args.results_dir)
+        return result
     again = replay_run("uninterrupted_again", ctx)
     chain = resume_chain(ctx)
+    nodes = node_loss(ctx)
     rec_faults = recoverable(ctx)
     teacher = teacher_fault(ctx)
     sync = sync_resume(ctx)
@@ -307,29 +381,30 @@ def main(argv=None) -> dict:
     resumed = weights(chain["runs"][-1], STEPS)
     floor = rel_gap(weights(again, STEPS), final, start) if base["ok"] and again["ok"] else None
     gap = rel_gap(resumed, final, start) if resumed is not None and final is not None else None
-    survived = {**chain["survived"], **rec_faults["survived"], **teacher["survived"]}
+    survived = {**chain["survived"], **nodes["survived"], **rec_faults["survived"], **teacher["survived"]}
     survived["resume"] = gap is not None and floor is not None and (gap == 0.0 or gap <= FLOOR_FACTOR * floor)
-    lost, half = losses([base, again, *chain["runs"], rec_faults["run"], teacher["run"]])
+    lost, half = losses([base, again, *chain["runs"], *nodes["runs"], rec_faults["run"], teacher["run"]])
+    node_bitwise = same_bits(weights(nodes["runs"][-1], STEPS), final)
     result = {
         "faults_tried": len(survived), "faults_survived": sum(survived.values()),
         "trajectories_lost": lost, "half_steps": half,
-        "resume_bitwise": same_bits(resumed, final),
+        "resume_bitwise": same_bits(resumed, final) and node_bitwise, "node_resume_bitwise": node_bitwise,
         "run_to_run_bitwise": same_bits(weights(again, STEPS), final), "deterministic": True,
         "resume_bitwise_sync": sync["bitwise"], "resume_restore_bitwise_sync": sync["restore_bitwise"],
         "sync_resumed_steps": sync["steps_resumed"],
-        "resume_restore_bitwise": all(chain["restores"].values()),
+        "resume_restore_bitwise": all(chain["restores"].values()) and all(nodes["restores"].values()),
         "resume_gap": gap, "resume_floor": floor,
         "resume_gap_over_floor": None if not (gap is not None and floor) else round(gap / floor, 3),
-        "survived": survived, "checks": chain["checks"], "restores": chain["restores"],
+        "survived": survived, "checks": {**chain["checks"], **nodes["checks"]},
+        "restores": {**chain["restores"], **nodes["restores"]}, "cluster_leftover_processes": nodes["leftover_processes"],
         "recoverable_fired": rec_faults["fired"], "nan_step_params_unchanged": rec_faults["nan_step_params_unchanged"],
         "push_retried_whole": rec_faults["push_retried_whole"],
         "teacher_hangs": teacher["hangs"], "teacher_retries": teacher["retries"],
-        "errors": {r["name"]: first_clear_error(r["error"]) for r in chain["runs"]},
+        "errors": {r["name"]: first_clear_error(r["error"]) for r in [*chain["runs"], *nodes["runs"]]},
         "steps": STEPS, "trajectories_per_step": PER_STEP, "seconds": round(time.time() - t0, 1),
     }
     write_result("faults", result, args.results_dir)
     return result
-
 
 if __name__ == "__main__":
     main()

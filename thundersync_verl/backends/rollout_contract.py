@@ -4,7 +4,7 @@ Both backends run each replica as one named Ray actor (the server) and differ on
 class, the actor's name, its extra constructor arguments and what the learner ships it after an
 optimizer step; everything else is built here once:
 1. ``make_replica_class`` builds the verl ``RolloutReplica``: ``launch_servers`` starts the server
-   actor (high max_concurrency, no CPU/GPU reservation) and waits for its ``stats()``, so a model
+   actor (high max_concurrency, no CPU/GPU reservation, on the node of the replica's rollout slot) and waits for its ``stats()``, so a model
    or recording that cannot be loaded fails at launch rather than at the first generate; rollout
    workers use no GPU.
 2. ``make_server_adapter_class`` builds the learner-side ``BaseRollout``: every rank iterates the
@@ -97,7 +97,8 @@ def make_replica_class(name: str, module: str, server_cls: type, actor_name: Cal
             actor = actor_name(self.replica_rank, self.name_suffix)
             server = (
                 ray.remote(server_cls)
-                .options(name=actor, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0)
+                .options(name=actor, max_concurrency=self.max_concurrency, num_cpus=0, num_gpus=0,
+                         **await _on_workers_node(self.workers))
                 .remote(self.config, self.model_config, self.rollout_mode, self.replica_rank, *server_args())
             )
             await server.stats.remote()  # load errors surface here, not at the first generate
@@ -109,6 +110,17 @@ def make_replica_class(name: str, module: str, server_cls: type, actor_name: Cal
             return False
 
     return _named(Replica, name, module)
+
+
+async def _on_workers_node(workers: list) -> dict:
+    """Ray options that start a replica's server on the node of its rollout slot (its first worker), as verl's own
+    servers are: with no reservation Ray would otherwise place it on any node, e.g. the driver's."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not workers:
+        return {}
+    node_id = await workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
 def make_server_adapter_class(name: str, module: str, actor_name: Callable[[int], str],

@@ -22,6 +22,9 @@ Why:
                                itself at its N-th generate call: the replica dies mid-batch
        teacher_hang@every=N    every N-th teacher request of an agent loop (OPD) never answers: the
                                per-attempt ``thundersync.opd.teacher_timeout_s`` must cut it and retry
+       rollout_node_kill@call=N  at its N-th generate call a rollout server SIGKILLs the raylet of its
+                               node (a lost machine: Ray ends every process of that node)
+       learner_node_kill@batch=B,chunk=C  after that backward the learner SIGKILLs its node's raylet
    ``every``/``after``/``call`` count calls; ``batch``/``chunk``/``step`` name the place.
 4. Every fault that fires appends one JSON line to ``$THUNDERSYNC_FAULTS_LOG`` (when set), so a
    benchmark counts what was injected across processes (``benchmarks/faults.py``).
@@ -51,6 +54,8 @@ KNOWN = {
     "push_fail": ("step",),
     "rollout_kill": ("every", "call", "after"),
     "teacher_hang": ("every", "call", "after"),
+    "rollout_node_kill": ("every", "call", "after"),
+    "learner_node_kill": ("batch", "chunk"),
 }
 # Tool code that kills its own sandbox process: the sandbox sees SIGKILL, as from an OOM killer.
 KILL_CODE = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
@@ -167,9 +172,19 @@ def tool_code(code: str) -> str:
 
 
 def rollout_generate() -> None:
-    """A rollout server's generate call: ``rollout_kill`` kills the replica's process here (as a lost node)."""
+    """A rollout server's generate call: ``rollout_kill`` kills the replica's process here, ``rollout_node_kill``
+    the raylet of its node."""
     if _count_call("rollout_kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _count_call("rollout_node_kill"):
+        kill_node_of_this_process()
+
+
+def kill_node_of_this_process() -> None:
+    """SIGKILL this Ray worker's raylet (its parent process), then the worker: the node is lost, as when its machine
+    fails (Ray then ends the node's other processes; this one must not run on after the place it was killed at)."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def teacher_hangs() -> bool:
@@ -204,6 +219,8 @@ def after_backward(batch_state, params) -> None:
         _local(first.grad).view(-1)[0] = float("nan")
     if _at_place("learner_kill", **place):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _at_place("learner_node_kill", **place):
+        kill_node_of_this_process()
 
 
 def _local(tensor):

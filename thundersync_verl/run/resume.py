@@ -14,6 +14,9 @@ Why:
 3. A save that fails (a full disk, a read-only folder) stops the run with a rule / why / fix message
    naming the step and the checkpoint a resume will use; verl writes its "latest" tracker only after
    everything else, so a half-written folder is never resumed from.
+4. On a multi-node cluster a lost node shows up first as a dead actor or a failed agent loop; the stop names
+   the node that left (Ray's node table against the nodes alive when the run started), so the fix is
+   "restart that node", not a hunt through worker logs.
 """
 
 from __future__ import annotations
@@ -115,6 +118,50 @@ def learner_lost(step: int, exc: BaseException, config) -> RuntimeError:
         f"a learner worker died during step {step} ({type(exc).__name__}); the step's optimizer update was NOT taken",
         "the batch gradient lived in that worker's memory, so the partial batch cannot be finished or stepped",
         f"rerun with trainer.resume_mode=auto (trainer.save_freq>0): it resumes from the last checkpoint in "
+        f"{config.trainer.default_local_dir} and trains step {step} again from its prompts"))
+
+
+NODE_LOSS_WAIT_S = 40.0  # Ray's head declares a silent node dead after its health checks fail (~15-30 s)
+
+
+def alive_nodes() -> dict[str, str]:
+    """Node id -> a description (address, the slots and custom resources it declared) of every alive Ray node."""
+    import ray
+
+    def describe(node: dict) -> str:
+        res = node.get("Resources", {})
+        named = sorted(k for k in res if not k.startswith("node:") and k not in ("CPU", "memory", "object_store_memory"))
+        return f"{node['NodeID'][:12]} at {node.get('NodeManagerAddress', '?')} ({', '.join(named) or 'no slots'})"
+
+    return {n["NodeID"]: describe(n) for n in ray.nodes() if n.get("Alive")}
+
+
+def lost_nodes(at_start: dict[str, str], wait_s: float = 0.0) -> list[str]:
+    """Descriptions of the nodes of ``at_start`` that are no longer alive, waiting up to ``wait_s`` for the head to
+    notice (a failure that looks like a lost node: a dead actor, a failed agent loop)."""
+    import time
+
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            alive = alive_nodes()
+        except Exception:  # the head itself is gone: nothing more can be said here
+            return []
+        lost = [desc for node, desc in at_start.items() if node not in alive]
+        if lost or time.time() >= deadline:
+            return lost
+        time.sleep(1.0)
+
+
+def node_lost(step: int, lost: list[str], exc: BaseException, config) -> RuntimeError:
+    """The clear stop when a node of the Ray cluster left during a streamed step (point 4)."""
+    return RuntimeError(rule_message(
+        f"Ray node(s) {'; '.join(lost)} left the cluster during step {step} ({type(exc).__name__}); the step's "
+        "optimizer update was NOT taken",
+        "the processes on that node (learner ranks, rollout replicas, agent loops) are gone with their state, so the "
+        "batch cannot be finished; trajectories already learned belong to completed steps",
+        f"restart the node (`ray start --address=<head>` with the same resources) or replace it, then rerun with "
+        f"trainer.resume_mode=auto (trainer.save_freq>0): it resumes from the last checkpoint in "
         f"{config.trainer.default_local_dir} and trains step {step} again from its prompts"))
 
 
