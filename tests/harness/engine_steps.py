@@ -278,9 +278,9 @@ class StreamingLearnerClient:
     """
 
     def __init__(self, worker_group, *, pad_token_id: int, temperature: float = 1.0, dp_size: int | None = None,
-                 ref_group=None, rollout_lp: dict | None = None):
+                 ref_group=None, row_log_probs: dict | None = None):
         self.wg, self.ref_wg, self.ref_calls = worker_group, ref_group, 0
-        self.rollout_lp = rollout_lp  # (gid, traj_id) -> the rollout engine's log-probs, sent with each row
+        self.row_log_probs = row_log_probs  # (gid, traj_id) -> the rollout engine's log-probs, sent with each row
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.dp_size = int(dp_size or va.actor_dp_size(worker_group))  # verl's split: TP/PP peers share a part
@@ -295,7 +295,7 @@ class StreamingLearnerClient:
             if isinstance(op, BackwardOp):
                 rows = [trajectories[item] for item in op.items]
                 masks = [r[2] for r in rows] if all(len(r) > 2 for r in rows) else None
-                lps = None if self.rollout_lp is None else [self.rollout_lp[item] for item in op.items]
+                lps = None if self.row_log_probs is None else [self.row_log_probs[item] for item in op.items]
                 chunk = build_stream_chunk([r[0] for r in rows], [r[1] for r in rows], op.coefs, op.dest,
                                            dp_size=self.dp_size, pad_token_id=self.pad_token_id,
                                            temperature=self.temperature, response_masks=masks, rollout_log_probs=lps)

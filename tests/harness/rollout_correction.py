@@ -97,7 +97,7 @@ class RolloutCorrectionSpec(PolicySpec):
     def feed(self, wg, trajs, pad_token_id, max_chunk):
         self.draw(wg, trajs, pad_token_id)
         lps = {(t.gid, traj_name(t)): self.rollout_lp[_key(t)] for t in trajs}
-        client = StreamingLearnerClient(wg, pad_token_id=pad_token_id, rollout_lp=lps)
+        client = StreamingLearnerClient(wg, pad_token_id=pad_token_id, row_log_probs=lps)
         return TrajFeed(self.planner(max_chunk), client, trajs, self.meta(len({t.gid for t in trajs})))
 
     def _count(self, weights: torch.Tensor, mask: torch.Tensor) -> None:

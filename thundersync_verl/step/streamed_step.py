@@ -43,6 +43,7 @@ from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNe
 
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
 LISTING_SHARE = 0.02  # listings take at most about this share of the driver's waiting time (``StreamedStep._wait``)
+LISTING_SHARE_MIN_BATCH = 1024  # ... in batches of at least this many trajectories (smaller ones list on the pause)
 
 
 @dataclass
@@ -298,8 +299,10 @@ class StreamedStep:
         partition, so it costs more the larger the batch (about 30 ms at 16k trajectories, ``driver_throughput.py``;
         at a fixed 10-80 ms pause a 16k step's driver would list for most of its wait): the pause is never
         shorter than the last listing took over ``LISTING_SHARE`` once that exceeds ``POLL_CAP_S``, which keeps
-        listings a bounded share of the wait at any batch size (16k: one listing every ~1.5 s in a step of
-        minutes). Listings of small batches (under ~1.6 ms) keep the schedule above unchanged.
+        listings a bounded share of the wait at large batch sizes (16k: one listing every ~1.5 s in a step of
+        minutes). Batches under ``LISTING_SHARE_MIN_BATCH`` trajectories keep the schedule above whatever a listing
+        took: on a loaded host a small batch's listing can take tens of ms, and a pause of 50x that would let the
+        whole batch land unseen (every row direct, nothing streamed while groups are open).
         """
         while True:
             self.pipe.collect()
@@ -317,7 +320,9 @@ class StreamedStep:
                 arrivals = self.source.poll(release=self.planner.ready_count <= self._held)  # the gate: a block at a time
                 self._pause = self.ctx.poll_s if arrivals else min(2 * self._pause, max(self.ctx.poll_s, POLL_CAP_S))
                 floor = self.source.trajectories.last_listing_s / LISTING_SHARE  # listings: a bounded share
-                self._next_listing = time.time() + (max(self._pause, floor) if floor > POLL_CAP_S else self._pause)
+                large = self.source.trajectories.expected >= LISTING_SHARE_MIN_BATCH
+                self._next_listing = time.time() + (max(self._pause, floor) if large and floor > POLL_CAP_S
+                                                    else self._pause)
                 if arrivals or self.source.done:
                     return arrivals
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
