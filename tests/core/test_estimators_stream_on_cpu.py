@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from thundersync_harness.estimator_steps import verl_advantages
+from thundersync_harness.plan_ops import effective_coefficients
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core import StreamingConfigError, batch_scale
 from thundersync_verl.core.batch_estimators import Outcome
@@ -49,14 +50,7 @@ def replay(name: str, outcomes: list[Outcome], seed: int, norm: bool = True) -> 
         ops += planner.next_ops()
     ops += planner.next_ops()
     final = planner.finalize()
-    folds = {k: c for op in ops if isinstance(op, FoldOp) for k, c in op.folds.items()}
-    coef = {}
-    for op in ops:
-        if isinstance(op, BackwardOp):
-            for item, c in zip(op.items, op.coefs):
-                assert item not in coef, f"{item} planned twice"
-                coef[item] = c if op.dest == "direct" else c * folds[op.dest]
-    return coef, final, ops
+    return effective_coefficients(ops), final, ops
 
 
 reward_st = st.sampled_from([0.0, 1.0, 0.5, -1.0, 2.0])

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from thundersync_harness.plan_ops import effective_coefficients
 from thundersync_verl.step.stream_plan import BackwardOp, FoldOp, StreamPlanner
 
 
@@ -40,17 +41,6 @@ def _batch(groups: int, n: int, seed: int) -> list[tuple[str, int, float, int]]:
             rows.append((f"g{g:05d}", m, float(rng.random() < 0.5), rng.randint(1, 50)))
             times.append(math.exp(factor + rng.gauss(0.0, 0.5)))
     return [row for _, row in sorted(zip(times, rows))]
-
-
-def _effective(ops: list) -> dict:
-    folds = {k: c for op in ops if isinstance(op, FoldOp) for k, c in op.folds.items()}
-    out = {}
-    for op in ops:
-        if isinstance(op, BackwardOp):
-            for item, coef in zip(op.items, op.coefs):
-                assert item not in out, f"{item} planned twice"
-                out[item] = coef if op.dest == "direct" else coef * folds[op.dest]
-    return out
 
 
 def _stream(rows, *, wave: int, per_call: int, groups: int, n: int, max_backwards: int | None):
@@ -97,7 +87,7 @@ def test_cached_ranking_gives_every_trajectory_its_grpo_coefficient_once():
     rows = _batch(groups, n, seed=7)
     capped, _, final_capped = _stream(rows, wave=40, per_call=1, groups=groups, n=n, max_backwards=1)
     whole, _, final_whole = _stream(rows, wave=40, per_call=1, groups=groups, n=n, max_backwards=None)
-    got, want = _effective(capped), _effective(whole)
+    got, want = effective_coefficients(capped), effective_coefficients(whole)
     assert set(got) == set(want) == {(g, m) for g, m, _, _ in rows}
     for item in want:
         assert got[item] == pytest.approx(want[item], rel=1e-6, abs=1e-9)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thundersync_verl.core import StreamingInputError, StreamingStateError
+from thundersync_harness.plan_ops import effective_coefficients
 from thundersync_verl.step.stream_plan import BackwardOp, FoldOp, StreamPlanner, bucket_key
 
 EPS = 1e-6
@@ -22,18 +23,6 @@ def _grpo(rewards: list[float]) -> list[float]:
     mean = sum(rewards) / n
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
     return [(r - mean) / (std + EPS) for r in rewards]
-
-
-def _effective_coefficients(ops: list) -> dict:
-    """Per trajectory, the coefficient its gradient finally enters the batch gradient with."""
-    folds = {k: c for op in ops if isinstance(op, FoldOp) for k, c in op.folds.items()}
-    out = {}
-    for op in ops:
-        if isinstance(op, BackwardOp):
-            for item, coef in zip(op.items, op.coefs):
-                assert item not in out, f"{item} planned twice"
-                out[item] = coef if op.dest == "direct" else coef * folds[op.dest]
-    return out
 
 
 def test_hand_computed_grpo_group_buckets_then_fold_then_direct():
@@ -69,7 +58,7 @@ def test_fold_coefficients_equal_verls_grpo_advantages():
         for g, rs in rewards.items():
             planner.arrive(g, tid, rs[tid], num_tokens=3)
             ops += planner.next_ops()
-    coef = _effective_coefficients(ops)
+    coef = effective_coefficients(ops)
     flat = [(g, t, r) for g, rs in rewards.items() for t, r in enumerate(rs)]
     scores = torch.zeros(len(flat), 3)
     scores[:, -1] = torch.tensor([r for _, _, r in flat])
@@ -209,7 +198,7 @@ def test_any_arrival_order_and_chunking_gives_every_trajectory_its_advantage(see
         if (k + 1) % every == 0:
             ops += planner.next_ops()
     ops += planner.next_ops()
-    coef = _effective_coefficients(ops)
+    coef = effective_coefficients(ops)
     for g, n in sizes.items():
         group = [rewards[(g, t)] for t in range(n)]
         adv = [group[0] / (1 + EPS)] if n == 1 else _grpo(group)  # verl: a group of one has mean 0, std 1
