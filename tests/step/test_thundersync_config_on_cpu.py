@@ -56,6 +56,16 @@ def test_a_memory_budget_sizes_the_planner_to_the_learners_buckets():
     assert build_planner(unbudgeted, ThunderSyncConfig.from_verl(unbudgeted)) is not None
 
 
+def test_the_trainers_planner_sends_rollout_correction_to_the_learner():
+    from thundersync_verl.config import ThunderSyncConfig
+    from thundersync_verl.step.grpo_algorithm import build_planner
+
+    cfg = _cfg("algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold='0.5_2.0'")
+    meta = build_planner(cfg, ThunderSyncConfig.from_verl(cfg)).verl_settings  # what the step sends stream_begin_batch
+    assert (meta["rollout_is"], meta["rollout_is_threshold"], meta["rollout_is_batch_normalize"]) == ("sequence", "0.5_2.0", False)
+    assert "rollout_is" not in build_planner(_cfg(), ThunderSyncConfig.from_verl(_cfg())).verl_settings
+
+
 def test_a_memory_budget_too_small_for_one_group_is_refused_naming_the_key():
     from thundersync_verl.config import ThunderSyncConfig
     from thundersync_verl.step.grpo_algorithm import build_planner

@@ -22,7 +22,7 @@ from thundersync_verl.core.errors import rule_message
 from thundersync_verl.step.chunk_layout import IndependentTerms
 from thundersync_verl.step.contracts import TrainerAlgorithmDefaults
 from thundersync_verl.step.minibatch_plan import MiniBatchPlanner
-from thundersync_verl.step.stream_plan import StreamPlanner, settings_from_verl_config
+from thundersync_verl.step.stream_plan import StreamPlanner, rollout_correction_meta, settings_from_verl_config
 from thundersync_verl.step.streamed_step import GRPOArrivals
 
 
@@ -50,6 +50,7 @@ def build_planner(config, ts: ThunderSyncConfig, *, bucket_bytes: int | None = N
         sizing = {"grad_numel": max(unit // 4, 1), "budget_bytes": int(ts.memory_budget_bytes) + unit}
     try:
         planner = StreamPlanner.from_settings(settings_from_verl_config(config), max_chunk_size=ts.chunk_size, **sizing)
+        planner.verl_settings.update(rollout_correction_meta(config))  # the learner's IS weights (stream_loss.py point 8)
         if sizing:  # one group of the run's size must fit: found now, not at the first batch (dropped by the next begin)
             planner.begin_batch({"budget probe": n})
         if k * epochs > 1:  # verl's mini-batches and epochs: one optimizer step per mini-batch (minibatch_plan.py)

@@ -146,13 +146,8 @@ class StreamPlanner(PlannerDefaults):
         name = getattr(est, "verl_name", "rloo" if est.name == "rloo" else "grpo")
         norm = getattr(est, "norm_by_std", True)
         eps = getattr(est, "epsilon", 1e-6)
-        planner = cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
-                      loss_scale_factor=settings.loss_scale_factor, **kwargs)
-        if settings.rollout_is is not None:  # the learner's loss weighs each token (stream_loss.py point 8)
-            upper, lower = settings.rollout_is_upper, settings.rollout_is_lower
-            planner.verl_settings.update(rollout_is=settings.rollout_is, rollout_is_batch_normalize=False,
-                                         rollout_is_threshold=upper if lower is None else f"{lower}_{upper}")
-        return planner
+        return cls(adv_estimator=name, norm_adv_by_std_in_grpo=norm, epsilon=eps, loss_agg_mode=settings.loss_agg_mode,
+                   loss_scale_factor=settings.loss_scale_factor, **kwargs)
 
     # ----- batch lifecycle ----------------------------------------------------------------
     def begin_batch(self, group_sizes: Mapping[Hashable, int]) -> None:
