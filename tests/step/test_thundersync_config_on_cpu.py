@@ -66,6 +66,14 @@ def test_the_trainers_planner_sends_rollout_correction_to_the_learner():
     assert "rollout_is" not in build_planner(_cfg(), ThunderSyncConfig.from_verl(_cfg())).verl_settings
 
 
+def test_rollout_correction_without_rollout_log_probs_is_refused_at_start():
+    cfg = _cfg("algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false",
+               "thundersync.learner_forward=separate")
+    with pytest.raises(StreamingConfigError, match=r"rollout_is='token' needs the rollout's log-probs(.|\n)*"
+                                                   r"set actor_rollout_ref.rollout.calculate_log_probs=true"):
+        validate_thundersync_config(cfg)
+
+
 def test_a_memory_budget_too_small_for_one_group_is_refused_naming_the_key():
     from thundersync_verl.config import ThunderSyncConfig
     from thundersync_verl.step.grpo_algorithm import build_planner

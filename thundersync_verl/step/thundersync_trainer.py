@@ -52,6 +52,7 @@ from thundersync_verl.step.algorithm import choose_algorithm
 from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
+from thundersync_verl.step.stream_plan import rollout_correction_meta
 from thundersync_verl.step.streamed_step import StepContext, StreamedStep
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 from thundersync_verl.run.timeline import TimelineFeed
@@ -93,7 +94,7 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "thundersync.learner_forward=fused needs the rollout's log-probs",
             "the fused check compares them with the backward's forward, and old_log_probs is filled from them",
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or thundersync.learner_forward=separate"))
-    rollout_is = config.algorithm.get("rollout_correction", None) and config.algorithm.rollout_correction.get("rollout_is")
+    rollout_is = rollout_correction_meta(config).get("rollout_is")
     if rollout_is is not None and not arr.rollout.get("calculate_log_probs", False):
         raise StreamingConfigError(rule_message(
             f"algorithm.rollout_correction.rollout_is={rollout_is!r} needs the rollout's log-probs",
