@@ -32,9 +32,9 @@ Why:
    as separate raylets; runs reach it through ``RAY_ADDRESS``): the raylet of the node running the learner is
    killed between two chunks of step 2, that node is restarted and the run resumed; the raylet of the node
    running the rollout server is then killed mid-batch (at a generate call of step 2); after that node's restart
-   a clean resume runs to the end. An agent loop on a lost node dies with it and reports nothing, so such a step
-   may only stop at ``thundersync.trajectory_timeout_s`` (60 s here, as for ``rollout_kill``); an agent loop
-   elsewhere reports its failed call at once. Each stop must name the lost node (its ``thundersync_<name>``
+   a clean resume runs to the end. An agent loop on a lost node dies with it and reports nothing: the driver's
+   node watch (``streamed_step.py`` point 6) stops such a step once Ray's head declares the node dead, well
+   before ``thundersync.trajectory_timeout_s``; an agent loop elsewhere reports its failed call at once. Each stop must name the lost node (its ``thundersync_<name>``
    resource; which node ran which role is read from Ray's actor table), push no weights of the stopped step,
    and the next resume must restore the last checkpoint bit for bit; the final weights must equal the
    uninterrupted one-node run's bit for bit (``node_resume_bitwise``; ``resume_bitwise`` with ``--only``).

@@ -15,6 +15,7 @@ from thundersync_verl.run.step_record import StepRecorder
 from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY
 from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
+from thundersync_verl.step import streamed_step
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 
@@ -75,7 +76,7 @@ class _Learner:
 
 
 def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True,
-          budget_buckets: int | None = None, deterministic: bool = False):
+          budget_buckets: int | None = None, deterministic: bool = False, lost_nodes=None):
     sizing = {} if budget_buckets is None else {"grad_numel": 1, "budget_bytes": 4 * (budget_buckets + 1)}
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4, **sizing)
     ctx = StepContext(
@@ -83,7 +84,7 @@ def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: flo
         make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
         forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=timeout_s, poll_s=0.001,
         coalesce=coalesce, fused_forward=True, memory_budget_bytes=None if budget_buckets is None else 4 * budget_buckets,
-        deterministic=deterministic)
+        deterministic=deterministic, lost_nodes=lost_nodes)
     return StreamedStep(ctx, GRPOArrivals(planner))
 
 
@@ -382,6 +383,24 @@ def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():
     with pytest.raises(TrajectoryNeverArrived, match=r"1 trajectories of this batch did not arrive within 0s.*"
                                                      r"optimizer step was NOT taken.*trajectory_timeout_s"):
         step.run()
+    assert learner.steps == []
+
+
+def test_a_node_that_leaves_while_the_step_waits_stops_it_long_before_the_timeout(monkeypatch):
+    """Point 6: an agent loop that died with its node reports nothing; the watch names the node within a few polls
+    of the head declaring it dead, not at ``trajectory_timeout_s``, and the optimizer does not step."""
+    monkeypatch.setattr(streamed_step, "NODE_WATCH_S", 0.02)
+    tq, learner, asked = _TQ(), _Learner(), []
+    tq.add("a_0_0", 1.0, visible_at=1)  # a_1_0's agent loop ran on the lost node: it never lands
+
+    def lost_nodes():
+        asked.append(1)
+        return ["n2 at 10.0.0.2 (GPU, thundersync_rollout)"] if len(asked) >= 3 else []
+
+    step = _step(tq, learner, ["a"], 2, timeout_s=600.0, lost_nodes=lost_nodes)
+    with pytest.raises(streamed_step.NodeLeft, match=r"n2 at 10.0.0.2 .*thundersync_rollout.* left the cluster"):
+        step.run()
+    assert len(asked) == 3  # asked until the head said so, then stopped at once (the timeout is 600 s)
     assert learner.steps == []
 
 

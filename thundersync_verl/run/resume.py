@@ -14,8 +14,9 @@ Why:
 3. A save that fails (a full disk, a read-only folder) stops the run with a rule / why / fix message
    naming the step and the checkpoint a resume will use; verl writes its "latest" tracker only after
    everything else, so a half-written folder is never resumed from.
-4. On a multi-node cluster a lost node shows up first as a dead actor or a failed agent loop; the stop names
-   the node that left (Ray's node table against the nodes alive when the run started), so the fix is
+4. On a multi-node cluster a lost node shows up first as a dead actor, a failed agent loop, or (an agent
+   loop that died with it reports nothing) the driver's node watch while it waits (``streamed_step.py``
+   point 6); the stop names the node that left (Ray's node table against the nodes alive when the run started), so the fix is
    "restart that node", not a hunt through worker logs.
 """
 

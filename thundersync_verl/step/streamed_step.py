@@ -24,6 +24,11 @@ Why:
 5. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
    raises before ``finalize_step``, so the optimizer never steps on part of a batch. With several
    mini-batches the steps of the mini-batches already complete stay applied (each is a whole mini-batch).
+6. A lost Ray node is noticed while the driver waits (``StepContext.lost_nodes``, asked every ``NODE_WATCH_S``
+   of fruitless waiting): an agent loop that died with its node reports nothing, so without the watch the step
+   stopped only at ``trajectory_timeout_s`` (600 s by default). The watch raises ``NodeLeft`` as soon as Ray's
+   head has declared the node dead (its health checks, ~15-30 s); the trainer turns it into the stop that names
+   the node (``run/resume.py`` point 4). A node-table read is one GCS call: every 5 s it costs nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNe
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
 LISTING_SHARE = 0.02  # listings take at most about this share of the driver's waiting time (``StreamedStep._wait``)
 LISTING_SHARE_MIN_BATCH = 1024  # ... in batches of at least this many trajectories (smaller ones list on the pause)
+NODE_WATCH_S = 5.0  # while waiting for rows, how often the driver asks Ray whether a node has left (point 6)
+
+
+class NodeLeft(RuntimeError):
+    """A Ray node alive when the run started left while the step waited for its rows (point 6)."""
+
+    def __init__(self, nodes: list[str]):
+        super().__init__(f"Ray node(s) {'; '.join(nodes)} left the cluster while the step waited for trajectories")
+        self.nodes = list(nodes)
 
 
 @dataclass
@@ -66,6 +80,7 @@ class StepContext:
     ref_log_probs: Callable[[list, list], dict] | None = None  # use_kl_loss: (keys, tags) -> {key: reference log-probs}
     deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
     values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
+    lost_nodes: Callable[[], list] | None = None  # () -> the nodes that left since the run started (point 6)
 
 
 @dataclass
@@ -158,6 +173,7 @@ class StreamedStep:
         # the rollout's log-probs ride with each row: verl's old-log-prob check, or rollout correction's IS weights
         self._rollout_lp = ctx.fused_forward or self.planner.verl_settings.get("rollout_is") is not None
         self._t_listing: float | None = None  # when the last listing began
+        self._next_node_check = time.time() + NODE_WATCH_S  # point 6
 
     def run(self) -> tuple[dict, StepState]:
         """Stream the batch and step once; returns the learner's step metrics and the step's state."""
@@ -327,10 +343,20 @@ class StreamedStep:
                     return arrivals
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
                     raise self.source.never_arrived()
+                self._watch_nodes()
             wake = self._next_listing
             if plan_at is not None and (plan_at != self._listed_for or self.planner.ready_count > self._held):
                 wake = min(wake, max(plan_at, time.time() + self.ctx.poll_s))  # past it, the head call is late
             time.sleep(max(0.0, wake - time.time()))
+
+    def _watch_nodes(self) -> None:
+        """Point 6: after a fruitless listing, at most every ``NODE_WATCH_S``, ask whether a node has left."""
+        if self.ctx.lost_nodes is None or time.time() < self._next_node_check:
+            return
+        lost = self.ctx.lost_nodes()
+        self._next_node_check = time.time() + NODE_WATCH_S
+        if lost:
+            raise NodeLeft(lost)
 
     def _admit(self, arrivals: Arrivals) -> None:
         t_seen, state = time.time(), self.state

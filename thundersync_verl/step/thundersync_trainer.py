@@ -303,7 +303,12 @@ class ThunderSyncTrainer(api.PPOTrainer):
             bucket_device=ts.bucket_device,
             deterministic=ts.deterministic,
             ref_log_probs=self._ref_log_probs if self.use_reference_policy else None,
-            values=self.algo.values(self))
+            values=self.algo.values(self),
+            lost_nodes=self._lost_nodes if len(getattr(self, "nodes_at_start", {})) > 1 else None)
+
+    def _lost_nodes(self) -> list[str]:
+        """The nodes alive at the run's start that Ray's head has since declared dead (streamed_step point 6)."""
+        return resume.lost_nodes(self.nodes_at_start)
 
     def _ref_log_probs(self, keys: list, tags: list) -> dict[str, list[float]]:
         """``use_kl_loss``: verl's ``_compute_ref_log_prob`` (its ref worker group, or with LoRA the actor
