@@ -97,6 +97,8 @@ class StepState:
     kl_tokens: float = 0.0
     rollout_makespan_s: float = 0.0
     listings: int = 0  # TransferQueue listings (controller RPCs on the host's cores) the driver made for the batch
+    listing_s: float = 0.0  # wall seconds of those listings
+    fetch_s: float = 0.0  # wall seconds of the TransferQueue reads of landed rows (``fetch_rows``)
     budget_waits: int = 0  # plans that held ready rows back because their buckets did not fit the budget
     planned_ahead: int = 0  # plans made while the learner still computed, timed to reach it as it goes idle
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
@@ -202,6 +204,7 @@ class StreamedStep:
                 if not ops and self.source.done:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
             self.state.listings = self.source.trajectories.listings
+            self.state.listing_s = self.source.trajectories.listing_s
             times = self.source.trajectories.arrival_time.values()
             self.state.rollout_makespan_s = max(times, default=self.state.t_start) - self.state.t_start
             if ctx.fused_forward and self.state.keys:  # bypass: verl's old_log_probs are the rollout's, for
@@ -232,6 +235,8 @@ class StreamedStep:
             "thundersync/peak_bucket_bytes", first.get("stream/peak_bytes", 0)))  # over every mini-batch of the batch
         metrics["thundersync/budget_waits"] = state.budget_waits
         metrics["thundersync/listings"] = state.listings
+        metrics["thundersync/listing_s"] = state.listing_s  # the driver's polling, per step (multi-node costs)
+        metrics["thundersync/fetch_s"] = state.fetch_s  # its TransferQueue reads of the landed rows
         metrics["thundersync/planned_ahead"] = state.planned_ahead
         metrics.update(self.algo.metrics(self.state, self.ctx))
         return metrics
@@ -366,7 +371,9 @@ class StreamedStep:
             return
         keys = [k for k, _ in arrivals.trajectories]
         missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
+        t0 = time.time()
         state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self._rollout_lp) if missing else {})
+        state.fetch_s += time.time() - t0
         rows = {k: state.rows[k] for k in keys}
         gate = self.source.gate
         planned = {}
@@ -406,7 +413,9 @@ class StreamedStep:
 
     def _row_content(self, keys: list) -> dict[str, tuple]:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
+        t0 = time.time()
         self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self._rollout_lp))
+        self.state.fetch_s += time.time() - t0
         return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
 
     def _op_tokens(self, op) -> int | None:

@@ -43,6 +43,7 @@ class TrajectorySource:
         self.arrival_time: dict[str, float] = {}
         self.listings = 0  # kv_list calls made (each one a controller RPC)
         self.last_listing_s = 0.0  # wall seconds of the last listing (the RPC and reading it), for the step's pause
+        self.listing_s = 0.0  # ... of every listing so far (the driver's polling cost per step)
 
     @property
     def done(self) -> bool:
@@ -77,6 +78,7 @@ class TrajectorySource:
                 self.arrival_time[key] = time.time()
                 new.append((key, tag))
         self.last_listing_s = time.time() - t0
+        self.listing_s += self.last_listing_s
         return new
 
 
