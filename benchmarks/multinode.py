@@ -7,7 +7,9 @@ Why:
    (``RAY_ADDRESS``), the way a user reaches a running cluster; where every actor ran is read back from
    Ray's actor table (``placement``), and a layout whose learner and rollout share a node fails the run.
    ``--layout dp2`` puts two learner ranks on two nodes (``trainer.nnodes=2``, FSDP2 over gloo between raylets)
-   against the same data-parallel size on one node.
+   against the same data-parallel size on one node. ``--layout megatron_dp2`` is the same with verl's Megatron actor
+   (``main_ppo_runs.MEGATRON_OVERRIDES``: megatron-core, distributed optimizer, gloo between raylets) on the
+   Megatron tiny model (``build_megatron_model``: vocabulary padded to 128), recorded with that model.
 2. Exactness: every run replays one recording (``replay`` backend, nothing slept) with
    ``thundersync.deterministic=true`` (batch order, whole chunks), so the cluster run and the same steps on one
    node sum the same gradients in the same order. ``update_gap`` is the relative distance of their pushed
@@ -43,23 +45,31 @@ DETERMINISTIC = ["thundersync.deterministic=true"]
 PER_STEP = 8 * 4  # prompts x rollout.n of the CPU recipe
 COSTS = ("timing_s/step", "timing_s/gen", "timing_s/update_weights", "timing_s/stream", "thundersync/listings")
 MODES = ("thundersync", "sync", "async")
-# layout -> (overrides on one node, overrides on the cluster): the same learner data-parallel size either way
-LAYOUTS = {"split": ([], []),
-           "dp2": (["trainer.n_gpus_per_node=2"], ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])}
+DP2 = (["trainer.n_gpus_per_node=2"], ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+MEGATRON = runs.MEGATRON_OVERRIDES
+# layout -> (cluster layout, overrides on one node, overrides on the cluster, learner nodes): the same learner
+# data-parallel size either way
+LAYOUTS = {"split": ("split", [], [], 1),
+           "dp2": ("dp2", *DP2, 2),
+           "megatron_dp2": ("dp2", *([*MEGATRON, *x] for x in DP2), 2)}
 
 
 def log(msg: str) -> None:
     print(f"[multinode] {msg}", file=sys.stderr, flush=True)
 
 
-def setup(work: Path, steps: int) -> tuple[Path, Path]:
-    """The tiny policy and the recording every run replays (built once, cached under ``work``)."""
-    from thundersync_harness.engine_setup import build_tiny_model
-
-    model = work / "tiny_random_lm"
+def setup(work: Path, steps: int, megatron: bool = False) -> tuple[Path, Path]:
+    """The tiny policy (Megatron's: vocabulary padded) and the recording every run replays, made with that policy
+    (its log-probs are the policy's); built once, cached under ``work``."""
+    model = work / ("megatron_random_lm" if megatron else "tiny_random_lm")
     if not (model / "config.json").is_file():
-        build_tiny_model(model)
-    rec_work = work / f"recording_{steps}"
+        shutil.rmtree(model, ignore_errors=True)  # a failed attempt's half-written folder
+        if megatron:
+            from thundersync_harness.megatron_engine import build_megatron_model as build
+        else:
+            from thundersync_harness.engine_setup import build_tiny_model as build
+        build(model)
+    rec_work = work / (f"recording_{steps}_megatron" if megatron else f"recording_{steps}")
     rec = rec_work / "recording.jsonl"
     if not (rec_work / "recorded").is_file():
         log(f"recording {steps} Sync step(s)")
@@ -108,7 +118,8 @@ def main(argv=None) -> dict:
                     "(default: thundersync with --quick, else all)")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="split",
                     help="split: head + learner node + rollout node; dp2: head + two learner nodes (trainer.nnodes=2, "
-                    "data-parallel 2 across nodes, against DP 2 on one node) + rollout node")
+                    "data-parallel 2 across nodes, against DP 2 on one node) + rollout node; megatron_dp2: dp2 with "
+                    "verl's Megatron actor (megatron-core over gloo, distributed optimizer)")
     ap.add_argument("--push", choices=["cpu_channel", "sparse_sync"], default="cpu_channel",
                     help="the checkpoint engine that carries the weight push (both runs; Sync's hybrid push ignores it)")
     ap.add_argument("--work-dir", default="runs/multinode")
@@ -122,12 +133,12 @@ def main(argv=None) -> dict:
     t0 = time.time()
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    model, rec = setup(work, steps)
-    local, spread = LAYOUTS[args.layout]
+    nodes_layout, local, spread, learners = LAYOUTS[args.layout]
+    model, rec = setup(work, steps, megatron=args.layout.startswith("megatron"))
     if args.push != "cpu_channel":
         local, spread = ([*x, f"actor_rollout_ref.rollout.checkpoint_engine.backend={args.push}"] for x in (local, spread))
     one = one_run(None, work, model, rec, f"one_node_thundersync_{args.layout}", "thundersync", steps, local)
-    cluster = LocalCluster(layout(args.layout), cr.cluster_env(work))
+    cluster = LocalCluster(layout(nodes_layout), cr.cluster_env(work))
     multi, nodes, left = {}, 0, None
     try:
         cluster.start()
@@ -147,7 +158,7 @@ def main(argv=None) -> dict:
         "update_gap": gap, "update_floor": runs.UPDATE_ATOL, "update_gap_over_floor": round(gap / runs.UPDATE_ATOL, 4),
         "update_bitwise": gap == 0.0,
         "weight_push_crossed_nodes": separated(ts["placement"], "rollout", "rollout_server") and pushed_last,
-        "learners_on_distinct_nodes": len(ts["placement"].get("learner", [])) == (2 if args.layout == "dp2" else 1),
+        "learners_on_distinct_nodes": len(ts["placement"].get("learner", [])) == learners,
         "learner_rollout_separated": {m: separated(r["placement"]) for m, r in multi.items() if m != "sync"},
         "trajectories_lost": steps * PER_STEP - learned(ts["run_dir"]),
         "leftover_processes": left,

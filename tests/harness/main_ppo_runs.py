@@ -51,6 +51,18 @@ RESOLVING_SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_r
 TOKEN_SUM = ["actor_rollout_ref.actor.loss_agg_mode=token-sum"]  # each row's coefficients exact, no per-row rounding
 TOKEN_SUM_ATOL = 1e-6  # a gap this small is rounding whatever the floor sample (a wrong term moves it 1e-3 or more)
 
+# verl's Megatron actor (megatron-core over gloo) in place of the CPU recipe's FSDP2 one, from the command line: the
+# recipe's fsdp_config keys removed, mbridge (megatron-bridge needs Python >= 3.12), fp32, the distributed optimizer
+# (verl's weight export needs the param buffer it allocates). The model: megatron_engine.build_megatron_model.
+# optim.total_training_steps: any value, verl's trainer sets it from trainer.total_training_steps before building.
+_ACTOR, _MEGA = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
+MEGATRON_OVERRIDES = [
+    "model_engine=megatron", f"~{_ACTOR}.fsdp_config", "~actor_rollout_ref.ref.fsdp_config",
+    f"{_ACTOR}.strategy=megatron", f"{_MEGA}.vanilla_mbridge=true", f"{_MEGA}.dtype=float32",
+    f"{_MEGA}.use_distributed_optimizer=true", f"{_ACTOR}.optim.total_training_steps=2",
+    "actor_rollout_ref.ref.megatron.vanilla_mbridge=true", "actor_rollout_ref.ref.megatron.dtype=float32",
+]
+
 
 def within_sums_order(gap: float, floor: float) -> bool:
     """The token-sum rule at lr 1e4: within 2x the Sync runs' own spread (another order of the same sums), or 1e-6."""

@@ -14,19 +14,14 @@ import sys
 
 import pytest
 
+from thundersync_harness.main_ppo_runs import MEGATRON_OVERRIDES
 from thundersync_harness.megatron_engine import build_megatron_model
 from thundersync_verl.demo import recipe_dir, run_env
 from thundersync_verl.envs.dataset import write_dataset
 
 pytestmark = pytest.mark.slow  # launches verl's main_ppo (minutes on 2 cores)
 
-ACTOR, MEGA = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
-MEGATRON_OVERRIDES = [
-    "model_engine=megatron", f"~{ACTOR}.fsdp_config", "~actor_rollout_ref.ref.fsdp_config",  # the recipe's FSDP keys
-    f"{ACTOR}.strategy=megatron", f"{MEGA}.vanilla_mbridge=true", f"{MEGA}.dtype=float32",
-    f"{MEGA}.use_distributed_optimizer=true", f"{ACTOR}.optim.total_training_steps=2",
-    "actor_rollout_ref.ref.megatron.vanilla_mbridge=true", "actor_rollout_ref.ref.megatron.dtype=float32",
-]
+ACTOR = "actor_rollout_ref.actor"
 
 
 def _run_two_steps(tmp_path, extra: list[str]) -> list[dict]:
