@@ -23,8 +23,8 @@ Why:
    from (the step recorder's trace). ``leftover_processes``: processes of the cluster still alive after it was
    stopped (read from ``/proc``).
 5. Per-step costs, cluster against one node, from each run's own step metrics: the weight push
-   (``timing_s/update_weights``), the driver's TransferQueue listings (``thundersync/listings``), generation and
-   the step. The full run adds Sync and Async on the cluster (``--modes``).
+   (``timing_s/update_weights``), the driver's TransferQueue listings (``thundersync/listings``, their seconds
+   ``thundersync/listing_s``) and its reads of landed rows (``thundersync/fetch_s``), generation and the step. The full run adds Sync and Async on the cluster (``--modes``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 DETERMINISTIC = ["thundersync.deterministic=true"]
 PER_STEP = 8 * 4  # prompts x rollout.n of the CPU recipe
-COSTS = ("timing_s/step", "timing_s/gen", "timing_s/update_weights", "timing_s/stream", "thundersync/listings")
+COSTS = ("timing_s/step", "timing_s/gen", "timing_s/update_weights", "timing_s/stream", "thundersync/listings",
+         "thundersync/listing_s", "thundersync/fetch_s")  # the push, the driver's polling and its TransferQueue reads
 MODES = ("thundersync", "sync", "async")
 DP2 = (["trainer.n_gpus_per_node=2"], ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
 MEGATRON = runs.MEGATRON_OVERRIDES
