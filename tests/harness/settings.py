@@ -31,7 +31,8 @@ def check(parser, args):
     args = lora.check_lora(parser, args)
     args = policy_loss.check_policy_loss(parser, args)
     args = rollout_correction.check_rollout_correction(parser, args)
-    args.rc_spec = rollout_correction.rollout_correction_spec(args)  # one spec: its drawn log-probs and counts
+    args.rc_spec = policy_loss.policy_loss_spec(  # one spec: its drawn log-probs and counts, the loss's agg mode
+        args, rollout_correction.rollout_correction_spec(args))
     return args
 
 
