@@ -87,6 +87,13 @@ Why:
 17. ``--rollout-correction tis|token-mask|sequence-tis|sequence-mask`` (plain GRPO): verl's rollout IS weights
    against noisy rollout log-probs, verl's trainer function on its side, the learner's loss on the stream's
    (``thundersync_harness.rollout_correction``); JSON <name>_rc_<variant> (``rollout_correction`` key).
+18. ``--algo opd --opd-config verl [--distill-loss-mode M]``: verl's ``distillation_loss`` as verl ships it (k3 backpropagated
+   as a supervised loss, task rewards on: verl's ppo_loss with GRPO advantages of the trajectories' rewards + the
+   distillation loss), or with another single-sample estimator; ``--opd-config project`` (default) is point 6's k1
+   policy gradient. The worker is built from that config (verl's update runs verl's loss with it) and the stream reads
+   the same config (``opd_config.opd_loss_from_verl_config``); with task rewards the stream also feeds each trajectory
+   when its last turn has arrived (``algos/opd/opd_task.py``). JSON <name>_verl[_M] with a ``distillation`` key
+   (``--quick --seeds 0,1,2``: equivalence_opd_verl_seeds.json; the project's setting: equivalence_opd_seeds.json).
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -125,6 +132,8 @@ from thundersync_harness.engine_steps import (
     train,
 )
 from thundersync_harness.megatron_engine import PrescaledSpec, build_megatron_model, megatron_config
+from thundersync_harness.opd_steps import with_landings
+from thundersync_verl.algos.opd.opd_config import opd_loss_from_verl_config
 from thundersync_harness.megatron_per_token import per_token_config, start_per_token_workers
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
@@ -184,17 +193,20 @@ def grpo_steps(wg, batches, pad_id: int, micro: int, diagnostics: bool = False, 
     return steps
 
 
-def opd_steps(wg, batches, pad_id: int, micro: int) -> dict:
+def opd_steps(wg, batches, pad_id: int, micro: int, loss=None) -> dict:
     """sync_a/sync_b/stream see the same teacher log-probs (the per-turn scores): the gap is the
-    learner's. sync_whole is fed whole-sequence scores: its distance to sync_a adds the teacher's."""
+    learner's. sync_whole is fed whole-sequence scores: its distance to sync_a adds the teacher's.
+    ``loss``: the distillation settings of verl's config (``opd_config.OPDLoss``; point 18)."""
     steps = {"sync_a": [], "sync_b": [], "stream": [], "sync_whole": []}
     for trajs, turns, rows, whole, arrival in batches:
-        spec = OPDSpec(teacher_rows=rows, turns=turns)
+        spec = OPDSpec(teacher_rows=rows, turns=turns, loss=loss)
+        if spec.task_rewards:  # each trajectory lands (its reward) after its last turn has arrived
+            arrival = with_landings(arrival, turns)
         steps["sync_a"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id, spec))
         steps["sync_b"].append(partial(sync_step, wg, trajs, transposed_order(len(trajs), micro), pad_id, spec))
         steps["stream"].append(partial(stream_step, wg, trajs, arrival, pad_id, spec))
         steps["sync_whole"].append(partial(sync_step, wg, trajs, list(range(len(trajs))), pad_id,
-                                           OPDSpec(teacher_rows=whole, turns=turns)))
+                                           OPDSpec(teacher_rows=whole, turns=turns, loss=loss)))
     return steps
 
 
@@ -279,7 +291,8 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
             **batching.megatron_batching_options(args))
     else:
         config = verl_config(model_path, groups=groups, micro=micro, optimizer=args.optimizer, teacher=teacher,
-                             **batching.batching_options(args))
+                             distill_loss=args.distill_loss, **batching.batching_options(args))
+    args.verl_config = config  # the distillation settings the result records (point 18)
     settings.apply(config, args)  # --dtype, --moe / --ep, --lora-rank (points 14-16)
     extra = {}
     if args.estimator != "grpo" or args.mini_batches > 1 or args.ppo_epochs > 1:
@@ -330,7 +343,7 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         else:
             wg = start_workers(config, world, distillation=args.algo == "opd")
         if args.algo == "opd":
-            steps = opd_steps(wg, batches, pad_id, micro)
+            steps = opd_steps(wg, batches, pad_id, micro, loss=opd_loss_from_verl_config(config))
         else:
             steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank), spec=args.rc_spec,
                                float64_sum=args.float64_sum)

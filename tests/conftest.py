@@ -97,14 +97,14 @@ def start_engine(tmp_path_factory):
     with contextlib.ExitStack() as session:  # Ray and the environment, restored at the module's end if started
         started: list[Path] = []
 
-        def start(*, groups: int, opd: bool = False, micro: int = 4) -> Engine:
+        def start(*, groups: int, opd: bool = False, micro: int = 4, worker_cls=None) -> Engine:
             assert not started, "one engine per test module"
             work = tmp_path_factory.mktemp("engine")
             started.append(session.enter_context(setup.ray_session()))
             model_path, pad_id, vocab = setup.build_tiny_model(work / "model")
             teacher = setup.build_teacher(model_path, work / "teacher") if opd else None
             config = setup.verl_config(model_path, groups=groups, micro=micro, teacher=teacher)
-            return Engine(setup.start_workers(config, dp=1, distillation=opd), pad_id, vocab, teacher)
+            return Engine(setup.start_workers(config, dp=1, distillation=opd, worker_cls=worker_cls), pad_id, vocab, teacher)
 
         yield start
 

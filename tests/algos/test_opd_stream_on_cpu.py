@@ -343,8 +343,8 @@ def test_planner_from_verl_config_checks_the_distillation_settings():
     assert planner.loss_agg_mode == "token-mean" and planner.opd_clamp == 3.0
     with pytest.raises(StreamingConfigError, match="distillation.enabled=true"):
         opd_planner_from_verl_config(va.compose_ppo_config(base))
-    bad = good + ["distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.loss_mode=k3"]
-    with pytest.raises(StreamingConfigError, match=r"loss_mode=k1, distillation.distillation_loss.use_task_rewards=false"):
+    bad = good + ["distillation.distillation_loss.loss_mode=forward_kl_topk"]
+    with pytest.raises(StreamingConfigError, match=r"distillation.distillation_loss.loss_mode=forward_kl_topk"):
         opd_planner_from_verl_config(va.compose_ppo_config(bad))
     with pytest.raises(StreamingConfigError, match="seq-mean-token-mean"):
         opd_planner_from_verl_config(va.compose_ppo_config(good + ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]))

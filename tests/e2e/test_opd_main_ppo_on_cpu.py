@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from thundersync_verl import verl_adapter as va
+
 from thundersync_verl.demo import recipe_dir, run_env, verl_command
 from thundersync_verl.envs.dataset import write_dataset
 
@@ -70,8 +72,8 @@ def test_opd_recipe_is_grpo_plus_the_opd_keys(mode):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("distillation.distillation_loss.use_task_rewards=true", "use_task_rewards=false"),
-    ("distillation.distillation_loss.loss_mode=k3", "loss_mode=k1"),
+    ("distillation.distillation_loss.use_policy_gradient=false", "loss_mode=k1 with use_policy_gradient=false"),
+    ("distillation.distillation_loss.loss_mode=forward_kl_topk", "loss_mode=forward_kl_topk"),
     ("+distillation.teacher_models.teacher_b.model_path=t2", "ONE teacher"),
 ])
 def test_thundersync_opd_refuses_what_turns_cannot_stream(override, key):
@@ -200,8 +202,6 @@ def test_failing_teacher_publishes_a_failure_and_raises(hang):
 
 def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
     # The last scored turn's reply is kept for verl's whole-trajectory question, which a failed loop never asks.
-    from types import SimpleNamespace
-
     from thundersync_verl.config import EnvConfig
     from thundersync_verl.envs.agent_loop import ThunderSyncToolAgentLoop
 
@@ -255,6 +255,13 @@ class _FakeLearner:
 
     def __init__(self, tq: _FakeTQ):
         self.tq, self.chunks, self.steps, self.begun = tq, [], [], 0
+        self.rows, self.folds = [], {}  # task-term rows (coefficient, destination), folds {bucket: coefficient}
+
+    def stream_backward(self, chunk):
+        self.rows += [(float(c), va.non_tensor(chunk, "ts_dest")) for c in chunk["ts_coef"]]
+
+    def stream_fold(self, folds):
+        self.folds.update(folds)
 
     def stream_begin_batch(self, meta):
         self.begun += 1
@@ -264,14 +271,15 @@ class _FakeLearner:
         teacher = chunk["ts_teacher_log_prob"]
         teacher = teacher.to_padded_tensor(0.0) if teacher.is_nested else teacher
         self.chunks.append({"polls": self.tq.polls, "tokens": int((coef != 0).sum()),
-                            "teacher_sum": float((teacher * (coef != 0)).sum())})
+                            "teacher_sum": float((teacher * (coef != 0)).sum()), "coef": set(chunk["ts_coef"].tolist()),
+                            "supervised": va.non_tensor(chunk, "ts_distill_supervised", False)})
 
     def finalize_step(self, scale):
         self.steps.append(scale)
         return [{"grad_norm": 1.0, "lr": 1e-3}]
 
 
-def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
+def _opd_step(tq: _FakeTQ, uids: list[str], n: int, planner=None):
     from thundersync_verl.algos.opd.opd_stream import OPDTurnPlanner
     from thundersync_verl.algos.opd.opd_trainer_step import OPDArrivals
     from thundersync_verl.run.step_record import StepRecorder
@@ -285,11 +293,11 @@ def _opd_step(tq: _FakeTQ, uids: list[str], n: int):
         make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
         forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=30.0, poll_s=0.001, coalesce=True,
         fused_forward=False)  # the fake learner returns no per-chunk measurements: verl's forward path
-    return StreamedStep(ctx, OPDArrivals(OPDTurnPlanner(max_chunk_size=2))), learner
+    return StreamedStep(ctx, OPDArrivals(planner or OPDTurnPlanner(max_chunk_size=2))), learner
 
 
 def _traj(tq: _FakeTQ, key: str, turns: list[tuple[list[int], list[int]]], *, publish: bool, visible_at: int,
-          turns_visible_at: int = 0, drop_turn: int | None = None):
+          turns_visible_at: int = 0, drop_turn: int | None = None, reward: float = 0.0):
     """A trajectory of (action, observation) turns: its row, verl's whole-sequence teacher scores,
     old log-probs and, if ``publish``, its scored turns as the agent loop publishes them."""
     prompt, response, mask = [1, 2, 3], [], []
@@ -307,7 +315,7 @@ def _traj(tq: _FakeTQ, key: str, turns: list[tuple[list[int], list[int]]], *, pu
         mask += [0] * len(obs)
     extra = {"opd_turns": len(turns)} if publish else {}
     tq.add("train", key, {"prompts": torch.tensor(prompt), "responses": torch.tensor(response),
-                          "response_mask": torch.tensor(mask), "rm_scores": torch.tensor([0.0]), "extra_fields": extra,
+                          "response_mask": torch.tensor(mask), "rm_scores": torch.tensor([reward]), "extra_fields": extra,
                           "teacher_logprobs": torch.tensor(teacher_whole).unsqueeze(-1),
                           "old_log_probs": torch.zeros(len(response))}, {"status": "success"}, visible_at)
     scored = [teacher_whole[len(prompt) + i - 1] for i, m in enumerate(mask) if m]  # log p(response token i)
@@ -338,6 +346,31 @@ def test_opd_step_backpropagates_every_turn_once_then_steps(publish):
         assert all(c["polls"] < 3 for c in chunks)
         assert metrics["thundersync/opd/turns_backpropagated_before_trajectory_end"] == 1.0
         assert sorted(tq.cleared) == sorted(k for k in tq.records["opd_turns"] if k != "zz_0_0_t0")  # the batch's turns
+
+
+def test_opd_step_with_task_rewards_streams_the_grpo_term_beside_the_turns():
+    """verl's shipped use_task_rewards=true (opd_trainer_step point 6): each landed trajectory's task row once, with
+    its group's GRPO advantage (direct, or bucketed and folded); every turn with the distillation coefficient."""
+    from thundersync_verl.algos.opd.opd_config import OPDLoss
+    from thundersync_verl.algos.opd.opd_stream import OPDTurnPlanner
+    from thundersync_verl.algos.opd.opd_task import OPDTaskPlanner
+    from thundersync_verl.step.stream_plan import StreamPlanner
+
+    tq = _FakeTQ()
+    rewards = {"a_0_0": 1.0, "b_0_0": 1.0, "a_1_0": 0.0, "b_1_0": 1.0}  # land one per poll: a's group opens first
+    tokens = sum(_traj(tq, key, TWO_TURNS, publish=True, visible_at=3 + i, reward=r)[0]
+                 for i, (key, r) in enumerate(rewards.items()))
+    loss = OPDLoss(estimator="k3", policy_gradient=False, use_task_rewards=True, coef=0.5)
+    planner = OPDTaskPlanner(OPDTurnPlanner(max_chunk_size=2, loss=loss), StreamPlanner(max_chunk_size=2))
+    step, learner = _opd_step(tq, ["a", "b"], n=2, planner=planner)
+    step.run()
+    effective = sorted(c if dest == "direct" else c * learner.folds[dest] for c, dest in learner.rows)
+    adv = 0.5 / (2 ** -0.5 + 1e-6)  # GRPO: (r - mean) / (std + eps) in group a; group b's rewards tie: 0
+    assert effective == pytest.approx([-adv, 0.0, 0.0, adv], rel=1e-6)
+    assert any(dest != "direct" for _, dest in learner.rows)  # a trajectory of an open group went to a bucket
+    assert sum(c["tokens"] for c in learner.chunks) == tokens == 20  # every action token once
+    assert all(c["coef"] <= {0.5, 0.0} and c["supervised"] for c in learner.chunks)
+    assert learner.steps == [pytest.approx(1 / tokens)]  # one barrier, the two terms' one normaliser
 
 
 def test_opd_step_refuses_to_step_without_a_dropped_turn():
@@ -398,12 +431,12 @@ SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size
          "data.max_response_length=64", "thundersync.env.tool_latency.scale=0.2"]
 
 
-def _run_opd(tmp_path: Path, student: Path, teacher: Path, mode: str, steps: int = 2) -> list[dict]:
+def _run_opd(tmp_path: Path, student: Path, teacher: Path, mode: str, steps: int = 2, more: tuple = ()) -> list[dict]:
     inputs = {"train": write_dataset(tmp_path / "train.parquet", 32, seed=0, split="train"),
               "val": write_dataset(tmp_path / "val.parquet", 4, seed=0, split="test"),
               "student": student, "teacher": teacher}
     metrics = tmp_path / "metrics.jsonl"
-    extra = SMALL + [f"thundersync.run_dir={tmp_path / 'run'}"]
+    extra = SMALL + [f"thundersync.run_dir={tmp_path / 'run'}", *more]
     cmd = verl_command(inputs, algo="opd", mode=mode, steps=steps, extra=extra)
     env = run_env(tmp_path, metrics)
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="tsopd_", dir="/tmp")  # Ray's socket paths must stay < 108 bytes
@@ -420,10 +453,16 @@ def _run_opd(tmp_path: Path, student: Path, teacher: Path, mode: str, steps: int
     return [r.get("data", r) for r in rows if "timing_s/step" in r.get("data", r)]
 
 
+VERL_SHIPPED = tuple(f"distillation.distillation_loss.{k}" for k in (  # verl's distillation.yaml defaults
+    "loss_mode=k3", "use_policy_gradient=false", "use_task_rewards=true"))
+
+
 @pytest.mark.slow  # launches verl's main_ppo
 @pytest.mark.timeout(330)
-def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool_happy_student, tiny_random_teacher):
-    steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "thundersync")
+@pytest.mark.parametrize("distill", [(), VERL_SHIPPED], ids=["recipe_k1_policy_gradient", "verl_shipped_k3_task_rewards"])
+def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool_happy_student, tiny_random_teacher,
+                                                                  distill):
+    steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "thundersync", more=distill)
     assert len(steps) == 2
     for r in steps:
         assert r["training/off_policy/trajectory_staleness/max"] == 0
@@ -441,6 +480,9 @@ def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool
     assert all(e["teacher_reused"] == (e["turns"][-1]["tool_s"] == 0.0) for e in trajs)
     turns_per_traj = [len(e["turns"]) for e in events if e["kind"] == "trajectory"]
     assert len(turns_per_traj) == 2 * 4 * 2 and any(n > 1 for n in turns_per_traj)  # multi-turn agent trajectories
+    for s, r in enumerate(steps, start=1):  # each turn's row once; with task rewards each trajectory's task row once
+        rows = sum(e["rows"] for e in events if e["kind"] == "learner" and e.get("step") == s and e["op"] == "backward")
+        assert rows == r["thundersync/opd/turns"] + (4 * 2 if distill else 0)
 
 
 @pytest.mark.slow  # launches verl's main_ppo

@@ -23,6 +23,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class TurnTraj:
     prompt: tuple[int, ...]
     response: tuple[int, ...]
     mask: tuple[int, ...]  # 1 on action (scored) tokens, 0 on observation tokens
+    reward: float = 0.0  # the task reward (read only with distillation_loss.use_task_rewards=true)
 
 
 RAY_WORKER_ENV = ("VERL_PLATFORM", "RAY_AUTH_MODE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
@@ -167,18 +169,27 @@ def build_teacher(student: Path, folder: Path, seed: int = 1) -> Path:
     return folder
 
 
-def opd_overrides(teacher: Path) -> list[str]:
-    """verl's distillation section for OPD as a policy gradient (A_t = -(log pi - log p_teacher))."""
+PROJECT_DISTILL_LOSS = {"loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": False}  # the project's OPD
+
+
+def opd_overrides(teacher: Path, distill_loss: dict | None = None) -> list[str]:
+    """verl's distillation section: ``distill_loss`` overrides verl's shipped ``distillation_loss`` keys (None: the
+    project's OPD as a policy gradient, A_t = -(log pi - log p_teacher); ``{}``: verl's defaults as shipped)."""
     dist, loss = "distillation", "distillation.distillation_loss"
-    return [f"{dist}.enabled=true", f"{loss}.loss_mode=k1", f"{loss}.use_policy_gradient=true",
-            f"{loss}.use_task_rewards=false", f"{dist}.teacher_models.teacher_model.model_path={teacher}",
+    keys = PROJECT_DISTILL_LOSS if distill_loss is None else distill_loss
+    return [f"{dist}.enabled=true", *(f"{loss}.{k}={_yaml(v)}" for k, v in keys.items()),
+            f"{dist}.teacher_models.teacher_model.model_path={teacher}",
             f"{dist}.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
             f"{dist}.n_gpus_per_node=1", f"{dist}.nnodes=1"]
 
 
+def _yaml(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "SGD", lr: float = 0.05,
                 loss_agg_mode: str = "token-mean", dtype: str = "fp32", teacher: Path | None = None,
-                remove_padding: bool = False, max_token_len: int | None = None):
+                remove_padding: bool = False, max_token_len: int | None = None, distill_loss: dict | None = None):
     """verl's ppo_trainer.yaml with the CPU settings and one mini-batch per step.
 
     ``remove_padding``: verl's default packed, unpadded rows (``use_remove_padding=true``; on the CPU sdpa/eager
@@ -205,7 +216,8 @@ def verl_config(model_path: Path, *, groups: int, micro: int, optimizer: str = "
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"data.train_batch_size={groups}", "algorithm.adv_estimator=grpo",
     ]
-    opd = opd_overrides(teacher) + [f"{actor}.grad_clip=1e9"] if teacher is not None else []
+    opd = opd_overrides(teacher, distill_loss) + [f"{actor}.grad_clip=1e9", f"{actor}.optim.clip_grad=1e9"] \
+        if teacher is not None else []  # grad_clip: the legacy key; verl 0.9.1's engine clips by optim.clip_grad
     return va.compose_ppo_config(overrides + opd + dynamic_bsz_overrides(max_token_len))
 
 
@@ -218,7 +230,7 @@ def dynamic_bsz_overrides(max_token_len: int | None) -> list[str]:
             f"{rollout}.log_prob_use_dynamic_bsz=true", f"{rollout}.log_prob_max_token_len_per_gpu={max_token_len}"]
 
 
-def start_workers(config, dp: int, *, distillation: bool = False):
+def start_workers(config, dp: int, *, distillation: bool = False, worker_cls=None):
     """``start_group`` with ``dp`` device slots and a worker group of StreamingActorWorker.
 
     ``distillation``: build the actor as verl's trainer does for OPD (``distillation_config``),
@@ -227,7 +239,7 @@ def start_workers(config, dp: int, *, distillation: bool = False):
     from thundersync_verl.learner.streaming_worker import StreamingActorWorker
 
     extra = {"distillation_config": config.distillation} if distillation else {}
-    return start_group(StreamingActorWorker, config.actor_rollout_ref, dp, **extra)
+    return start_group(worker_cls or StreamingActorWorker, config.actor_rollout_ref, dp, **extra)
 
 
 # ----- data ----------------------------------------------------------------------------------
@@ -262,6 +274,13 @@ def make_turn_trajectories(seed: int, groups: int, vocab: int) -> list[TurnTraj]
                 response += action + obs
                 mask += [1] * len(action) + [0] * len(obs)
             out.append(TurnTraj(len(out), prompt, tuple(response), tuple(mask)))
+    rewards = random.Random(seed + 7919)  # its own stream: the trajectories above are unchanged
+    for g in range(groups):
+        draw = [float(rewards.random() < 0.5) for _ in range(GROUP_SIZE)]
+        if g > 0 and len(set(draw)) == 1:  # ties, and group 0 may be uniform, as in make_trajectories
+            draw[rewards.randrange(GROUP_SIZE)] = 1.0 - draw[0]
+        for k, r in enumerate(draw):
+            out[g * GROUP_SIZE + k] = dataclass_replace(out[g * GROUP_SIZE + k], reward=r)
     return out
 
 

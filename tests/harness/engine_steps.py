@@ -320,12 +320,20 @@ class StreamingLearnerClient:
 @dataclass(frozen=True)
 class OPDSpec(StepSpec):
     """verl's OPD update: ``teacher_rows`` (a trajectory's teacher log-probs, one per response token) ride in
-    verl's batch, task advantages are zero (verl's distillation loss). Streamed: the scored ``turns`` arrive as
-    ``(tid, j)`` and every ``every`` (3) arrivals the ready turns are backpropagated."""
+    verl's batch. ``loss`` (``opd_config.OPDLoss``, None: the project's k1 policy gradient) is the distillation
+    term; with ``loss.use_task_rewards`` verl's batch carries GRPO advantages of the trajectories' rewards and the
+    stream feeds landed trajectories too (``thundersync_harness.opd_steps``), else the task advantages are zero.
+    Streamed: the scored ``turns`` arrive as ``(tid, j)`` (a landing as ``(tid, None)``) and every ``every`` (3)
+    arrivals the ready ops are sent."""
 
     teacher_rows: dict | None = None
     turns: dict | None = None
     every: int = 3
+    loss: object = None
+
+    @property
+    def task_rewards(self) -> bool:
+        return self.loss is not None and self.loss.use_task_rewards
 
     def verl_batch(self, wg, trajs: list[TurnTraj], row_order, pad_token_id):
         import numpy as np
@@ -338,19 +346,29 @@ class OPDSpec(StepSpec):
         teacher = torch.zeros(n, width, 1, dtype=torch.float32)  # [B, S, 1]: position p holds log p(x_{p+1} | x_<=p)
         for b, t in enumerate(rows):
             teacher[b, p_width - 1 : p_width - 1 + len(t.response), 0] = torch.tensor(self.teacher_rows[t.tid])
+        rewards = torch.zeros(tensors["response_mask"].shape, dtype=torch.float32)  # [B, R]: the reward on the last token
+        for b, t in enumerate(rows):
+            rewards[b, len(t.response) - 1] = t.reward
         data = va.data_proto_cls().from_dict(
-            tensors={**tensors, "teacher_logprobs": teacher,
+            tensors={**tensors, "teacher_logprobs": teacher, "token_level_rewards": rewards,
                      "teacher_ids": tensors["input_ids"].unsqueeze(-1).to(torch.int32)},  # read for top-k modes only
-            non_tensors={"uid": np.array([f"t{t.tid}" for t in rows], dtype=object)}, meta_info={"temperature": 1.0})
+            non_tensors={"uid": np.array([f"g{t.tid // GROUP_SIZE}" for t in rows], dtype=object)},
+            meta_info={"temperature": 1.0})
         old = old_log_probs(wg, data)  # [B, R]
         data.batch["old_log_probs"] = old
+        if self.task_rewards:  # verl's trainer: compute_advantage (GRPO) on the task rewards
+            return va.grpo_compute_advantage(data, adv_estimator="grpo")
         data.batch["advantages"] = torch.zeros_like(old)  # task-reward term: read by verl's ppo_loss, then dropped
         return data
 
     def feed(self, wg, trajs, pad_token_id, max_chunk):
         from thundersync_verl.algos.opd.opd_stream import OPDStreamClient, OPDTurnPlanner
 
-        planner = OPDTurnPlanner(loss_agg_mode="token-mean", max_chunk_size=max_chunk)
+        if self.task_rewards:
+            from thundersync_harness.opd_steps import task_feed
+
+            return task_feed(self, wg, trajs, pad_token_id, max_chunk)
+        planner = OPDTurnPlanner(loss_agg_mode="token-mean", max_chunk_size=max_chunk, loss=self.loss)
         client = OPDStreamClient(wg, pad_token_id=pad_token_id)
         planner.begin_batch([t.tid for t in trajs])
         client.begin_batch({"loss_agg_mode": "token-mean", "train_batch_size": len(trajs) // GROUP_SIZE})
@@ -364,8 +382,10 @@ class TurnFeed(Feed):
         super().__init__(planner, client)
         self.turns, self.count = turns, 0
 
-    def arrive(self, item: tuple[int, int]) -> None:
+    def arrive(self, item: tuple[int, int | None]) -> None:
         tid, j = item
+        if j is None:  # a trajectory landed: its reward has no term without task rewards
+            return
         self.planner.add_turn(self.turns[tid][j])
         if j == len(self.turns[tid]) - 1:
             self.planner.end_trajectory(tid, len(self.turns[tid]))  # may come before its earlier turns

@@ -6,12 +6,12 @@ Why:
    the stream and verl's update read it from there), and the keys and name suffix it adds to the result. They run
    here in one fixed order, so the benchmark names each part once and a new setting is one more module in a list.
 2. The order of the name suffixes is the order of the modules: batching, precision, MoE, LoRA, policy loss, rollout
-   correction (the result files already written keep their names).
+   correction, OPD's distillation settings (the result files already written keep their names).
 """
 
 from __future__ import annotations
 
-from thundersync_harness import batching, lora, moe, policy_loss, precision, rollout_correction
+from thundersync_harness import batching, lora, moe, opd_steps, policy_loss, precision, rollout_correction
 
 
 def add_arguments(parser) -> None:
@@ -21,6 +21,7 @@ def add_arguments(parser) -> None:
     lora.add_lora_arguments(parser)
     policy_loss.add_policy_loss_arguments(parser)
     rollout_correction.add_rollout_correction_arguments(parser)
+    opd_steps.add_distillation_arguments(parser)
 
 
 def check(parser, args):
@@ -33,7 +34,7 @@ def check(parser, args):
     args = rollout_correction.check_rollout_correction(parser, args)
     args.rc_spec = policy_loss.policy_loss_spec(  # one spec: its drawn log-probs and counts, the loss's agg mode
         args, rollout_correction.rollout_correction_spec(args))
-    return args
+    return opd_steps.check_distillation(parser, args)
 
 
 def apply(config, args) -> None:
@@ -51,4 +52,5 @@ def result_name(args, result: dict, name: str, runs: dict) -> str:
     name = moe.moe_result(args, result, name)
     name = lora.lora_result(args, result, name, runs)
     name = policy_loss.policy_loss_result(args, result, name)
-    return rollout_correction.rollout_correction_result(args, result, name, getattr(args, "rc_spec", None))
+    name = rollout_correction.rollout_correction_result(args, result, name, getattr(args, "rc_spec", None))
+    return opd_steps.distillation_result(args, result, name, getattr(args, "verl_config", None))

@@ -39,6 +39,7 @@ from thundersync_verl.core.normalizers import LOSS_AGG_MODES, BatchCounts, batch
 from thundersync_verl.core.objectives import (
     check_opd_turn_mode,
     entropy_from_logits,
+    distillation_token_loss,
     kl_per_token,
     opd_token_advantages,
     opd_turn_loss,
@@ -77,6 +78,7 @@ __all__ = [
     "double_sided_token_mask",
     "entropy_from_logits",
     "estimator_from_verl",
+    "distillation_token_loss",
     "kl_per_token",
     "opd_token_advantages",
     "opd_turn_loss",

@@ -18,6 +18,12 @@ Why:
    earlier turns' keys and values through the same graph.
 4. OPD turn streaming needs a per-token weight that does not depend on the trajectory's final
    length: seq-mean-token-mean (1/|o_i|) is refused for turns, all other modes work.
+5. Supervised distillation (verl's ``use_policy_gradient: false``): the estimator itself is the
+   per-token loss, NOT detached: ``distillation_token_loss`` is verl's ``kl_penalty(log pi_student,
+   log p_teacher, mode)`` (the same estimators as the KL loss, the teacher in the reference's place),
+   then verl's ``loss_max_clamp`` (a clamp of the value, so a clamped token has zero gradient). Each
+   token's loss depends on that token alone: a turn's tokens can be backpropagated when the turn
+   is scored, with the loss-agg normaliser deferred exactly as the policy-gradient form's.
 """
 
 from __future__ import annotations
@@ -92,6 +98,15 @@ def opd_token_advantages(student_log_prob: torch.Tensor, teacher_log_prob: torch
             )
         )
     return -(student_log_prob - teacher_log_prob).detach()  # [B, T]
+
+
+def distillation_token_loss(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, kind: str,
+                            clamp: float | None = None) -> torch.Tensor:
+    """verl's per-token supervised distillation loss (point 5), with grad through the student, [B, T]."""
+    loss = kl_per_token(student_log_prob, teacher_log_prob, kind)  # [B, T]
+    if clamp is not None:
+        loss = loss.clamp(min=-float(clamp), max=float(clamp))  # verl: min clamps k1, which can be negative
+    return loss
 
 
 def check_opd_turn_mode(loss_agg_mode: str) -> None:

@@ -54,6 +54,13 @@ Why:
    every token is fixed by its own trajectory: a detached factor of the policy term only (not of the KL and
    entropy terms, as in verl), normaliser unchanged. ``rollout_is_batch_normalize`` needs the whole batch and
    stays refused (``core/config_validation.py``).
+9. The chunk's ``ts_distill_loss`` names verl's estimator (k1 when absent). As a policy gradient the advantage is
+   A_t = -est(log pi, log p_teacher), detached and clamped by ``loss_max_clamp`` (verl's ``distillation_loss``).
+   Supervised distillation (verl's ``use_policy_gradient: false``; ``ts_distill_supervised``): row i's loss is
+   ``ts_coef_i * sum_t ts_token_coef_{i,t} * est(log pi, log p_teacher)`` with grad through the estimator (``core.distillation_token_loss``: verl's ``kl_penalty``, then its
+   ``loss_max_clamp``), as verl's ``agg_loss`` of the estimator matrix before its normaliser; ``ts_coef`` is verl's
+   ``distillation_loss_coef`` when task rewards are on, 1 otherwise. Reward-independent, like the KL loss of
+   point 6: it goes straight into the batch gradient, the same deferred normaliser.
 """
 
 from __future__ import annotations
@@ -64,8 +71,8 @@ from functools import partial
 import torch
 
 from thundersync_verl import verl_adapter as va
-from thundersync_verl.core import kl_per_token, rollout_is_weights, token_weights
-from thundersync_verl.step.chunk_layout import (ADV_CLAMP_KEY, COEF_KEY, ENTROPY_METRIC, IndependentTerms, KL_LOSS_METRIC, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, NO_TERMS, PARTS, PART_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, TEACHER_KEY, TOKEN_COEF_KEY, chunk_refused)
+from thundersync_verl.core import distillation_token_loss, kl_per_token, rollout_is_weights, token_weights
+from thundersync_verl.step.chunk_layout import (ADV_CLAMP_KEY, COEF_KEY, DISTILL_LOSS_KEY, SUPERVISED_KEY, ENTROPY_METRIC, IndependentTerms, KL_LOSS_METRIC, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, NO_TERMS, PARTS, PART_KEY, REF_LP_KEY, ROLLOUT_LP_KEY, TEACHER_KEY, TOKEN_COEF_KEY, chunk_refused)
 
 
 @dataclass(frozen=True)
@@ -202,9 +209,16 @@ def stream_token_loss(model_output, data, dp_group=None):
         scored = token_coef != 0  # [B, T]
         kl = {KL_SUM_METRIC: float((gap * scored).sum()), KL_TOKENS_METRIC: int(scored.sum())}
         clamp = va.non_tensor(data, ADV_CLAMP_KEY)
-        if clamp is not None:
-            gap = gap.clamp(min=-float(clamp), max=float(clamp))  # [B, T]
-        coef = coef * (-gap)  # [B, T], OPD advantage A_t times the token coefficient
+        estimator = va.non_tensor(data, DISTILL_LOSS_KEY) or "k1"
+        if va.non_tensor(data, SUPERVISED_KEY, False):  # point 9: the estimator itself, with grad, is the per-token loss
+            per_token = distillation_token_loss(log_prob, teacher, estimator, clamp)  # [B, T]
+            dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
+            loss = (coef * per_token).sum() * dp_size  # scalar
+            metrics = {"stream/scored_tokens": int(scored.sum()), **kl}
+            metrics.update(_rollout_gap(data, log_prob, scored))
+            return loss, metrics
+        est = distillation_token_loss(log_prob.detach(), teacher, estimator, clamp)  # [B, T]; k1: the gap
+        coef = coef * (-est)  # [B, T], OPD advantage A_t times the token coefficient
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
     loss = -(coef * log_prob).sum() * dp_size  # scalar
     metrics = {"stream/scored_tokens": int((token_coef != 0).sum()), **(kl if has_teacher else {})}

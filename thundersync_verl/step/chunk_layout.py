@@ -37,6 +37,8 @@ LP_DIFF_METRIC = "stream/rollout_logprob_diff_max"  # max |log p_rollout - log p
 KL_SUM_METRIC = "stream/opd_reverse_kl_sum"  # OPD: sum of log pi - log p_teacher over scored tokens (at θ_k)
 KL_TOKENS_METRIC = "stream/opd_reverse_kl_tokens"
 ADV_CLAMP_KEY = "ts_opd_clamp"  # non-tensor: |log pi - log p_teacher| bound (verl's loss_max_clamp), or None
+DISTILL_LOSS_KEY = "ts_distill_loss"  # non-tensor: verl's distillation estimator (k1 when absent)
+SUPERVISED_KEY = "ts_distill_supervised"  # non-tensor: True: the estimator is the loss; absent/False: -estimator is A_t
 REF_LP_KEY = "ts_ref_log_prob"  # [B, R] reference log-probs of the response tokens (actor.use_kl_loss)
 PART_KEY = "ts_part"  # non-tensor: the terms this backward carries, one of PARTS (point 6)
 PARTS = ("all", "policy", "independent")
@@ -246,6 +248,9 @@ def build_token_chunk(
     dest: str = "direct",
     temperature: float = 1.0,
     rollout_log_probs: Sequence[Sequence[float]] | None = None,
+    distill_loss: str | None = None,
+    supervised: bool = False,
+    coef: float = 1.0,
 ):
     """A per-token chunk for ``stream_token_backward``, padded to a multiple of ``dp_size`` rows.
 
@@ -253,6 +258,9 @@ def build_token_chunk(
     ``response_mask``, from which verl counts tokens, is 1 exactly there). ``teacher_log_probs``
     (OPD) gives log p_teacher for those tokens (any value elsewhere; 0 by convention);
     ``rollout_log_probs`` the rollout's, for the loss's rollout-vs-learner check (as in ``build_stream_chunk``).
+    ``distill_loss``: verl's estimator name (k1 when None); ``supervised``: the estimator is the loss itself
+    (``stream_loss.py`` point 9), else A_t = -estimator, detached; ``coef``: every real row's ``ts_coef`` (verl's
+    ``distillation_loss_coef`` with task rewards, else 1).
     """
     from tensordict import TensorDict
 
@@ -269,9 +277,21 @@ def build_token_chunk(
     for key, rows in ((TEACHER_KEY, teacher_log_probs), (ROLLOUT_LP_KEY, rollout_log_probs)):
         if rows is not None:
             tensors[key] = _rows_to_tensor(rows, width, torch.float32, n_pad)  # [B, R]
-    tensors[COEF_KEY] = torch.tensor([1.0] * (len(prompts) - n_pad) + [0.0] * n_pad, dtype=torch.float64)  # [B]
+    if (distill_loss is not None or supervised) and teacher_log_probs is None:
+        raise StreamingInputError(rule_message(
+            f"distill_loss={distill_loss!r} (supervised={supervised}) needs teacher_log_probs",
+            "a token's distillation loss compares the student's log-prob with the teacher's",
+            "pass the turn's teacher log-probs"))
+    if not math.isfinite(float(coef)):
+        raise StreamingInputError(rule_message(f"coef must be finite (got {coef!r})", "it multiplies every row's loss",
+                                               "pass verl's distillation_loss_coef"))
+    tensors[COEF_KEY] = torch.tensor([float(coef)] * (len(prompts) - n_pad) + [0.0] * n_pad, dtype=torch.float64)  # [B]
     td = TensorDict(tensors, batch_size=[len(prompts)])
     extra = {} if opd_clamp is None else {ADV_CLAMP_KEY: float(opd_clamp)}
+    if distill_loss is not None:
+        extra[DISTILL_LOSS_KEY] = str(distill_loss)
+    if supervised:
+        extra[SUPERVISED_KEY] = True
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest}, **extra)
     return va.to_no_padding(td)
 

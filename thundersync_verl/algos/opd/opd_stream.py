@@ -38,6 +38,11 @@ Why:
    the trajectory instead of ~(K+1)/2, started later. Which is faster depends on whether the learner
    has idle time to spend on prefix recompute (separate learner devices) or shares the rollout's
    compute (this project's 2-core CPU); ``benchmarks/modes.py --algo opd --opd-granularity`` measures it.
+6. The distillation term is verl's, as configured (``opd_config.OPDLoss``): any single-sample estimator (k1/kl, abs,
+   k2/mse, k3/low_var_kl) as the policy gradient above (A_t = -estimator) or backpropagated directly as a supervised
+   loss (verl's ``use_policy_gradient: false``, its shipped default with k3): either way a token's term depends on that
+   token's log-probs only, so turns stream the same; the op carries the setting to the chunk (``stream_loss.py``
+   point 9). verl's ``use_task_rewards: true`` adds the task-reward policy term: ``opd_task.OPDTaskPlanner``.
 Flow (see ``OPDTurnPlanner``): begin_batch(traj_ids) -> add_turn(OPDTurn) as each turn is scored
 -> next_ops() -> OPDStreamClient.run(ops) -> end_trajectory(id, n_turns) -> finalize() -> barrier.
 """
@@ -56,8 +61,8 @@ from thundersync_verl.step.chunk_layout import build_token_chunk
 from thundersync_verl.step.stream_plan import FinalizeOp
 from thundersync_verl.step.contracts import PlannerDefaults
 from thundersync_verl.core.config_validation import config_value as _get
+from thundersync_verl.algos.opd.opd_config import KEY as LOSS_KEY, OPDLoss, opd_loss_from_verl_config
 
-OPD_LOSS_MODES = ("k1", "kl")  # verl's estimators whose value is log pi - log p_teacher
 GRANULARITIES = ("turn", "trajectory")
 
 
@@ -156,10 +161,11 @@ class TrajectoryRow:
 
 @dataclass(frozen=True)
 class TurnBackwardOp:
-    """Backpropagate ``turns`` (turn rows, or whole-trajectory rows) in one per-token chunk."""
+    """Backpropagate ``turns`` (turn rows, or whole-trajectory rows) in one per-token chunk, with ``loss``'s term."""
 
     turns: tuple[OPDTurn | TrajectoryRow, ...]
     opd_clamp: float | None = None  # verl's loss_max_clamp on |log pi - log p_teacher|
+    loss: OPDLoss = OPDLoss()  # the distillation term (opd_config.py): estimator, form, coefficient
 
     @property
     def items(self) -> tuple[tuple[Hashable, int], ...]:
@@ -197,7 +203,8 @@ class OPDTurnPlanner(PlannerDefaults):
     """Bookkeeping of one batch of OPD turns: validation, chunking, the deferred normaliser."""
 
     def __init__(self, *, loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None,
-                 opd_clamp: float | None = None, max_chunk_size: int = 8, granularity: str = "turn"):
+                 opd_clamp: float | None = None, max_chunk_size: int = 8, granularity: str = "turn",
+                 loss: OPDLoss | None = None):
         check_loss_agg_mode(loss_agg_mode, loss_scale_factor)
         if granularity not in GRANULARITIES:
             fail(f"thundersync.opd.granularity must be one of {GRANULARITIES}, got {granularity!r}",
@@ -212,7 +219,11 @@ class OPDTurnPlanner(PlannerDefaults):
                   "use e.g. max_chunk_size=8 and verl's distillation_loss.loss_max_clamp", StreamingConfigError)
         self.loss_agg_mode = loss_agg_mode
         self.loss_scale_factor = loss_scale_factor
-        self.opd_clamp = None if opd_clamp is None else float(opd_clamp)
+        if loss is not None and opd_clamp is not None and loss.clamp != float(opd_clamp):
+            fail(f"opd_clamp={opd_clamp!r} disagrees with loss.clamp={loss.clamp!r}", "the clamp is part of the "
+                 "distillation term (verl's loss_max_clamp)", "pass the clamp in OPDLoss only", StreamingConfigError)
+        self.loss = loss or OPDLoss(clamp=None if opd_clamp is None else float(opd_clamp))
+        self.opd_clamp = self.loss.clamp
         self.max_chunk_size = int(max_chunk_size)
         self._trajs: dict[Hashable, dict[int, OPDTurn]] | None = None
 
@@ -291,7 +302,8 @@ class OPDTurnPlanner(PlannerDefaults):
         """Every ready turn, in chunks of at most ``max_chunk_size`` rows, in arrival order."""
         size = int(max_chunk_size or self.max_chunk_size)
         ready = self._ready
-        ops = [TurnBackwardOp(tuple(ready[i : i + size]), self.opd_clamp) for i in range(0, len(ready), size)]
+        ops = [TurnBackwardOp(tuple(ready[i : i + size]), self.opd_clamp, self.loss)
+               for i in range(0, len(ready), size)]
         self._ready = []
         return ops
 
@@ -350,40 +362,27 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
 
 # ----- config ---------------------------------------------------------------------------------
 
-def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8) -> OPDTurnPlanner:
+def opd_planner_from_verl_config(config: Any, *, max_chunk_size: int = 8, task_rewards: bool = False) -> OPDTurnPlanner:
     """An ``OPDTurnPlanner`` matching verl's ``distillation`` settings; refuses what turns cannot stream.
 
-    Required (the update verl computes is then linear in the detached per-token advantage):
-    ``distillation.enabled=true``, ``distillation_loss.use_policy_gradient=true``, ``loss_mode``
-    k1/kl, ``use_task_rewards=false``, ``policy_loss_mode=vanilla``; a loss_agg_mode other than
-    seq-mean-token-mean. ``thundersync.opd.granularity`` (turn | trajectory) picks the row unit.
+    The distillation term is ``opd_config.opd_loss_from_verl_config``'s (every single-sample estimator, as a policy
+    gradient or supervised; its refusals). ``use_task_rewards=true`` needs the task-reward term streamed beside the
+    turns (``opd_task.OPDTaskPlanner``): refused unless the caller says it streams it (``task_rewards``). A
+    loss_agg_mode other than seq-mean-token-mean; ``thundersync.opd.granularity`` (turn | trajectory) picks the row.
     """
-    dist = _get(config, "distillation")
-    loss = _get(dist, "distillation_loss")
-    key = "distillation.distillation_loss"
-    checks = [
-        (bool(_get(dist, "enabled", False)), "distillation.enabled=true", "without it verl trains no OPD term"),
-        (bool(_get(loss, "use_policy_gradient", False)), f"{key}.use_policy_gradient=true",
-         "turn streaming implements OPD as a policy gradient with the detached per-token advantage"),
-        (_get(loss, "loss_mode", "k3") in OPD_LOSS_MODES, f"{key}.loss_mode=k1",
-         "the advantage must be -(log pi_student - log p_teacher), verl's k1 estimator"),
-        (not bool(_get(loss, "use_task_rewards", True)), f"{key}.use_task_rewards=false",
-         "task-reward advantages need group statistics; mixing them into turn chunks is not supported"),
-        (_get(loss, "policy_loss_mode", "vanilla") == "vanilla", f"{key}.policy_loss_mode=vanilla",
-         "only the vanilla clip reduces to -A * log pi at ratio 1"),
-    ]
-    bad = [(fix, why) for ok, fix, why in checks if not ok]
-    if bad:
-        fail("OPD turn streaming needs " + ", ".join(f for f, _ in bad), "; ".join(w for _, w in bad),
-              "set " + ", ".join(f for f, _ in bad), StreamingConfigError)
+    loss = opd_loss_from_verl_config(config)
+    if loss.use_task_rewards and not task_rewards:
+        fail(f"{LOSS_KEY}.use_task_rewards=true: a turn planner alone streams the distillation term only",
+             "verl then adds its ppo_loss with the task-reward (GRPO) advantages; those need the landed "
+             "trajectories' rewards and their groups, which OPDTaskPlanner (algos/opd/opd_task.py) streams beside "
+             "the turns", "build OPDTaskPlanner.from_verl_config(config) (opd_trainer_step.validate_opd_config "
+             f"picks it), or set {LOSS_KEY}.use_task_rewards=false", StreamingConfigError)
     from thundersync_verl.config import ThunderSyncConfig  # imports verl: only when a run's config is read
 
     actor = _get(config, "actor_rollout_ref.actor")
-    clamp = _get(loss, "loss_max_clamp")
     return OPDTurnPlanner(loss_agg_mode=_get(actor, "loss_agg_mode", "token-mean"),
-                          loss_scale_factor=_get(actor, "loss_scale_factor"),
-                          opd_clamp=None if clamp is None else float(clamp), max_chunk_size=max_chunk_size,
-                          granularity=ThunderSyncConfig.from_verl(config).opd.granularity)
+                          loss_scale_factor=_get(actor, "loss_scale_factor"), max_chunk_size=max_chunk_size,
+                          granularity=ThunderSyncConfig.from_verl(config).opd.granularity, loss=loss)
 
 
 # ----- driver ---------------------------------------------------------------------------------
@@ -407,7 +406,8 @@ class OPDStreamClient:
                                  [t.token_coefs() for t in turns], dp_size=self.dp_size, pad_token_id=self.pad_token_id,
                                  teacher_log_probs=[t.teacher_row() for t in turns], opd_clamp=op.opd_clamp,
                                  temperature=self.temperature,
-                                 rollout_log_probs=None if any(r is None for r in rollout) else rollout)
+                                 rollout_log_probs=None if any(r is None for r in rollout) else rollout,
+                                 distill_loss=op.loss.estimator, supervised=op.loss.supervised, coef=op.loss.coef)
 
     def run(self, ops: Sequence[TurnBackwardOp]) -> list:
         """One ``stream_token_backward`` per op, each waited for; returns their results."""

@@ -22,7 +22,12 @@ Why:
 5. ``OPDAlgorithm`` is OPD as the trainer's algorithm (``step/contracts.TrainerAlgorithm``, chosen by
    ``step/algorithm.choose_algorithm`` with ``distillation.enabled``): the agent loops get verl's teacher clients to
    score each turn, the run's planner is the turn planner, and the rules per-turn streaming needs (one teacher, no
-   batch order, one optimizer step per batch, no KL loss or entropy bonus) refuse a config before any work.
+   batch order, one optimizer step per batch, no KL loss or entropy bonus; the distillation settings of
+   ``opd_config.py``) refuse a config before any work.
+6. verl's ``use_task_rewards: true`` (its shipped default): the planner is ``opd_task.OPDTaskPlanner``; scored turns
+   go to its turn planner as above, and each landed trajectory ALSO arrives in its GRPO planner with its reward and
+   its mask-1 token count (group = the trajectory key's uid, as ``GRPOArrivals``), whose backward chunks and folds
+   the step runs like GRPO's (``stream_exec``: rows from the landed trajectories).
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ from thundersync_verl.algos.opd.turn_teacher import (
 )
 from thundersync_verl.core import StreamingConfigError, StreamingInputError, StreamingStateError
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.algos.opd.opd_stream import OPDTurn, OPDTurnPlanner, opd_planner_from_verl_config, turns_of_trajectory
+from thundersync_verl.algos.opd.opd_config import opd_loss_from_verl_config
+from thundersync_verl.algos.opd.opd_stream import (OPDTurn, OPDTurnPlanner, TurnBackwardOp, opd_planner_from_verl_config,
+                                                   turns_of_trajectory)
+from thundersync_verl.algos.opd.opd_task import OPDTaskPlanner
 from thundersync_verl.step.contracts import AlgorithmDefaults, TrainerAlgorithmDefaults
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
 from thundersync_verl.step.stream_plan import settings_from_verl_config
@@ -55,9 +63,13 @@ def opd_enabled(config) -> bool:
     return bool(dist is not None and dist.get("enabled", False))
 
 
-def validate_opd_config(config, *, max_chunk_size: int = 8) -> OPDTurnPlanner:
-    """The turn planner for this config; refuses what per-turn streaming cannot do, naming the key."""
-    planner = opd_planner_from_verl_config(config, max_chunk_size=max_chunk_size)
+def validate_opd_config(config, *, max_chunk_size: int = 8) -> OPDTurnPlanner | OPDTaskPlanner:
+    """The run's planner (the turn planner; with ``use_task_rewards`` the task planner around it, point 6); refuses
+    what per-turn streaming cannot do, naming the key."""
+    if opd_loss_from_verl_config(config).use_task_rewards:
+        planner = OPDTaskPlanner.from_verl_config(config, max_chunk_size=max_chunk_size)
+    else:
+        planner = opd_planner_from_verl_config(config, max_chunk_size=max_chunk_size)
     teachers = list(config.distillation.get("teacher_models", {}) or {})
     if len(teachers) != 1:
         raise StreamingConfigError(rule_message(
@@ -79,7 +91,7 @@ class OPDAlgorithm(TrainerAlgorithmDefaults):
         settings_from_verl_config(config)  # ppo_epochs, mini-batches, loss, estimator, IS/KL terms
 
     def validate(self, config, ts) -> None:
-        validate_opd_config(config, max_chunk_size=ts.chunk_size)  # k1 policy gradient, no task rewards, one teacher
+        validate_opd_config(config, max_chunk_size=ts.chunk_size)  # opd_config's settings, one teacher
         if ts.deterministic:
             raise StreamingConfigError(rule_message(
                 "thundersync.deterministic=true orders whole trajectories; OPD streams scored turns",
@@ -110,7 +122,7 @@ class OPDAlgorithm(TrainerAlgorithmDefaults):
     def llm_client(self, client, trainer):
         return attach_teacher_clients(client, trainer.get_teacher_client())  # the agent loops score each turn
 
-    def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> OPDTurnPlanner:
+    def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> OPDTurnPlanner | OPDTaskPlanner:
         return validate_opd_config(config, max_chunk_size=ts.chunk_size)
 
     def arrivals(self, trainer) -> "OPDArrivals":
@@ -195,8 +207,9 @@ class OPDArrivals(AlgorithmDefaults):
     One per batch: ``begin`` opens the batch's turn source and ``close`` clears its turns.
     """
 
-    def __init__(self, planner: OPDTurnPlanner):
+    def __init__(self, planner: OPDTurnPlanner | OPDTaskPlanner):
         self.planner = planner
+        self.task = isinstance(planner, OPDTaskPlanner)  # point 6
         self.book = _StepBook()
         self.turns: TurnSource | None = None
         self.tq = None
@@ -205,7 +218,10 @@ class OPDArrivals(AlgorithmDefaults):
         self.tq = ctx.tq
         traj_ids = [trajectory_key(uid, s) for uid in ctx.uids for s in range(ctx.n)]
         self.turns = TurnSource(ctx.tq.kv_list, ctx.tq.kv_batch_get, set(traj_ids))
-        self.planner.begin_batch(traj_ids)
+        if self.task:  # point 6: groups as GRPOArrivals declares them (the key's uid)
+            self.planner.begin_batch(traj_ids, {str(uid): ctx.n for uid in ctx.uids})
+        else:
+            self.planner.begin_batch(traj_ids)
         return self.turns
 
     def close(self) -> None:
@@ -235,8 +251,16 @@ class OPDArrivals(AlgorithmDefaults):
         self.book.expected[key] = int(count)
         self.book.landed_at[key] = t_seen
         self.planner.end_trajectory(key, int(count))
+        if self.task:  # point 6: its task term, with the reward verl's reward loop gave it
+            self.planner.arrive(key.split("_")[0], key, row["reward"], row["num_tokens"])
 
     def describe_op(self, op, state, t0: float) -> tuple[str, list, int]:
+        if not isinstance(op, TurnBackwardOp):  # a task-term chunk or fold (point 6), as GRPOArrivals describes it
+            from thundersync_verl.step.stream_exec import op_kind
+
+            items = tuple(getattr(op, "items", ()))
+            return op_kind(op).name, items, sum(len(state.rows[k]["prompt"]) + len(state.rows[k]["response"])
+                                                for _, k in items)
         for item in op.items:  # (trajectory, turn) of every turn in the chunk, merged rows included
             self.book.backward_at[item] = t0
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]
