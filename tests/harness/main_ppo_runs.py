@@ -31,8 +31,11 @@ from thundersync_verl.demo import recipe_dir, run_env
 from thundersync_verl.envs.dataset import write_dataset
 
 REPLAY = "+actor_rollout_ref.rollout.engine_kwargs.replay"
+# a replay must see the tool outputs its recording saw: no injected retries, and no call timed out on a busy core (a
+# timed-out call changes the next prompt, which the recording then lacks, and the agent loop fails: a likely cause of
+# one such failure on a loaded CI host; emulated_rollout.py sets the same)
 NO_LATENCY = ["thundersync.env.tool_latency.scale=0", "thundersync.env.verifier_latency.scale=0",
-              "thundersync.env.retry_prob=0"]
+              "thundersync.env.retry_prob=0", "thundersync.env.tool_timeout_s=120"]
 WEIGHTS_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 # Update gaps (relative to the update) below this are rounding in every main_ppo comparison measured so far (3e-6 to
 # 4.5e-5, while the Sync-vs-Sync floor sample moved from 1.0e-6 to 3.2e-5 between invocations); a wrong coefficient,
@@ -101,9 +104,19 @@ def main_ppo(work: Path, model: Path, name: str, mode: str, extra: list[str], *,
               *NO_LATENCY]
     out = launch(work, model, mode, [*replay, *extra], steps=steps, run=run, env_extra=env_extra, timeout=timeout,
                  recipe=recipe)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert out.returncode == 0, failure_report(out, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["data"] if "data" in r else r for r in rows if "timing_s/step" in r.get("data", r)]
+
+
+def failure_report(out, run: Path) -> str:
+    """A failed launch's whole output kept in ``run/main_ppo.log``; the first error a worker logged (a Ray worker's
+    traceback, e.g. an agent loop's: verl only logs it, the driver then reports the loop as failed) and the tail."""
+    text = out.stdout + out.stderr
+    (run / "main_ppo.log").write_text(text)
+    marks = [i for i in (text.find("Error in _run_prompt"), text.find("Traceback (most recent call last)")) if i >= 0]
+    first = text[min(marks):min(marks) + 2500] if marks else ""
+    return f"first error logged:\n{first}\n...\nlast lines:\n{text[-3000:]}\n(whole output: {run / 'main_ppo.log'})"
 
 
 def record(work: Path, model: Path, steps: int, *, recipe: str = "grpo", extra: list[str] = ()) -> Path:
