@@ -203,6 +203,8 @@ def stream_token_loss(model_output, data, dp_group=None):
             "each per-token coefficient multiplies the log-prob of the response token at the same position",
             "build the chunk with chunk_layout.build_token_chunk (one coefficient per response token)")
     coef = token_coef * fields[COEF_KEY].to(device=log_prob.device, dtype=log_prob.dtype).unsqueeze(-1)  # [B, T]
+    per_token = -log_prob  # [B, T]: the policy-gradient term, weighted by coef (times A_t with a teacher)
+    kl = {}
     if has_teacher:
         teacher = fields[TEACHER_KEY].to(device=log_prob.device, dtype=log_prob.dtype)  # [B, T]
         gap = log_prob.detach() - teacher  # [B, T], verl's k1 distillation loss
@@ -212,16 +214,12 @@ def stream_token_loss(model_output, data, dp_group=None):
         estimator = va.non_tensor(data, DISTILL_LOSS_KEY) or "k1"
         if va.non_tensor(data, SUPERVISED_KEY, False):  # point 9: the estimator itself, with grad, is the per-token loss
             per_token = distillation_token_loss(log_prob, teacher, estimator, clamp)  # [B, T]
-            dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
-            loss = (coef * per_token).sum() * dp_size  # scalar
-            metrics = {"stream/scored_tokens": int(scored.sum()), **kl}
-            metrics.update(_rollout_gap(data, log_prob, scored))
-            return loss, metrics
-        est = distillation_token_loss(log_prob.detach(), teacher, estimator, clamp)  # [B, T]; k1: the gap
-        coef = coef * (-est)  # [B, T], OPD advantage A_t times the token coefficient
+        else:
+            est = distillation_token_loss(log_prob.detach(), teacher, estimator, clamp)  # [B, T]; k1: the gap
+            coef = coef * (-est)  # [B, T], OPD advantage A_t times the token coefficient
     dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
-    loss = -(coef * log_prob).sum() * dp_size  # scalar
-    metrics = {"stream/scored_tokens": int((token_coef != 0).sum()), **(kl if has_teacher else {})}
+    loss = (coef * per_token).sum() * dp_size  # scalar
+    metrics = {"stream/scored_tokens": int((token_coef != 0).sum()), **kl}
     metrics.update(_rollout_gap(data, log_prob, token_coef != 0))
     return loss, metrics
 

@@ -371,9 +371,7 @@ class StreamedStep:
             return
         keys = [k for k, _ in arrivals.trajectories]
         missing = [k for k in keys if k not in state.rows]  # the deterministic gate may have read some already
-        t0 = time.time()
-        state.rows.update(fetch_rows(self.ctx.tq, missing, rollout_lp=self._rollout_lp) if missing else {})
-        state.fetch_s += time.time() - t0
+        self._fetch(missing)
         rows = {k: state.rows[k] for k in keys}
         gate = self.source.gate
         planned = {}
@@ -413,10 +411,16 @@ class StreamedStep:
 
     def _row_content(self, keys: list) -> dict[str, tuple]:
         """What the deterministic gate orders a group's members by: their tokens (read once, kept for ``_admit``)."""
+        self._fetch(keys)
+        return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
+
+    def _fetch(self, keys: list) -> None:
+        """Read landed rows from the TransferQueue into ``state.rows``, timed (``thundersync/fetch_s``)."""
+        if not keys:
+            return
         t0 = time.time()
         self.state.rows.update(fetch_rows(self.ctx.tq, keys, rollout_lp=self._rollout_lp))
         self.state.fetch_s += time.time() - t0
-        return {k: (self.state.rows[k]["response"], self.state.rows[k]["prompt"]) for k in keys}
 
     def _op_tokens(self, op) -> int | None:
         """A GRPO op's prompt and response tokens (its cost for ``CallCost``; a fold has none); None for others."""

@@ -53,7 +53,7 @@ from thundersync_verl.step.stream_exec import OpPipeline
 from thundersync_verl.step.chunk_layout import exact_micro_batch_size
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
 from thundersync_verl.step.stream_plan import rollout_correction_meta
-from thundersync_verl.step.streamed_step import StepContext, StreamedStep
+from thundersync_verl.step.streamed_step import NodeLeft, StepContext, StreamedStep
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 from thundersync_verl.run.timeline import TimelineFeed
 
@@ -254,8 +254,9 @@ class ThunderSyncTrainer(api.PPOTrainer):
             try:
                 out, state = step.run()
             except Exception as exc:
-                lost = resume.lost_nodes(getattr(self, "nodes_at_start", {}), wait_s=resume.NODE_LOSS_WAIT_S * isinstance(
-                    exc, (ray.exceptions.RayActorError, TrajectoryNeverArrived)))
+                lost = exc.nodes if isinstance(exc, NodeLeft) else resume.lost_nodes(  # the watch named them
+                    getattr(self, "nodes_at_start", {}), wait_s=resume.NODE_LOSS_WAIT_S * isinstance(
+                        exc, (ray.exceptions.RayActorError, TrajectoryNeverArrived)))
                 if lost:
                     raise resume.node_lost(self.global_steps, lost, exc, self.config) from exc
                 if isinstance(exc, ray.exceptions.RayActorError):
