@@ -13,9 +13,6 @@ Why:
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 from thundersync_harness import main_ppo_runs as runs
@@ -63,14 +60,9 @@ def replayed(cluster: LocalCluster | None, work: Path, model: Path, recording: P
 
 def actor_table(cluster: LocalCluster) -> list[dict]:
     """Every actor the cluster has run (alive or finished): name, class, state, node id."""
-    code = ("import json, ray; from ray._private import state; ray.init(address=%r, logging_level='ERROR', "
-            "log_to_driver=False); t = state.actors(); print(json.dumps([{'name': a.get('Name', ''), "
-            "'class': a.get('ActorClassName', ''), 'state': a.get('State'), 'node': (a.get('Address') or {})"
-            ".get('NodeID'), 'pid': a.get('Pid'), 'job': a.get('JobID')} for a in t.values()]))" % cluster.address)
-    out = subprocess.run([sys.executable, "-c", code], env=cluster.env, capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"reading the actor table failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return cluster.query("[{'name': a.get('Name', ''), 'class': a.get('ActorClassName', ''), 'state': a.get('State'), "
+                         "'node': (a.get('Address') or {}).get('NodeID'), 'pid': a.get('Pid'), 'job': a.get('JobID')} "
+                         "for a in state.actors().values()]", "the actor table", imports="; from ray._private import state")
 
 
 def placement(cluster: LocalCluster) -> dict[str, list[str]]:

@@ -102,16 +102,31 @@ def start_ray(slots: int) -> None:
              runtime_env={"env_vars": env}, _temp_dir=os.environ["RAY_TMPDIR"])
 
 
+PORT_RACE_TRIES = 3
+PORT_RACE_MARKS = ("EADDRINUSE", "address already in use")
+
+
 def start_group(worker_cls, actor_config, n_workers: int, *, slots: int | None = None, **kwargs):
     """``start_ray(slots or n_workers)``, then a worker group of ``worker_cls`` (role actor) with its model built.
 
     ``slots`` above ``n_workers`` leaves room for groups started next (e.g. a reference model); ``kwargs`` go to
     ``va.ray_worker_group_with`` (``name_prefix``, ``distillation_config``).
     """
-    start_ray(slots or n_workers)
-    wg = va.ray_worker_group_with(worker_cls, config=actor_config, role="actor", n_workers=n_workers, **kwargs)
-    wg.init_model()
-    return wg
+    import ray
+
+    for attempt in range(PORT_RACE_TRIES):
+        start_ray(slots or n_workers)
+        try:
+            wg = va.ray_worker_group_with(worker_cls, config=actor_config, role="actor", n_workers=n_workers, **kwargs)
+            wg.init_model()
+            return wg
+        except Exception as exc:  # noqa: BLE001 - only a lost port race is retried, anything else re-raised
+            if attempt + 1 == PORT_RACE_TRIES or not any(m in str(exc) for m in PORT_RACE_MARKS):
+                raise
+            # verl picked a free port for torch.distributed's store and another process on this host took it
+            # before rank 0 bound it: a fresh Ray (its workers and placement groups gone) picks again
+            print(f"[harness] worker group lost a port race (try {attempt + 1}); starting it again", flush=True)
+            ray.shutdown()
 
 
 @contextlib.contextmanager

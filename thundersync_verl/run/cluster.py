@@ -35,6 +35,7 @@ from pathlib import Path
 
 RESOURCE_PREFIX = "thundersync_"
 OBJECT_STORE_BYTES = 300 * 1024 * 1024  # per node: weights of a tiny model and a step's trajectories fit many times
+QUERY_TAG = "@@thundersync-query "  # marks a short-lived driver's answer among Ray's own stdout lines
 CPUS_PER_NODE = 8  # logical CPU slots: verl bundles take 2-3 CPUs each, helper actors 1
 
 
@@ -174,15 +175,24 @@ class LocalCluster:
                 return pid
         return None
 
+    def query(self, expression: str, what: str, imports: str = "") -> object:
+        """Evaluate ``expression`` (JSON-able) in a short-lived driver attached to the cluster.
+
+        Ray may print its own lines on stdout after ours (a node's lagging heartbeats, say), so the answer
+        travels on one line of its own, tagged, and is found by its tag.
+        """
+        code = (f"import json, ray{imports}; ray.init(address={self.address!r}, logging_level='ERROR', "
+                f"log_to_driver=False); print({QUERY_TAG!r} + json.dumps({expression}), flush=True)")
+        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
+        answers = [line[len(QUERY_TAG):] for line in out.stdout.splitlines() if line.startswith(QUERY_TAG)]
+        if out.returncode != 0 or not answers:
+            raise RuntimeError(f"reading {what} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+        return json.loads(answers[-1])
+
     def node_table(self) -> list[dict]:
         """Ray's node table, read by a short-lived driver: alive, node id, resources, node name by custom resource."""
-        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-                "print(json.dumps([{'id': n['NodeID'], 'alive': n['Alive'], 'resources': n['Resources']} "
-                "for n in ray.nodes()]))" % self.address)
-        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise RuntimeError(f"reading the node table failed:\n{out.stderr[-2000:]}")
-        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = self.query("[{'id': n['NodeID'], 'alive': n['Alive'], 'resources': n['Resources']} "
+                          "for n in ray.nodes()]", "the node table")
         for row in rows:
             names = [k[len(RESOURCE_PREFIX):] for k in row["resources"] if k.startswith(RESOURCE_PREFIX)]
             if names:
