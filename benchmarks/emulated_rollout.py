@@ -61,6 +61,10 @@ Why:
    policy on the learner's core (``thundersync_harness.machine_probe``, between the runs, never during one); the
    trace folder's meta.json keeps ``machine_probe_s[mode] = [before, after]`` (median seconds of the probe), which
    the simulator's out-of-sample check reads to tell the machine's drift from its own error.
+10. ``--algo opd`` (paper workload only; the recorded one's policy is the teacher itself): the student's turns are
+   replayed from the same recording while verl's teacher server (``hf_cpu``, the tiny teacher) scores every turn
+   for real on the rollout side's core, as a teacher fleet would beside the rollout fleet. Its streaming bound's
+   rows are agent turns (``streaming_bound``); its exactness is ``benchmarks/equivalence.py --algo opd``'s.
 """
 
 from __future__ import annotations
@@ -164,14 +168,15 @@ TIMELINES = ["thundersync.timeline_every=0"]  # point 8: drawn after the run, fr
 
 
 def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, rec: Path, time_scale: float,
-               tag: str = "", extra: list[str] | None = None, env: dict | None = None, pin: bool | None = None) -> dict:
+               tag: str = "", extra: list[str] | None = None, env: dict | None = None, pin: bool | None = None,
+               algo: str = "grpo") -> dict:
     base, tag = ("sync", tag + "_bypass") if mode == "sync_bypass" else (mode, tag)
-    rewards = work / (base + tag) / REWARD_LOG  # the run's folder (modes.run_mode), emptied of *.jsonl at its start
+    rewards = work / ((base if algo == "grpo" else f"{algo}_{base}") + tag) / REWARD_LOG  # modes.run_mode's folder
     extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
              + reward_log_overrides(rewards) + TIMELINES + OVERRIDES + list(extra or []))
     load0 = _load()
-    run = modes.run_mode(base, steps, inputs, work, latency_scale=env_scale(workload, time_scale), tag=tag, extra=extra,
-                         env_extra=env, pin_learner=PIN["learner"] if pin is None else pin)
+    run = modes.run_mode(base, steps, inputs, work, algo=algo, latency_scale=env_scale(workload, time_scale), tag=tag,
+                         extra=extra, env_extra=env, pin_learner=PIN["learner"] if pin is None else pin)
     run["load_1min"] = [load0, _load()]
     return run
 
@@ -317,12 +322,15 @@ def host_cpu(run: dict) -> dict | None:
 TOP_PROCESSES = 12
 
 
-def streaming_bound(run: dict) -> float | None:
+def streaming_bound(run: dict, algo: str = "grpo") -> float | None:
     """The shortest step ANY zero-staleness stream could take on a Sync run's own timings: median over the steps
-    after the first of ``max_k(a_k + (n - k) * w)``, trajectory k's reward landing at ``a_k`` (its agent loop's end,
-    shifted so that the last lands at the end of Sync's ``gen``: one verifier latency for all) and every row from
-    k on still to back-propagate at Sync's own ``update_actor`` time per row ``w``. No overhead of streaming, no
-    optimizer step or weight push: Sync's step over it bounds every streamed speed-up from above."""
+    after the first of ``max_k(a_k + (n - k) * w)``, row k landing at ``a_k`` and every row from k on still to
+    back-propagate at Sync's own ``update_actor`` time per row ``w``. GRPO's rows are trajectories, landing at their
+    agent loop's end; OPD's are agent turns, landing when the turn's generation ends (the trajectory's start plus the
+    recorded generation and tool seconds before it: no teacher latency, which only lowers the bound), with Sync's
+    ``update_actor`` shared equally among the turns. Landings are shifted so that the last trajectory ends at the end
+    of Sync's ``gen`` (one verifier or teacher latency for all). No overhead of streaming, no optimizer step or
+    weight push: Sync's step over it bounds every streamed speed-up from above."""
     versions = by_version(run["traj_path"])
     bounds = []
     for step in sorted(run["per_step"])[1:]:
@@ -330,15 +338,26 @@ def streaming_bound(run: dict) -> float | None:
         if not trajs or "timing_s/update_actor" not in m:
             continue
         s0 = min(t["t_submit"] for t in trajs)
-        done = sorted(t["t_done"] - s0 for t in trajs)
-        shift = m["timing_s/gen"] - done[-1]
-        w = m["timing_s/update_actor"] / len(done)
-        bounds.append(max(a + shift + (len(done) - k) * w for k, a in enumerate(done)))
+        shift = m["timing_s/gen"] - max(t["t_done"] - s0 for t in trajs)
+        rows = sorted(a - s0 for t in trajs for a in (turn_ends(t) if algo == "opd" else [t["t_done"]]))
+        w = m["timing_s/update_actor"] / len(rows)
+        bounds.append(max(a + shift + (len(rows) - k) * w for k, a in enumerate(rows)))
     return statistics.median(bounds) if bounds else None
 
 
+def turn_ends(traj: dict) -> list[float]:
+    """When each agent turn's generation ended (an agent-loop trace record: its start, then per turn ``gen_s`` and
+    the ``tool_s`` that followed it); the trajectory's end for a record without turns."""
+    ends, t = [], traj["t_submit"]
+    for turn in traj.get("turns") or []:
+        t += turn["gen_s"]
+        ends.append(min(t, traj["t_done"]))
+        t += turn.get("tool_s", 0.0)
+    return ends or [traj["t_done"]]
+
+
 def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workload: str, rec: Path,
-               time_scale: float, repeat: int, traces: Path) -> tuple[dict, dict]:
+               time_scale: float, repeat: int, traces: Path, algo: str = "grpo") -> tuple[dict, dict]:
     """Every mode once, back to back; traces in the simulator's schema under ``traces`` (with ``meta.json``)."""
     runs, rows = {}, {}
     traces.mkdir(parents=True, exist_ok=True)
@@ -347,7 +366,8 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     (traces / "meta.json").write_text(json.dumps(meta) + "\n")
     before = run_probe(inputs["student"])["probe_s"]  # point 9: the learner core's speed between the runs
     for mode in modes_run:
-        runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale)
+        runs[mode] = run_replay(mode, steps, inputs, work / "emulated" / f"r{repeat}", workload, rec, time_scale,
+                                algo=algo)
         after = run_probe(inputs["student"])["probe_s"]
         meta["machine_probe_s"][mode] = [before, after]
         (traces / "meta.json").write_text(json.dumps(meta) + "\n")
@@ -357,11 +377,11 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
         rows[mode]["load_1min"] = runs[mode]["load_1min"]
         rows[mode]["host_cpu_s_per_step"] = host_cpu(runs[mode])
         if mode == "thundersync":
-            (traces / "grpo_thundersync.jsonl").write_text((runs[mode]["run_dir"] / "grpo_thundersync.jsonl").read_text())
-            runs[mode]["drawn_after_run"] = draw_trace(runs[mode]["run_dir"] / "grpo_thundersync.jsonl",
-                                                       runs[mode]["run_dir"] / "timelines")  # point 8
+            trace = runs[mode]["run_dir"] / f"{algo}_thundersync.jsonl"
+            (traces / trace.name).write_text(trace.read_text())
+            runs[mode]["drawn_after_run"] = draw_trace(trace, runs[mode]["run_dir"] / "timelines")  # point 8
         else:
-            modes.write_sim_trace(base, runs[mode], traces / f"grpo_{mode}.jsonl")
+            modes.write_sim_trace(base, runs[mode], traces / f"{algo}_{mode}.jsonl", algo)
     return runs, rows
 
 
@@ -375,7 +395,7 @@ def with_medians(row: dict, run: dict) -> dict:
                 wait_share=statistics.median(m.get("timing_s/gen", 0.0) / m["timing_s/step"] for m in timed))
 
 
-def headline(rows: dict, runs: dict, workload: str, time_scale: float) -> dict:
+def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str = "grpo") -> dict:
     out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
            "step_time_mean_s": {m: round(r["step_time_mean_s"], 3) for m, r in rows.items()},
            "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
@@ -389,49 +409,56 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float) -> dict:
         out["sync_reference"] = ref
         out["sync_learner_wait_share"] = round(rows[ref]["wait_share"], 3)
         out["sync_learner_wait_share_by_config"] = {m: round(rows[m]["wait_share"], 3) for m in syncs}
-        bound = streaming_bound(runs[ref])
+        bound = streaming_bound(runs[ref], algo)
         out["sync_streaming_bound_speedup"] = None if bound is None else round(rows[ref]["step_time_s"] / bound, 3)
     if syncs and "thundersync" in rows:
         ts = rows["thundersync"]["step_time_s"]
         out["speedup_vs_sync"] = round(rows[out["sync_reference"]]["step_time_s"] / ts, 3)
         out["speedup_vs_sync_by_config"] = {m: round(rows[m]["step_time_s"] / ts, 3) for m in syncs}
-        out["thundersync_over_lower_bound"] = round(ts / modes.thundersync_lower_bound(runs["thundersync"]), 3)
-        out["thundersync_over_schedule_bound"] = round(
-            ts / modes.thundersync_lower_bound(runs["thundersync"], learner_work=True), 3)
+        out["thundersync_over_lower_bound"] = round(ts / modes.thundersync_lower_bound(runs["thundersync"], algo), 3)
+        if algo == "grpo":
+            out["thundersync_over_schedule_bound"] = round(
+                ts / modes.thundersync_lower_bound(runs["thundersync"], learner_work=True), 3)
         if out.get("sync_streaming_bound_speedup"):
             out["share_of_streaming_bound"] = round(out["speedup_vs_sync"] / out["sync_streaming_bound_speedup"], 3)
         out["reporting"] = reporting_cost(runs["thundersync"])
-        out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
+        if algo == "grpo":  # OPD trains on the teacher's scores, not the verifier's reward
+            out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
     return out
 
 
-def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workload: str, results_dir) -> dict:
+def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workload: str, results_dir,
+              algo: str = "grpo") -> dict:
     """Sync in bypass mode alone at each time scale: its learner wait share; the scale nearest 0.495."""
     rec = make_recording(workload, steps + 2, inputs, work)
     shares = {}
     for scale in scales:
         run = run_replay("sync_bypass", steps, inputs, work / "emulated" / "calibrate", workload, rec, scale,
-                         tag=f"_scale{scale}")
+                         tag=f"_scale{scale}", algo=algo)
         row = with_medians(modes.summarise("sync", run), run)
         shares[str(scale)] = {"sync_learner_wait_share": round(row["wait_share"], 3),
                               "step_time_s": round(row["step_time_s"], 3), "load_1min": run["load_1min"]}
         print(f"[calibrate] {workload} time scale {scale}: Sync (bypass) wait share {row['wait_share']:.3f}, "
               f"step {row['step_time_s']:.2f}s", flush=True)
     chosen = min(shares, key=lambda k: abs(shares[k]["sync_learner_wait_share"] - modes.TARGET_WAIT_SHARE))
-    result = {"rollout": "emulated", "workload": workload, "steps": steps, "calibrated_on": "sync_bypass",
+    result = {"rollout": "emulated", "algo": algo, "workload": workload, "steps": steps, "calibrated_on": "sync_bypass",
               "learner_pinned": PIN["learner"],
               "target_wait_share": modes.TARGET_WAIT_SHARE, "scales": shares, "chosen_scale": float(chosen)}
-    write_result(f"modes_emulated_calibration_{workload}", result, results_dir)
+    write_result(f"modes_emulated{_algo(algo)}_calibration_{workload}", result, results_dir)
     return result
 
 
 def main(args, inputs: dict, work: Path, results_dir) -> dict:
-    workload = args.workload
+    workload, algo = args.workload, args.algo
     steps = 4 if args.quick else args.steps
+    if algo == "opd" and args.exactness_only:  # OPD's exactness: benchmarks/equivalence.py --algo opd
+        raise SystemExit("modes.py: error: --exactness-only runs GRPO's step-1 update gap; for OPD use "
+                         "benchmarks/equivalence.py --algo opd")
     PIN["learner"] = False if args.pin_learner == "off" else args.pin_learner
     OVERRIDES[:] = list(args.override)
     if args.calibrate:
-        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, workload, results_dir)
+        return calibrate([float(x) for x in args.calibrate.split(",") if x], steps, inputs, work, workload, results_dir,
+                         algo)
     if args.exactness_only:
         result = {"rollout": "emulated", "workload": workload, **_g4(step1_update_gap(
             inputs, work, workload, make_recording(workload, steps + 2, inputs, work)))}
@@ -443,24 +470,29 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
     t0 = time.time()
     repeats = []
     for r in range(args.repeats):
-        traces = results_dir / f"traces_emulated_{workload}{_suffix(args)}" / f"r{r}"
-        runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces)
-        modes.print_table(rows, "grpo")
-        repeats.append(headline(rows, runs, workload, time_scale))
+        traces = results_dir / f"traces_emulated{_algo(algo)}_{workload}{_suffix(args)}" / f"r{r}"
+        runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces, algo)
+        modes.print_table(rows, algo)
+        repeats.append(headline(rows, runs, workload, time_scale, algo))
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound",
             "thundersync_over_schedule_bound", "sync_streaming_bound_speedup",
             "share_of_streaming_bound")}), flush=True)
-    result = {"rollout": "emulated", "workload": workload, "steps": steps, "time_scale": time_scale,
+    result = {"rollout": "emulated", "algo": algo, "workload": workload, "steps": steps, "time_scale": time_scale,
               "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
               "learner_pinned": PIN["learner"], "recording": str(rec), "policy_model": str(inputs["student"]),
               **({"overrides": OVERRIDES} if OVERRIDES else {}), **_median_of(repeats), "per_repeat": repeats}
-    if not args.no_exactness and "thundersync" in modes_run:
+    if not args.no_exactness and "thundersync" in modes_run and algo == "grpo":  # OPD's: equivalence.py --algo opd
         result.update(_g4(step1_update_gap(inputs, work, workload, rec)))
     result["seconds"] = round(time.time() - t0, 1)
-    name = "modes_emulated" + ("" if workload == "recorded" else f"_{workload}") + _suffix(args)
+    name = "modes_emulated" + _algo(algo) + ("" if workload == "recorded" else f"_{workload}") + _suffix(args)
     write_result(name, result, results_dir)
     return result
+
+
+def _algo(algo: str) -> str:
+    """Result and trace names: GRPO's keep their names, OPD's say so."""
+    return "" if algo == "grpo" else f"_{algo}"
 
 
 def _suffix(args) -> str:

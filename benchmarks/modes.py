@@ -13,6 +13,9 @@ Traces in the simulator's schema go to ``benchmarks/results/traces/<algo>_<mode>
 generating on the CPU (the rollout on its own emulated device; ``emulated_rollout.py`` says how), with
 Sync also in verl's bypass mode, the step-1 update gap, and ``--repeats N`` paired runs.
 
+``--rollout emulated --algo opd`` (the paper workload): OPD on the emulated device (the student's generation
+replayed, the teacher scoring each turn for real on the rollout side's core).
+
 ``--algo opd`` runs the ``opd`` recipe (on-policy distillation from the tiny teacher; thundersync
 streams agent turns) and adds the student's reverse KL to the teacher over the run (verl's
 ``actor/distillation/loss``, ThunderSync's ``thundersync/opd/reverse_kl``: the same token mean of
@@ -229,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--rollout emulated: sync_bypass,thundersync,sync,async,fully_async)")
     ap.add_argument("--rollout", default="cpu", choices=["cpu", "emulated"],
                     help="emulated: every mode replays one recording (generation slept, not computed)")
-    ap.add_argument("--workload", default="recorded", choices=["recorded", "paper"],
-                    help="--rollout emulated: a recorded hf_cpu run, or the paper shape synthesised")
+    ap.add_argument("--workload", default=None, choices=["recorded", "paper"],
+                    help="--rollout emulated: a recorded hf_cpu run, or the paper shape synthesised (default: "
+                         "recorded; paper with --algo opd, its only workload)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="--rollout emulated: the workload's time scale (default: the calibrated one)")
     ap.add_argument("--repeats", type=int, default=1, help="--rollout emulated: paired runs (the median is reported)")
@@ -260,6 +264,11 @@ def main(argv=None) -> dict:
     ap = build_parser()
     args = ap.parse_args(argv)
     results_dir = find_results_dir(args.results_dir)  # refuse before the runs, not after
+    if args.workload is None:
+        args.workload = "paper" if args.algo == "opd" else "recorded"
+    if args.rollout == "emulated" and args.algo == "opd" and args.workload != "paper":
+        ap.error("--rollout emulated --algo opd needs --workload paper: the recorded workload's policy is the "
+                 "tiny teacher itself, so distilling it would have nothing to learn")
     if args.algo == "opd" and args.model and not args.teacher:
         ap.error("--algo opd --model needs --teacher too: distilling a model into itself has nothing to learn")
     steps = 4 if args.quick else args.steps
@@ -273,8 +282,6 @@ def main(argv=None) -> dict:
     if args.teacher:
         inputs["teacher"] = Path(args.teacher).resolve()
     if args.rollout == "emulated":
-        if args.algo != "grpo":
-            ap.error("--rollout emulated runs GRPO (OPD's teacher scoring is not replayed)")
         import emulated_rollout  # the sibling module (benchmarks/ is this script's folder)
 
         return emulated_rollout.main(args, inputs, work, results_dir)

@@ -59,6 +59,21 @@ def test_the_verifier_shift_and_the_median_over_steps(bench, tmp_path):
     assert bench.streaming_bound({"per_step": {1: {}}, "traj_path": run["traj_path"]}) is None
 
 
+def test_opd_rows_are_turns_landing_when_their_generation_ends(bench, tmp_path):
+    # one trajectory of two turns: generation 1 s, a 2 s tool call, generation 1 s (ends at 4 s = gen's end); a
+    # second one of one 3 s turn. Rows land at 1, 3 and 4 s; Sync's 3 s update is 1 s a row
+    lines = [{"policy_version": 1, "t_submit": 2000.0, "t_done": 2004.0,
+              "turns": [{"gen_s": 1.0, "tool_s": 2.0}, {"gen_s": 1.0, "tool_s": 0.0}]},
+             {"policy_version": 1, "t_submit": 2000.0, "t_done": 2003.0, "turns": [{"gen_s": 3.0, "tool_s": 0.0}]}]
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = {"per_step": {1: {}, 2: {"timing_s/gen": 4.0, "timing_s/update_actor": 3.0}}, "traj_path": path}
+    assert bench.streaming_bound(run, "opd") == pytest.approx(max(1 + 3, 3 + 2, 4 + 1))
+    # per trajectory (GRPO's rows) the same run lands at 3 and 4 s, 1.5 s a row
+    assert bench.streaming_bound(run) == pytest.approx(max(3 + 3, 4 + 1.5))
+    assert bench.turn_ends({"t_submit": 0.0, "t_done": 2.5}) == [2.5]  # no turns recorded: the trajectory's end
+
+
 def thundersync_run(tmp_path: Path, landed: list[float], chunks: list[tuple[float, int]]) -> dict:
     """A ThunderSync trace of step 2 (step 1 is left out): rewards seen at ``landed`` s, backward chunks of
     ``(seconds, rows)``, a 0.1 s optimizer step and a 0.2 s weight push."""
@@ -137,3 +152,15 @@ def test_host_cpu_splits_each_side_and_each_process_per_step(bench, tmp_path):
     cpu = bench.host_cpu(run)
     assert cpu["rollout_side"] == 3.0 and cpu["learner_side"] == 2.0 and cpu["step_s"] == 1000.0, cpu
     assert cpu["by_process"] == {"ray::WorkerDict": 2.0, "ray::AgentLoopWorkerTQ": 1.0, "python -c": 0.5}, cpu
+
+
+def test_emulated_opd_runs_the_paper_workload_and_refuses_the_self_distilling_one(bench, tmp_path, capsys):
+    modes = bench.modes  # the sibling script the benchmark imported
+    with pytest.raises(SystemExit) as stop:  # refused before any model is built or run started
+        modes.main(["--rollout", "emulated", "--algo", "opd", "--workload", "recorded", "--work-dir", str(tmp_path),
+                    "--results-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--workload paper" in err.splitlines()[-1] and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+    args = modes.build_parser().parse_args(["--rollout", "emulated", "--algo", "opd"])
+    assert args.workload is None  # main() resolves it: paper for OPD, recorded for GRPO
