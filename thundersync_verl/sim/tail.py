@@ -34,12 +34,12 @@ Why this module exists:
 
 from __future__ import annotations
 
-import math
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 
+from thundersync_verl.core.tail_policy import TailQueue, launch_size, select_first
 from thundersync_verl.sim.events import Placement, Recorder, lane_policy, place_rollouts, reward_times
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.lane import LaneWork, run_lane
@@ -61,16 +61,16 @@ def simulate_tail(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
     """cfg.steps rounds of the tail policy (module docstring) on the prompts of `source`."""
     src = prompt_source(source)
     p, k_max = src.groups_per_step, cfg.tail_max_deferrals
-    launch_n = max(p, math.ceil(cfg.tail_eta * p - 1e-9))
+    launch_n = launch_size(cfg.tail_eta, p)
     # The steady state starts once a prompt can have been deferred K times.
     cfg = replace(cfg, warmup_steps=max(cfg.warmup_steps, min(k_max + 1, cfg.steps - 1)))
     gran = cfg.resolved_granularity()
     policy = lane_policy(cfg, costs, gran)
     rec, book = Recorder(cfg), _Book(cfg.warmup_steps)
-    queue: deque = deque()  # (prompt, times aborted, step of its first launch), oldest first
+    queue = TailQueue(k_max, cfg.tail_rounds)  # (prompt, times aborted, step of its first launch), oldest first
     fresh, t, starts, ends = 0, 0.0, [], []
     for k in range(cfg.steps):
-        prompts, aborted, first, pinned, fresh = _launch(queue, fresh, launch_n, p, k_max, k, cfg.tail_rounds)
+        prompts, aborted, first, pinned, fresh = _launch(queue, fresh, launch_n, p, k)
         batch = src.gather(prompts, aborted)  # attempt index = runs before this one
         place = place_rollouts(batch.dur_s, t, cfg.rollout_slots)
         land = reward_times(batch, place, cfg.algo)  # [N]
@@ -92,12 +92,13 @@ def simulate_tail(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
             rec.timeline["trained"].extend((k, int(i), k, k) for i in np.flatnonzero(kept[batch.group]))
         book.step(k, batch, place, kept, started, t_cut, run, prompts, aborted, first, pinned, rec)
         book.log[-1].update(seconds=t_end - t, queued_round=bool(len(prompts)) and bool(aborted.min() > 0))
-        runs = aborted + started  # an aborted group counts as a deferral only if it ran
-        queue.extend(zip(prompts[~kept].tolist(), runs[~kept].tolist(), first[~kept].tolist()))
+        for prompt, before, ran, born_at in zip(prompts[~kept].tolist(), aborted[~kept].tolist(),
+                                                started[~kept].tolist(), first[~kept].tolist()):
+            queue.requeue(prompt, before, born_at, ran)  # an abort counts as a deferral only if the group ran
         starts.append(t)
         ends.append(t_end)
         t = t_end + costs.step_gap_s
-    book.queue = [q[0] for q in queue]
+    book.queue = [e.prompt for e in queue.items]
     summary = book.summary()
     window = [e for e in book.log if e["step"] >= cfg.warmup_steps]
     for name, sel in (("queued_round", True), ("fresh_round", False)):
@@ -108,41 +109,21 @@ def simulate_tail(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
                                           "tail_fresh": fresh})
 
 
-def _launch(queue: deque, fresh: int, n: int, p: int, k_max: int, step: int, rounds: str):
-    """This round's prompts in launch order: pinned (aborted K times, at most P), other queued, then fresh."""
-    items = list(queue)
-    pins = [i for i, e in enumerate(items) if e[1] >= k_max]
-    # dedicated: the queue runs alone once it fills a round: P pinned prompts, or a whole launch
-    hold = rounds == "dedicated" and len(pins) < p and len(items) < n
-    pool = [] if hold else range(len(items))
-    pin_i = pins[:p] if pool else []
-    pin_set = set(pin_i)
-    take_i = pin_i + [i for i in pool if i not in pin_set][:max(n - len(pin_i), 0)]
-    if len(pin_i) >= p:
-        take_i, n = pin_i, len(pin_i)  # P pinned groups are the batch: nothing else would be kept
-    elif rounds == "dedicated" and not hold:
-        n = len(take_i)  # a round of queued prompts alone
-    taken = set(take_i)
-    take = [items[i] for i in take_i]
-    queue.clear()
-    queue.extend(items[i] for i in range(len(items)) if i not in taken)
-    n_new = n - len(take)
-    prompts = np.array([e[0] for e in take] + list(range(fresh, fresh + n_new)), dtype=np.int64)
-    aborted = np.array([e[1] for e in take] + [0] * n_new, dtype=np.int64)
-    first = np.array([e[2] for e in take] + [step] * n_new, dtype=np.int64)
+def _launch(queue: TailQueue, fresh: int, n: int, p: int, step: int):
+    """This round's prompts in launch order (core/tail_policy.py): pinned, other queued, then fresh."""
+    plan = queue.plan(n, p)
+    prompts = np.array([e.prompt for e in plan.queued] + list(range(fresh, fresh + plan.fresh)), dtype=np.int64)
+    aborted = np.array([e.aborted for e in plan.queued] + [0] * plan.fresh, dtype=np.int64)
+    first = np.array([e.first_step for e in plan.queued] + [step] * plan.fresh, dtype=np.int64)
     pin = np.zeros(len(prompts), dtype=bool)
-    pin[:len(pin_i)] = True
-    return prompts, aborted, first, pin, fresh + n_new
+    pin[:plan.pinned] = True
+    return prompts, aborted, first, pin, fresh + plan.fresh
 
 
 def _select(close: np.ndarray, pinned: np.ndarray, p: int, t0: float) -> tuple[np.ndarray, float]:
     """(kept groups, abort time): the pinned groups and the first free groups to complete, P in all."""
-    need = p - int(pinned.sum())
-    free = np.flatnonzero(~pinned)
-    first = free[np.argsort(close[free], kind="stable")[:need]]
-    kept = pinned.copy()
-    kept[first] = True
-    return kept, (float(close[first].max()) if need > 0 else t0)
+    kept, closer = select_first(close.tolist(), pinned.tolist(), p)
+    return np.array(kept, dtype=bool), (float(close[closer]) if closer is not None else t0)
 
 
 def _work(batch: Batch, land: np.ndarray, close: np.ndarray, kept: np.ndarray, t_cut: float, gran: str,
