@@ -12,131 +12,36 @@ import pytest
 import torch
 
 from thundersync_verl.run.step_record import StepRecorder
-from thundersync_verl.step.stream_exec import OpPipeline
-from thundersync_verl.step.chunk_layout import COEF_KEY, DEST_KEY
 from thundersync_verl.step.stream_plan import FoldOp, StreamPlanner
 from thundersync_verl.step import streamed_step
 from thundersync_verl.step.streamed_step import GRPOArrivals, StepContext, StreamedStep
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
-
-
-class _TQ:
-    """The TransferQueue surface the step uses; a record is listed from its ``visible_at`` poll on."""
-
-    def __init__(self):
-        self.records: dict[str, tuple[int, dict, dict]] = {}
-        self.polls = 0
-        self.gets, self.puts = [], []  # (keys, fields) of each read and write: round trips to the controller
-
-    def add(self, key: str, reward: float, visible_at: int, *, status: str = "success", is_prompt: bool = False):
-        fields = {"prompts": torch.tensor([1, 2]), "responses": torch.tensor([3, 4, 5]),
-                  "response_mask": torch.tensor([1, 1, 0]), "rm_scores": torch.tensor([0.0, 0.0, reward]),
-                  "extra_fields": {}, "rollout_log_probs": torch.tensor([-0.5, -0.5, -0.5])}
-        self.records[key] = (visible_at, fields, {"status": status, "is_prompt": is_prompt})
-
-    def kv_list(self, partition):
-        self.polls += 1
-        return {partition: {k: t for k, (v, _, t) in self.records.items() if v <= self.polls}}
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        self.gets.append((list(keys), list(select_fields)))
-        return {f: [self.records[k][1][f] for k in keys] for f in select_fields}
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        self.puts.append((list(keys), list(fields)))
-        for f, values in fields.items():
-            for k, v in zip(keys, values):
-                self.records[k][1][f] = v
-
-
-class _Learner:
-    """The streaming worker group, one rank: records every chunk, fold and step."""
-
-    world_size = 1
-
-    def __init__(self, fail_on_chunk: int | None = None):
-        self.calls, self.steps, self.fail_on_chunk = [], [], fail_on_chunk
-
-    def stream_begin_batch(self, meta):
-        self.calls.append(("begin", meta["loss_agg_mode"]))
-        self.meta = dict(meta)
-
-    def stream_backward(self, chunk):
-        if self.fail_on_chunk is not None and sum(c[0] == "backward" for c in self.calls) == self.fail_on_chunk:
-            raise RuntimeError("learner refused the chunk")
-        coefs = chunk[COEF_KEY].tolist()
-        self.calls.append(("backward", chunk[DEST_KEY], [c for c in coefs if c != 0.0]))
-
-    def stream_fold(self, folds):
-        self.calls.append(("fold", dict(folds)))
-
-    def finalize_step(self, scale):
-        self.steps.append(scale)
-        return [{"grad_norm": 1.0, "lr": 1e-3}]
-
-
-def _step(tq: _TQ, learner: _Learner, uids: list[str], n: int, *, timeout_s: float = 30.0, coalesce: bool = True,
-          budget_buckets: int | None = None, deterministic: bool = False, lost_nodes=None):
-    sizing = {} if budget_buckets is None else {"grad_numel": 1, "budget_bytes": 4 * (budget_buckets + 1)}
-    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=4, **sizing)
-    ctx = StepContext(
-        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
-        make_pipeline=lambda on_done: OpPipeline(learner, pad_token_id=0, temperature=1.0, on_done=on_done, depth=1),
-        forward_at_theta_k=lambda keys, tags: {}, uids=uids, n=n, timeout_s=timeout_s, poll_s=0.001,
-        coalesce=coalesce, fused_forward=True, memory_budget_bytes=None if budget_buckets is None else 4 * budget_buckets,
-        deterministic=deterministic, lost_nodes=lost_nodes)
-    return StreamedStep(ctx, GRPOArrivals(planner))
+from thundersync_harness.stream_fakes import FakeLearner, FakeTQ, effective_coefficients, grpo_advantages, grpo_step
 
 
 REWARDS = {"a": [1.0, 0.0, 1.0], "b": [0.0, 0.0, 1.0]}
 
 
-def _effective_coefficients(calls: list) -> list[float]:
-    """Each trajectory's coefficient as the learner applied it: a direct row carries A_i; a bucket row carries 1 and
-    its bucket is folded with A(r) when the group closes."""
-    effective, bucket_rows = [], {}
-    for call in calls:
-        if call[0] == "backward" and call[1] == "direct":
-            effective += call[2]
-        elif call[0] == "backward":
-            assert call[2] == [1.0] * len(call[2])
-            bucket_rows[call[1]] = bucket_rows.get(call[1], 0) + len(call[2])
-        elif call[0] == "fold":
-            for key, coef in call[1].items():
-                effective += [coef] * bucket_rows.pop(key)
-    assert bucket_rows == {}  # every bucket folded
-    return effective
-
-
-def _grpo_advantages(rewards: dict) -> list[float]:
-    """verl's GRPO advantage of every trajectory, sorted: (r - mean) / (unbiased std + eps) per group."""
-    expected = []
-    for values in rewards.values():
-        r = torch.tensor(values)
-        expected += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
-    return sorted(expected)
-
-
 @pytest.mark.parametrize("coalesce,budget_buckets", [(True, None), (False, None), (True, 3)])
 def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce, budget_buckets):
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     for uid, rewards in REWARDS.items():
         for s, r in enumerate(rewards):
             tq.add(f"{uid}_{s}_0", r, visible_at=1 + 2 * s + (uid == "b"))  # the groups' members land interleaved
-    step = _step(tq, learner, ["a", "b"], 3, coalesce=coalesce, budget_buckets=budget_buckets)
+    step = grpo_step(tq, learner, ["a", "b"], 3, coalesce=coalesce, budget_buckets=budget_buckets)
     out, state = step.run()
     metrics = step.metrics(out)
     assert sorted(state.keys) == sorted(f"{u}_{s}_0" for u in REWARDS for s in range(3))
     # each trajectory's effective coefficient: a direct row carries A_i; a bucket row carries 1 and its
     # bucket is folded with A(r) when the group closes
-    effective = _effective_coefficients(learner.calls)
+    effective = effective_coefficients(learner.calls)
     folds = sum(c[0] == "fold" for c in learner.calls)
     assert folds > 0  # open groups streamed into buckets
     if budget_buckets is not None:  # room for one open group's buckets: the other group's rows waited
         assert metrics["thundersync/budget_waits"] > 0
         assert learner.meta["memory_budget_bytes"] == 4 * budget_buckets
         assert step.planner.memory()["peak_bytes"] <= 4 * (budget_buckets + 1)
-    assert sorted(effective) == pytest.approx(_grpo_advantages(REWARDS), abs=1e-6)  # every trajectory once, right weight
+    assert sorted(effective) == pytest.approx(grpo_advantages(REWARDS), abs=1e-6)  # every trajectory once, right weight
     assert learner.steps == [pytest.approx(1 / 6)]  # seq-mean-token-sum: one step, divided by the 6 sequences
     assert learner.calls[0] == ("begin", "seq-mean-token-sum")
     assert metrics["thundersync/chunks"] == 0 and metrics["actor/grad_norm"] == 1.0  # the learner's own figures
@@ -148,11 +53,11 @@ def test_grpo_step_backpropagates_every_trajectory_once_then_steps_once(coalesce
 def test_fused_step_reads_each_arrival_once_and_writes_old_log_probs_once():
     """The TransferQueue serves the agent loops too: one read per landed trajectory (its row and its rollout
     log-probs together) and ONE write of verl's old_log_probs for the whole batch, before the optimizer step."""
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     for uid, rewards in REWARDS.items():
         for s, r in enumerate(rewards):
             tq.add(f"{uid}_{s}_0", r, visible_at=1 + 2 * s + (uid == "b"))
-    _step(tq, learner, ["a", "b"], 3, coalesce=False).run()
+    grpo_step(tq, learner, ["a", "b"], 3, coalesce=False).run()
     row_reads = [keys for keys, fields in tq.gets if "responses" in fields]
     assert all("rollout_log_probs" in fields for _, fields in tq.gets)
     assert sorted(k for keys in row_reads for k in keys) == sorted(tq.records)  # each trajectory read once
@@ -170,11 +75,11 @@ SCHEDULES = {  # two timings of the same batch: poll at which each trajectory be
 def _learner_calls(schedule: dict, names: dict | None = None, **kw) -> list:
     """The learner's calls for one arrival ``schedule``; ``names`` renames the prompts (verl's uids are random)."""
     names = names or {"a": "a", "b": "b"}
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     for key, at in schedule.items():
         uid, s, i = key.split("_")
         tq.add(f"{names[uid]}_{s}_{i}", REWARDS[uid][int(s)], visible_at=at)
-    _step(tq, learner, [names["a"], names["b"]], 3, **kw).run()
+    grpo_step(tq, learner, [names["a"], names["b"]], 3, **kw).run()
     return learner.calls + [("step", learner.steps)]
 
 
@@ -258,7 +163,7 @@ class _BusyPipe:
 def test_a_busy_learner_gets_no_more_calls_than_it_has_slots_and_late_rows_share_chunks():
     """Coalescing into a pipeline of depth 2: a plan fills the free slots only, so the driver never blocks on a full
     pipeline (it polls on), and rows that land meanwhile join later chunks instead of queueing as small calls."""
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     rewards = {u: [1.0, 0.0] for u in "abcdef"}
     tq.add("a_0_0", 1.0, visible_at=1)  # the learner's first call: one open-group row
     for i, uid in enumerate("bcdef"):
@@ -276,13 +181,13 @@ def test_a_busy_learner_gets_no_more_calls_than_it_has_slots_and_late_rows_share
     pipe = pipes[0]
     assert pipe.blocked_submits == 0 and pipe.max_in_flight >= 2  # filled, never waiting to queue a backward
     assert pipe.polls_while_full > 0  # the driver kept listing arrivals while the learner had its next call
-    assert sorted(_effective_coefficients(learner.calls)) == pytest.approx(_grpo_advantages(rewards), abs=1e-6)
+    assert sorted(effective_coefficients(learner.calls)) == pytest.approx(grpo_advantages(rewards), abs=1e-6)
     backwards = [c for c in learner.calls if c[0] == "backward"]
     assert len(backwards) <= 6  # 12 rows landing one or two a poll: the late ones shared chunks
     assert learner.steps == [pytest.approx(1 / 12)]
 
 
-class _ClockedTQ(_TQ):
+class _ClockedTQ(FakeTQ):
     """A record is listed from ``visible_at`` seconds after the first listing on (real time)."""
 
     def kv_list(self, partition):
@@ -348,7 +253,7 @@ class _ClockedPipe(_BusyPipe):
 
 
 def _clocked_step(knows_its_queue: bool):
-    tq, learner = _ClockedTQ(), _Learner()
+    tq, learner = _ClockedTQ(), FakeLearner()
     rewards = {u: [1.0, 0.0, 0.0, 1.0] for u in "abc"}
     for i, (uid, s) in enumerate((u, s) for s in range(4) for u in rewards):
         tq.add(f"{uid}_{s}_0", rewards[uid][s], visible_at=0.06 * i)  # 12 rows over 0.72 s; the learner needs 1.44 s
@@ -362,7 +267,7 @@ def _clocked_step(knows_its_queue: bool):
         coalesce=True, fused_forward=True)
     step = StreamedStep(ctx, GRPOArrivals(planner))
     out, state = step.run()
-    assert sorted(_effective_coefficients(learner.calls)) == pytest.approx(_grpo_advantages(rewards), abs=1e-6)
+    assert sorted(effective_coefficients(learner.calls)) == pytest.approx(grpo_advantages(rewards), abs=1e-6)
     return pipes[0], step.metrics(out)["thundersync/planned_ahead"]
 
 
@@ -377,9 +282,9 @@ def test_the_next_call_is_queued_before_the_learner_goes_idle():
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     tq.add("a_0_0", 1.0, visible_at=1)  # a_1_0 never comes
-    step = _step(tq, learner, ["a"], 2, timeout_s=0.2)
+    step = grpo_step(tq, learner, ["a"], 2, timeout_s=0.2)
     with pytest.raises(TrajectoryNeverArrived, match=r"1 trajectories of this batch did not arrive within 0s.*"
                                                      r"optimizer step was NOT taken.*trajectory_timeout_s"):
         step.run()
@@ -390,14 +295,14 @@ def test_a_node_that_leaves_while_the_step_waits_stops_it_long_before_the_timeou
     """Point 6: an agent loop that died with its node reports nothing; the watch names the node within a few polls
     of the head declaring it dead, not at ``trajectory_timeout_s``, and the optimizer does not step."""
     monkeypatch.setattr(streamed_step, "NODE_WATCH_S", 0.02)
-    tq, learner, asked = _TQ(), _Learner(), []
+    tq, learner, asked = FakeTQ(), FakeLearner(), []
     tq.add("a_0_0", 1.0, visible_at=1)  # a_1_0's agent loop ran on the lost node: it never lands
 
     def lost_nodes():
         asked.append(1)
         return ["n2 at 10.0.0.2 (GPU, thundersync_rollout)"] if len(asked) >= 3 else []
 
-    step = _step(tq, learner, ["a"], 2, timeout_s=600.0, lost_nodes=lost_nodes)
+    step = grpo_step(tq, learner, ["a"], 2, timeout_s=600.0, lost_nodes=lost_nodes)
     with pytest.raises(streamed_step.NodeLeft, match=r"n2 at 10.0.0.2 .*thundersync_rollout.* left the cluster"):
         step.run()
     assert len(asked) == 3  # asked until the head said so, then stopped at once (the timeout is 600 s)
@@ -405,20 +310,20 @@ def test_a_node_that_leaves_while_the_step_waits_stops_it_long_before_the_timeou
 
 
 def test_a_failed_agent_loop_fails_the_step_naming_the_prompt():
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     tq.add("a_0_0", 1.0, visible_at=1)
     tq.add("a", 0.0, visible_at=2, status="failure", is_prompt=True)
     with pytest.raises(TrajectoryNeverArrived, match=r"prompt a: its agent loop failed"):
-        _step(tq, learner, ["a"], 2).run()
+        grpo_step(tq, learner, ["a"], 2).run()
     assert learner.steps == []
 
 
 def test_a_refused_backward_fails_the_step_before_the_optimizer():
-    tq, learner = _TQ(), _Learner(fail_on_chunk=1)
+    tq, learner = FakeTQ(), FakeLearner(fail_on_chunk=1)
     for s, r in enumerate([1.0, 0.0, 1.0, 0.0]):
         tq.add(f"a_{s}_0", r, visible_at=1 + 3 * s)  # four separate arrivals, four chunks
     with pytest.raises(RuntimeError, match="learner refused the chunk"):
-        _step(tq, learner, ["a"], 4).run()
+        grpo_step(tq, learner, ["a"], 4).run()
     assert learner.steps == []
 
 
@@ -433,11 +338,11 @@ def test_a_finished_step_frees_its_rows_without_the_cycle_collector(deterministi
     class Row(dict):  # a dict that can be weakly referenced, in place of one of the step's rows
         pass
 
-    tq, learner = _TQ(), _Learner()
+    tq, learner = FakeTQ(), FakeLearner()
     for uid, rewards in REWARDS.items():
         for s, r in enumerate(rewards):
             tq.add(f"{uid}_{s}_0", r, visible_at=1 + s)
-    step = _step(tq, learner, ["a", "b"], 3, deterministic=deterministic)
+    step = grpo_step(tq, learner, ["a", "b"], 3, deterministic=deterministic)
     enabled = gc.isenabled()
     gc.disable()
     try:

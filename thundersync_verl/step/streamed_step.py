@@ -43,6 +43,7 @@ from thundersync_verl.step.contracts import Algorithm, AlgorithmDefaults, Planne
 from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, op_kind, rollout_as_old_log_probs
 from thundersync_verl.step.minibatch_plan import StepOp
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, StreamPlanner
+from thundersync_verl.step.tail_gate import TailGate, TailRound
 from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
 
 
@@ -81,6 +82,7 @@ class StepContext:
     deterministic: bool = False  # thundersync.deterministic: batch order, whole chunks (trajectory_source point 4)
     values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
     lost_nodes: Callable[[], list] | None = None  # () -> the nodes that left since the run started (point 6)
+    tail: TailRound | None = None  # thundersync.tail: the batch is the first P complete groups (tail_gate.py)
 
 
 @dataclass
@@ -103,6 +105,8 @@ class StepState:
     planned_ahead: int = 0  # plans made while the learner still computed, timed to reach it as it goes idle
     minibatch_steps: int = 0  # optimizer steps taken before the batch's last (several mini-batches / epochs)
     peak_bucket_bytes: int = 0  # the largest bucket bytes a mini-batch step before the last reported
+    tail_kept: dict = field(default_factory=dict)  # thundersync.tail: kept prompt uid -> its place in the batch
+    tail_dropped: list = field(default_factory=list)  # ... launched prompts not in the batch (requeued by the trainer)
     sums: dict = field(default_factory=dict)  # other per-op counts summed over the step (SAO: masked / scored tokens)
 
 
@@ -136,8 +140,10 @@ class ArrivalSource:
             self.gate.add(trajs)
             trajs = self.gate.take() if release else []
             landed_before = landed_before and self.gate.empty
-        self.done = landed_before if self.turns is not None else self.trajectories.done and (
-            self.gate is None or self.gate.empty)
+        # a gate decides the end: the order gate empties once every trajectory landed, the tail gate once the kept
+        # groups did (tail_gate.py point 3)
+        self.done = landed_before if self.turns is not None else (
+            self.trajectories.done if self.gate is None else self.gate.empty)
         return Arrivals(trajs, turns)
 
     def never_arrived(self) -> TrajectoryNeverArrived:
@@ -159,7 +165,13 @@ class StreamedStep:
         trajectories = TrajectorySource(ctx.tq.kv_list, ctx.uids, ctx.n, timeout_s=ctx.timeout_s)
         turns = algo.begin(ctx)
         gate = None
-        if ctx.deterministic:
+        if ctx.tail is not None:
+            if turns is not None or ctx.deterministic:
+                raise ValueError("thundersync.tail keeps whole GRPO groups in completion order: it streams neither "
+                                 "OPD's turns nor thundersync.deterministic's batch order. Set thundersync.tail.eta=1 "
+                                 "(off) for those.")
+            gate = TailGate(ctx.uids, ctx.n, ctx.tail.p, ctx.tail.pinned, on_abort=self._abort)
+        elif ctx.deterministic:
             if turns is not None:
                 raise ValueError("thundersync.deterministic=true orders whole trajectories; OPD streams turns, which "
                                  "it cannot order. Set thundersync.deterministic=false for OPD.")
@@ -203,6 +215,9 @@ class StreamedStep:
                 self._t_listing = None  # a plan without a listing of its own begins at its submit
                 if not ops and self.source.done:
                     time.sleep(ctx.poll_s)  # rows held back by the memory budget: wait for the learner
+            if isinstance(self.source.gate, TailGate):
+                self.state.tail_kept = dict(self.source.gate.places)
+                self.state.tail_dropped = list(self.source.gate.dropped)
             self.state.listings = self.source.trajectories.listings
             self.state.listing_s = self.source.trajectories.listing_s
             times = self.source.trajectories.arrival_time.values()
@@ -334,7 +349,7 @@ class StreamedStep:
             just_in_time = (plan_at is not None and plan_at != self._listed_for and time.time() >= plan_at
                             and self.pipe.in_flight < self.pipe.depth)
             if (time.time() >= self._next_listing or just_in_time or self.source.done
-                    or self.source.gate is not None):
+                    or isinstance(self.source.gate, BatchOrderGate)):
                 if just_in_time:
                     self._listed_for = plan_at
                 self._t_listing = time.time()  # a plan that follows begins here (the pipeline's lead)
@@ -353,6 +368,13 @@ class StreamedStep:
             if plan_at is not None and (plan_at != self._listed_for or self.planner.ready_count > self._held):
                 wake = min(wake, max(plan_at, time.time() + self.ctx.poll_s))  # past it, the head call is late
             time.sleep(max(0.0, wake - time.time()))
+
+    def _abort(self, uids: list[str]) -> None:
+        """The tail gate's places are full: the free groups still running will not be kept (tail_gate.py point 3).
+        Their prompts' failures and late trajectories are no longer this step's business."""
+        self.source.trajectories.uids -= set(uids)
+        if self.ctx.tail.on_abort is not None:
+            self.ctx.tail.on_abort(list(uids))
 
     def _watch_nodes(self) -> None:
         """Point 6: after a fruitless listing, at most every ``NODE_WATCH_S``, ask whether a node has left."""
@@ -454,7 +476,10 @@ class GRPOArrivals(AlgorithmDefaults):
         self.planner = planner
 
     def begin(self, ctx: StepContext):
-        groups = [f"{i:08d}" for i in range(len(ctx.uids))] if ctx.deterministic else ctx.uids  # BatchOrderGate.alias
+        if ctx.tail is not None:  # the batch's places (TailGate.alias)
+            groups = [f"{i:08d}" for i in range(ctx.tail.p)]
+        else:
+            groups = [f"{i:08d}" for i in range(len(ctx.uids))] if ctx.deterministic else ctx.uids  # BatchOrderGate.alias
         self.planner.begin_batch({gid: ctx.n for gid in groups})
         return None  # no turn source
 
