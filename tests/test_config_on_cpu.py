@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from thundersync_verl.config import GRANULARITIES, MODES, EnvConfig, OPDConfig, ThunderSyncConfig
+from thundersync_verl.config import GRANULARITIES, MODES, EnvConfig, OPDConfig, TailConfig, ThunderSyncConfig
 from thundersync_verl.core import StreamingConfigError
 from thundersync_verl.envs.latency import LatencyModel
 
@@ -30,6 +30,7 @@ BAD = {  # key -> a value it must refuse
     **{f"env.verifier_latency.{k}": v for k, v in LATENCY_BAD.items()},
     "opd": [1], "opd.granularity": "group", "opd.teacher_max_attempts": 0, "opd.teacher_timeout_s": 0.0,
     "opd.teacher_backoff_s": -0.5,
+    "tail": "on", "tail.eta": 0.8, "tail.max_deferrals": -1, "tail.rounds": "sometimes",
 }
 MORE_BAD = [  # other values a key must refuse: wrong types, non-integral, non-finite
     ("chunk_size", "2.5"), ("chunk_size", True), ("chunk_size", 2.5), ("pipeline_depth", "two"), ("poll_s", "soon"),
@@ -41,7 +42,7 @@ MORE_BAD = [  # other values a key must refuse: wrong types, non-integral, non-f
 
 def _all_keys() -> set[str]:
     keys = set(ThunderSyncConfig.key_docs())
-    for name, section in (("env", EnvConfig), ("opd", OPDConfig)):
+    for name, section in (("env", EnvConfig), ("opd", OPDConfig), ("tail", TailConfig)):
         keys |= {f"{name}.{k}" for k in section.key_docs()}
     latency = {f.name for f in dataclasses.fields(LatencyModel)}
     return keys | {f"env.{which}.{k}" for which in ("tool_latency", "verifier_latency") for k in latency}

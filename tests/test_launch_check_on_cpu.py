@@ -78,6 +78,25 @@ def test_a_reward_model_with_reward_in_agent_loop_is_refused_on_the_driver():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_tail_batching_runs_in_thundersync_mode_and_is_refused_where_verls_trainer_would_ignore_it(mode):
+    config = compose("thundersync.tail.eta=1.5", mode=mode)
+    if mode == "thundersync":
+        check_run_config(config)
+    else:
+        assert_names(refusal(config), "thundersync.tail.eta=1.5", "use mode=thundersync, or set thundersync.tail.eta=1")
+
+
+@pytest.mark.parametrize("overrides, recipe, clash", [
+    (["thundersync.deterministic=true"], "grpo", "thundersync.deterministic=true"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "grpo", "2 mini-batches x 1 epochs"),
+    ([], "opd", "algorithm 'opd'"),
+])
+def test_tail_batching_refuses_what_it_cannot_keep_whole(overrides, recipe, clash):
+    message = refusal(compose("thundersync.tail.eta=1.5", *overrides, recipe=recipe, mode="thundersync"))
+    assert_names(message, clash, "set thundersync.tail.eta=1")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rollout", ["hf_cpu", "replay"])
 def test_lora_on_a_cpu_rollout_runs_where_the_adapter_is_pushed_and_is_refused_where_verl_drops_it(mode, rollout):
     """Sync (verl's naive sync) and ThunderSync (its learner's push) bring the adapter to the CPU rollout, which

@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.bucket_memory import BUCKET_DEVICES
 from thundersync_verl.core.errors import StreamingConfigError, rule_message
+from thundersync_verl.core.tail_policy import ROUNDS as TAIL_ROUNDS
 from thundersync_verl.envs.latency import KINDS, LatencyModel
 
 MODES = ("sync", "async", "fully_async", "thundersync")
@@ -237,6 +238,25 @@ class OPDConfig(_Section, va.base_config_cls()):
 
 
 @dataclass
+class TailConfig(_Section, va.base_config_cls()):
+    """``thundersync.tail``: tail batching (``step/tail_rounds.py``, ``core/tail_policy.py``)."""
+
+    PREFIX: ClassVar[str] = "thundersync.tail"
+
+    eta: float = _key(1.0, _number(at_least=1), "prompt groups launched per step over data.train_batch_size; the batch "
+                      "is the first train_batch_size to complete, the others are aborted and their prompts queued "
+                      "(1: off)")
+    max_deferrals: int = _key(2, _integer(0), "a prompt aborted this many times is kept on its next run, whatever "
+                              "its length")
+    rounds: str = _key("dedicated", _choice(*TAIL_ROUNDS), "dedicated: queued prompts run in rounds of their own once "
+                       "they fill one; mixed: in the next round, beside fresh prompts")
+
+    @property
+    def enabled(self) -> bool:
+        return self.eta > 1.0
+
+
+@dataclass
 class ThunderSyncConfig(_Section, va.base_config_cls()):
     """The whole ``thundersync`` section; ``from_verl(config)`` is the one way in from a run's config."""
 
@@ -270,6 +290,8 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
                                  "step boundary, saving a checkpoint there when trainer.save_freq > 0 (pre-emption, time limits)")
     env: EnvConfig = _key(None, _section(EnvConfig), "the embedded tool-use task", factory=EnvConfig)
     opd: OPDConfig = _key(None, _section(OPDConfig), "OPD turn streaming and its teacher calls", factory=OPDConfig)
+    tail: TailConfig = _key(None, _section(TailConfig), "tail batching: launch more groups, train the first to "
+                            "complete", factory=TailConfig)
 
     @classmethod
     def from_verl(cls, config: Any) -> "ThunderSyncConfig":

@@ -12,6 +12,8 @@
    turn is scored by the teacher and published while the next tool call runs
    (``algos/opd/turn_teacher.py``); the trajectory returns only after all its turns
    are published, and says how many there are. Other runs are unaffected.
+5. With tail batching (``thundersync.tail``) the loop asks before each generate and tool call whether the
+   trainer aborted its group (``envs/abort.py``) and stops there if so.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from thundersync_verl.run import faults
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.envs import protocol
+from thundersync_verl.envs.abort import AbortCheck, quiet_aborted_sessions
 from thundersync_verl.envs.sandbox import run_python_async
 from thundersync_verl.algos.opd.turn_teacher import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
 from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
@@ -53,7 +56,11 @@ async def _settle(tasks: list) -> None:
 class ThunderSyncToolAgentLoop(va.agent_loop_base()):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.settings = ThunderSyncConfig.from_verl(self.config).env  # thundersync.env, typed and checked
+        ts = ThunderSyncConfig.from_verl(self.config)
+        self.settings = ts.env  # thundersync.env, typed and checked
+        self.abort = AbortCheck(ts.tail.enabled)  # tail batching: stop at the next call once the group is aborted
+        if ts.tail.enabled:
+            quiet_aborted_sessions(va.agent_loop_session_loggers())
         self.latency = self.settings.tool_latency
         self.response_length = self.rollout_config.response_length
         self.tool_rng = random.Random()
@@ -82,6 +89,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             budget = self.response_length - len(response_ids)
             if budget <= 0:
                 break
+            await self.abort.raise_if_aborted(kwargs.get("uid"))
             t0 = time.time()
             out = await self.server_manager.generate(
                 request_id=request_id,
@@ -105,6 +113,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             call = protocol.parse_tool_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if call is None or len(response_ids) >= self.response_length:
                 break
+            await self.abort.raise_if_aborted(kwargs.get("uid"))
             t1 = time.time()
             observation = await self._run_tool(call)
             turn["tool_s"] = time.time() - t1

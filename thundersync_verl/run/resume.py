@@ -48,6 +48,7 @@ class RunState:
     steps_skipped_nonfinite: int = 0  # finalize_step saw a non-finite gradient norm: verl skipped the update
     resumes: int = 0
     weight_push_retries: int = 0  # weight pushes repeated after a failure (thundersync.weight_push_retries)
+    tail: dict | None = None  # thundersync.tail: the prompt queue (step/tail_rounds.py state_dict)
 
     def count_step(self, worker_out) -> bool:
         """Count one finished step; True when the learner skipped its update (non-finite gradient norm)."""
@@ -79,6 +80,14 @@ def check_step_boundary(worker_group, step: int) -> dict:
 
 def state_path(config, step: int) -> str:
     return os.path.join(str(config.trainer.default_local_dir), f"global_step_{int(step)}", STATE_FILE)
+
+
+def loaded_state_path(config, step: int) -> str:
+    """The state file of the checkpoint verl resumed from: ``trainer.resume_from_path`` with
+    ``resume_mode=resume_path`` (a folder outside ``default_local_dir`` too), else the step's folder there."""
+    trainer = config.trainer
+    path = trainer.get("resume_from_path") if trainer.get("resume_mode") == "resume_path" else None
+    return os.path.join(str(path), STATE_FILE) if path else state_path(config, step)
 
 
 def save_state(path: str, state: RunState, **extra) -> None:

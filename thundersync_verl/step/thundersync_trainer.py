@@ -54,6 +54,8 @@ from thundersync_verl.step.chunk_layout import exact_micro_batch_size
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
 from thundersync_verl.step.stream_plan import rollout_correction_meta
 from thundersync_verl.step.streamed_step import NodeLeft, StepContext, StreamedStep
+from thundersync_verl.step.tail_rounds import TailRounds
+from thundersync_verl.envs.abort import start_registry
 from thundersync_verl.step.trajectory_source import TrajectoryNeverArrived
 from thundersync_verl.run.timeline import TimelineFeed
 
@@ -103,7 +105,24 @@ def validate_thundersync_config(config) -> ThunderSyncConfig:
             "set actor_rollout_ref.rollout.calculate_log_probs=true, or algorithm.rollout_correction.rollout_is=null"))
     algo.validate(config, ts)  # its own streaming rules
     _check_minibatch_forward(config, ts)
+    _check_tail(config, ts, algo)
     return ts
+
+
+def _check_tail(config, ts: ThunderSyncConfig, algo) -> None:
+    """Tail batching keeps whole GRPO groups in completion order, one optimizer step per batch (tail_gate.py)."""
+    if not ts.tail.enabled:
+        return
+    k, epochs = steps_per_batch(config)
+    clash = (f"algorithm {algo.name!r} (it keeps whole GRPO groups)" if algo.name != "grpo"
+             else "thundersync.deterministic=true (the batch is in completion order)" if ts.deterministic
+             else f"{k} mini-batches x {epochs} epochs per batch (one optimizer step per batch)" if k * epochs > 1
+             else None)
+    if clash:
+        raise StreamingConfigError(rule_message(
+            f"thundersync.tail.eta={ts.tail.eta} (tail batching) cannot be combined with {clash}",
+            "the batch is the first data.train_batch_size groups to complete, each handed to the learner whole",
+            "set thundersync.tail.eta=1, or drop the other setting"))
 
 
 def _check_minibatch_forward(config, ts: ThunderSyncConfig) -> None:
@@ -127,6 +146,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
     def __init__(self, config):
         self.ts = validate_thundersync_config(config)
         self.algo = choose_algorithm(config)  # the run's algorithm (point 4), read by the setup hooks super() runs
+        self.tail = None  # thundersync.tail: the rounds, the queue and the aborts (tail_rounds.py), made by _setup
+        self._tail_round = None  # this step's TailRound
         super().__init__(config)
         self.planner = None  # one planner for the run, built once the learner exists (on_init_end)
         n_slots = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
@@ -147,6 +168,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         self.algo.setup_workers(self.role_worker_mapping)
 
     def _setup(self):
+        if self.ts.tail.enabled:  # before verl's setup: it loads the checkpoint, which restores the queue
+            self.tail = TailRounds(self.ts.tail, int(self.config.data.train_batch_size), start_registry())
         super()._setup()
         self.rollout_manager = api.LLMServerManager.create(config=self.config, start_rank=0)
         ce_config = api.omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
@@ -174,7 +197,10 @@ class ThunderSyncTrainer(api.PPOTrainer):
         return max(int(m["stream/buffer_bytes"]) for m in self.actor_rollout_wg.stream_memory())
 
     def prepare_step(self) -> dict:
-        batch = self._next_train_batch()
+        if self.tail is not None:  # more prompt groups than the batch needs (tail_rounds.py)
+            batch, self._tail_round = self.tail.next_round(self._next_train_batch, self.global_steps)
+        else:
+            batch = self._next_train_batch()
         self._batch_uids = [str(u) for u in batch["uid"]]
         self.recorder.begin_step(self.global_steps)
         self._submit_batch_to_rollout(batch)
@@ -263,6 +289,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
                     raise resume.learner_lost(self.global_steps, exc, self.config) from exc
                 raise
         timing_raw["gen"] = state.rollout_makespan_s  # verl's name for the rollout's makespan
+        if self.tail is not None:  # the dropped prompts queued again, what they left in the TransferQueue cleared
+            metrics.update(self.tail.settle(state.tail_kept, state.tail_dropped, self.global_steps, api.tq))
         metrics.update(step.metrics(out))
         if self.run_state.count_step(out):
             logger.warning("step %s: non-finite gradient norm, the optimizer step was skipped", self.global_steps)
@@ -277,6 +305,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
         try:
             if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: disk_full
                 faults.checkpoint_disk(self.global_steps)
+            if self.tail is not None:
+                self.run_state.tail = self.tail.state_dict()
             resume.save_state(resume.state_path(self.config, self.global_steps), self.run_state,
                               global_step=self.global_steps, boundary=boundary)
             super()._save_checkpoint()  # verl writes its "latest" tracker last
@@ -285,10 +315,13 @@ class ThunderSyncTrainer(api.PPOTrainer):
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
-        saved = resume.load_state(resume.state_path(self.config, self.global_steps)) if self.global_steps else None
+        saved = resume.load_state(resume.loaded_state_path(self.config, self.global_steps)) if self.global_steps else None
         if saved is not None:
             saved.resumes += 1
             self.run_state = saved
+            if self.tail is not None and saved.tail:  # the queued prompts, read from the dataset again
+                collate = self.train_dataloader.collate_fn
+                self.tail.load_state_dict(saved.tail, lambda idx: va.dataset_rows(self.train_dataset, collate, idx))
             logger.info("resumed thundersync run state at step %s: %s", self.global_steps, saved)
 
     def _step_context(self) -> StepContext:
@@ -305,7 +338,8 @@ class ThunderSyncTrainer(api.PPOTrainer):
             deterministic=ts.deterministic,
             ref_log_probs=self._ref_log_probs if self.use_reference_policy else None,
             values=self.algo.values(self),
-            lost_nodes=self._lost_nodes if len(getattr(self, "nodes_at_start", {})) > 1 else None)
+            lost_nodes=self._lost_nodes if len(getattr(self, "nodes_at_start", {})) > 1 else None,
+            tail=self._tail_round if self.tail is not None else None)
 
     def _lost_nodes(self) -> list[str]:
         """The nodes alive at the run's start that Ray's head has since declared dead (streamed_step point 6)."""

@@ -102,6 +102,17 @@ def cpu_rollout_lora(config: Any) -> None:
         if cpu else "set actor_rollout_ref.model.lora.merge=true (verl then pushes the merged weights)"))
 
 
+def tail_batching(config: Any) -> None:
+    """``thundersync.tail.eta > 1`` is ThunderSync's: the other modes' trainers are verl's and would ignore it."""
+    if ThunderSyncConfig.from_verl(config).tail.enabled and not streams(config):
+        raise StreamingConfigError(rule_message(
+            f"thundersync.tail.eta={ThunderSyncConfig.from_verl(config).tail.eta} (tail batching) is set in "
+            f"trainer.v1.trainer_mode={_get(config, 'trainer.v1.trainer_mode')!r}",
+            "only ThunderSync's trainer launches extra prompt groups and closes its batch on the first to complete; "
+            "verl's trainers would silently train on every launched group",
+            "use mode=thundersync, or set thundersync.tail.eta=1"))
+
+
 def check_run_config(config: Any) -> None:
     """Every rule of this plugin on a run's config (hydra ``DictConfig`` or plain mapping), in the order the
     run would meet them; raises the first refusal, a ``StreamingConfigError`` naming the key and the fix."""
@@ -110,6 +121,7 @@ def check_run_config(config: Any) -> None:
         raise errors[0]
     reward_in_agent_loop(config)
     cpu_rollout_lora(config)
+    tail_batching(config)
     if streams(config):
         from omegaconf import OmegaConf
 

@@ -116,3 +116,11 @@ def register_agent_loop(name: str):
     from verl.experimental.agent_loop.agent_loop import register
 
     return register(name)
+
+
+def agent_loop_session_loggers() -> list[str]:
+    """The loggers verl's agent-loop workers report a failed session to (``envs/abort.py`` point 2)."""
+    import verl.experimental.agent_loop.agent_loop as base
+    import verl.trainer.ppo.v1.agent_loop_tq as tq_worker
+
+    return [tq_worker.logger.name, base.logger.name]

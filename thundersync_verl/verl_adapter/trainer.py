@@ -277,3 +277,46 @@ def rollout_temperature_of(refill_fn):
         return config.actor_rollout_ref.rollout.temperature
     except AttributeError:
         return None
+
+
+# ----- tail batching: a batch's prompts one by one (step/tail_rounds.py) ------------------------------------------
+def batch_rows(batch) -> list:
+    """A dataloader batch (verl's TensorDict) as one-row batches."""
+    from verl.utils import tensordict_utils as tu
+
+    return [tu.index_select_tensor_dict(batch, [i]) for i in range(len(batch))]
+
+
+def row_dataset_index(row):
+    """A one-row batch's dataset index (verl's RLHFDataset copies ``extra_info.index`` into ``index``)."""
+    value = row["index"]
+    value = value.tolist() if hasattr(value, "tolist") else list(value)
+    value = value[0] if isinstance(value, list) else value
+    return int(value) if isinstance(value, (int, float)) or str(value).lstrip("-").isdigit() else str(value)
+
+
+def join_rows(rows: list, uids: list[str], global_steps: int):
+    """One batch of ``rows`` under new prompt ``uids``, stamped with the step, as ``_next_train_batch`` stamps it."""
+    from verl.utils import tensordict_utils as tu
+
+    batch = tu.concat_tensordict(rows)
+    tu.assign_non_tensor_stack(batch, "uid", list(uids))
+    tu.assign_non_tensor_data(batch, "global_steps", global_steps)
+    return batch
+
+
+def dataset_rows(dataset, collate_fn, indices: list) -> list:
+    """One-row batches of the dataset rows whose ``extra_info.index`` are ``indices`` (a resumed tail queue)."""
+    from verl.utils import tensordict_utils as tu
+
+    frame = dataset.dataframe
+    infos = frame["extra_info"] if "extra_info" in frame.column_names else [None] * len(frame)
+    position = {}
+    for pos, info in enumerate(infos):
+        index = (info or {}).get("index", pos) if isinstance(info, dict) else pos
+        position.setdefault(int(index) if str(index).lstrip("-").isdigit() else str(index), pos)
+    missing = [i for i in indices if i not in position]
+    if missing:
+        raise KeyError(f"the training data holds no row with extra_info.index {missing[:5]}: a queued prompt of the "
+                       "checkpoint cannot be read again (was data.train_files changed since it was written?)")
+    return [tu.get_tensordict(collate_fn([dataset[position[i]]])) for i in indices]

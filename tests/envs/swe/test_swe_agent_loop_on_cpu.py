@@ -188,3 +188,45 @@ def test_opd_scores_each_turn_at_its_tool_call_boundary(synthetic_set, tokenizer
         assert fields["prefix_ids"].tolist() == out.prompt_ids + out.response_ids[: start + len(action)]
         assert fields["teacher_log_probs"].tolist() == [-0.25] * len(action)
     assert out.extra_fields[TEACHER_REUSED_KEY] is True  # ended on an action: the last turn's reply is the whole one
+
+
+class AbortingPolicy(ScriptedPolicy):
+    """The trainer aborts the group while its first turn is generated (tail batching's places filled meanwhile)."""
+
+    def __init__(self, tokenizer, replies, registry):
+        super().__init__(tokenizer, replies)
+        self.registry = registry
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        await self.registry.add.remote(["u1"])
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+
+def test_an_aborted_group_stops_before_its_next_call_and_verl_logs_no_error_for_it(synthetic_set, tokenizer, tmp_path,
+                                                                                    monkeypatch, caplog):
+    import logging
+
+    from thundersync_harness.engine_setup import ray_session
+    from thundersync_verl.envs.abort import GroupAborted, start_registry
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = _config(synthetic_set, tmp_path, "thundersync.tail.eta=1.5")
+    row = convert([synthetic_set["rows"][0]])[0]
+    with ray_session() as ray_tmp:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=ray_tmp)
+        policy = AbortingPolicy(tokenizer, _gold_turns(synthetic_set), start_registry())
+        with pytest.raises(GroupAborted, match="prompt u1: aborted by thundersync.tail"):
+            asyncio.run(_run_loop(cfg, policy, tokenizer, row))
+    assert len(policy.prompts) == 1  # the first turn's call was already on the server; no tool ran, no second call
+    assert not (tmp_path / "trace.jsonl").exists()  # no trajectory finished
+    session_log = logging.getLogger(va.agent_loop_session_loggers()[0])
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):  # verl's worker reports each failed session; an aborted one is dropped
+        try:
+            raise GroupAborted("prompt u1: aborted")
+        except GroupAborted as exc:
+            session_log.error("Error in _run_prompt for uid=u1", exc_info=(type(exc), exc, exc.__traceback__))
+        session_log.error("Error in _run_prompt for uid=u2")  # any other record passes
+    assert [r.getMessage() for r in caplog.records if r.name == session_log.name] == ["Error in _run_prompt for uid=u2"]

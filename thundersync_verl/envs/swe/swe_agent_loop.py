@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from thundersync_verl import verl_adapter as va
+from thundersync_verl.config import ThunderSyncConfig
 from thundersync_verl.algos.opd.turn_teacher import TURN_COUNT_KEY, AgentTurnTeacher, trajectory_key
 from thundersync_verl.envs.agent_loop import _append_trace, _settle
+from thundersync_verl.envs.abort import AbortCheck, quiet_aborted_sessions
 from thundersync_verl.envs.swe import tools
 from thundersync_verl.envs.swe import swe_protocol as protocol
 from thundersync_verl.envs.swe import swe_verifier as verifier
@@ -83,6 +85,10 @@ class SWEAgentLoop(va.agent_loop_base()):
         self.max_context = self.settings.max_context or int(self.rollout_config.prompt_length) + self.response_length
         self.repos_dir = repos_dir_for(self.settings, self.config)
         self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
+        tail = ThunderSyncConfig.from_verl(self.config).tail.enabled
+        self.abort = AbortCheck(tail)  # tail batching: stop at the next call once the group is aborted (envs/abort.py)
+        if tail:
+            quiet_aborted_sessions(va.agent_loop_session_loggers())
 
     async def run(self, sampling_params: dict[str, Any], **kwargs):
         key = trajectory_key(kwargs.get("uid"), kwargs.get("session_id"))
@@ -106,10 +112,12 @@ class SWEAgentLoop(va.agent_loop_base()):
             budget = self._budget(ep)
             if budget <= 0:
                 break
+            await self.abort.raise_if_aborted(kwargs.get("uid"))
             action_start = await self._generate(ep, sampling_params, budget, request_id, key)
             action = protocol.parse_action(self.tokenizer.decode(ep.response_ids[action_start:], skip_special_tokens=False))
             if action is None:
                 break
+            await self.abort.raise_if_aborted(kwargs.get("uid"))
             result = await self._act(action, workspace, starting, ep)
             ep.turns[-1].update(tool_s=result.duration_s, tool=getattr(action, "name", "invalid"), tool_kind=result.kind)
             if result.submitted:
