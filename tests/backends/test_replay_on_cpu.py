@@ -128,6 +128,18 @@ def test_unrecorded_prompt_and_extra_occurrence_are_clear_errors(recorded):
         _replay_server(recorded.path, timescale=1)
 
 
+def test_repeat_serves_a_prompt_asked_for_again_its_recorded_answers_in_order(recorded):
+    """Tail batching runs a deferred prompt again: ``repeat`` replays the first run's answers (recording.py point 5)."""
+    server = _replay_server(recorded.path, time_scale=0, repeat=True)
+    first = [asyncio.run(server.generate(recorded.prompts[1], {"max_tokens": 64}, request_id="x")) for _ in range(N)]
+    again = [asyncio.run(server.generate(recorded.prompts[1], {"max_tokens": 64}, request_id="x")) for _ in range(N)]
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    with pytest.raises(ReplayMissError, match="record_path"):  # an unrecorded prompt stays an error
+        asyncio.run(server.generate([1, 2, 3], {}, request_id="x"))
+    with pytest.raises(ValueError, match="repeat must be true or false"):
+        _replay_server(recorded.path, repeat="yes")
+
+
 def test_blocking_reward_functions_record_and_replay(tmp_path):
     from thundersync_verl.backends.replay.record import record_compute_score
 

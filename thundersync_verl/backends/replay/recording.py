@@ -15,6 +15,9 @@ Why it is shaped like this:
    the recorded one while the set of latencies, and every token, stays the same.
 4. Anything unrecorded is an error that names the file and how to record it: a silent fallback
    would train on something else than the recording and defeat the point of replaying.
+5. ``repeat``: a prompt asked for more often than it was recorded serves its recorded answers again, in
+   recorded order (call k gets answer k mod the recorded count). Tail batching runs a deferred prompt again as
+   a new group; replayed, the new group is the first run's answers, service times included.
 """
 
 from __future__ import annotations
@@ -80,8 +83,9 @@ class RewardRecord:
 class Recording:
     """Every record of one file, with per-key cursors (``next_generate`` / ``next_reward`` consume)."""
 
-    def __init__(self, path: str, *, permute_seed: Optional[int] = None):
+    def __init__(self, path: str, *, permute_seed: Optional[int] = None, repeat: bool = False):
         self.path = os.path.abspath(os.path.expanduser(str(path)))
+        self.repeat = repeat  # a prompt asked for more often than recorded starts over (point 5)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"replay recording {self.path} does not exist; {HOW_TO_RECORD}")
         self.generates: dict[tuple[int, ...], list[GenerateRecord]] = defaultdict(list)
@@ -174,12 +178,12 @@ class Recording:
         k = self._gen_cursor[key]
         while min_version is not None and k < len(records) and records[k].version < min_version:
             k += 1  # recorded before the checkpoint this run resumed from
-        if k >= len(records):
+        if k >= len(records) and not (self.repeat and records):
             raise ReplayMissError(
                 f"replay: this prompt ({len(key)} tokens, starting {list(key[:8])}) was recorded {len(records)} time(s) in "
                 f"{self.path} and is asked for a {k + 1}th time; record as many steps and samples (rollout.n) as you replay"
             )
-        rec = records[k]
+        rec = records[k % len(records)]
         if temperature is not None and abs(float(temperature) - rec.temperature) > 1e-9:
             raise ValueError(
                 f"replay: {self.path}:{rec.line} was generated at temperature {rec.temperature} but is requested at "

@@ -13,7 +13,9 @@ Why a rollout backend (and not a mocked agent loop or dataset):
    rank must iterate) and forwards only the version: replayed answers report the weight version
    the server holds, like ``hf_cpu``, so staleness metrics mean the same thing.
 4. Configuration: ``+actor_rollout_ref.rollout.engine_kwargs.replay.path=<recording>``, optional
-   ``.time_scale`` (default 1.0), ``.permute_seed`` (default none: recorded order) and
+   ``.time_scale`` (default 1.0), ``.permute_seed`` (default none: recorded order), ``.repeat`` (default false:
+   a prompt asked for more often than recorded serves its recorded answers again, in order, as tail batching's
+   re-run of a deferred prompt needs) and
    ``.record_path`` (re-record what was served, e.g. to check two replays saw the same data).
    ``.synthesize=<shape>`` writes a NEW recording at ``path`` instead of reading one: a scripted
    agent of that shape answers every call (``synthesize.py``), nothing is slept.
@@ -41,7 +43,7 @@ from thundersync_verl.backends.lora_weights import LoraMerger, LoraSpec
 
 ROLLOUT_NAME = "replay"
 PATH_KEY = "path"
-SETTING_KEYS = {PATH_KEY, "time_scale", "permute_seed", "record_path", "synthesize"}
+SETTING_KEYS = {PATH_KEY, "time_scale", "permute_seed", "record_path", "synthesize", "repeat"}
 WEIGHTS_DIR_ENV = "THUNDERSYNC_REPLAY_WEIGHTS_DIR"
 
 
@@ -73,8 +75,11 @@ def replay_settings(config) -> dict[str, Any]:
     if synthesize and os.path.exists(str(path)):
         raise ValueError(f"engine_kwargs.replay.synthesize writes a new recording, and {path} exists; "
                          "synthesise to a new path (or delete the old file)")
+    repeat = section.get("repeat", False)
+    if not isinstance(repeat, bool):
+        raise ValueError(f"engine_kwargs.replay.repeat must be true or false, got {repeat!r}")
     return {"path": str(path), "time_scale": time_scale, "permute_seed": None if seed is None else int(seed),
-            "record_path": record_path, "synthesize": str(synthesize) if synthesize else None}
+            "record_path": record_path, "synthesize": str(synthesize) if synthesize else None, "repeat": repeat}
 
 
 class ReplayServer(contract.ServerControl):
@@ -89,7 +94,7 @@ class ReplayServer(contract.ServerControl):
         if settings["synthesize"]:
             self.recording = AgenticScript.load(settings["synthesize"], _model_path(model_config), settings["path"])
         else:
-            self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"])
+            self.recording = Recording(settings["path"], permute_seed=settings["permute_seed"], repeat=settings["repeat"])
         self.recorder = GenerateRecorder.from_config(config, section=ROLLOUT_NAME, use_env=False)
         self.version = 0
         self.resumed_at: Optional[int] = None  # a resumed run's first pushed version: older records were consumed
