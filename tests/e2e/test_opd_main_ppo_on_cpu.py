@@ -203,6 +203,7 @@ def test_failing_teacher_publishes_a_failure_and_raises(hang):
 def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
     # The last scored turn's reply is kept for verl's whole-trajectory question, which a failed loop never asks.
     from thundersync_verl.config import EnvConfig
+    from thundersync_verl.envs.abort import AbortCheck
     from thundersync_verl.envs.agent_loop import ThunderSyncToolAgentLoop
 
     model = _tiny_model(2)
@@ -221,6 +222,7 @@ def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
     loop.settings, loop.response_length = EnvConfig(), 16
     loop.latency = loop.settings.tool_latency
     loop.turn_teacher, loop.server_manager, loop.ct_build_initial_tokens = teacher, _DeadServer(), _tokens
+    loop.abort = AbortCheck(enabled=False)  # no tail batching
     with pytest.raises(ConnectionError):
         asyncio.run(loop.run({}, raw_prompt=[], uid="u", session_id=0))
     assert teacher.replies == {}

@@ -12,40 +12,63 @@ Why:
    estimators, normalisers, corrections and objectives it relies on. See README.md.
 """
 
-from thundersync_verl.core.accumulator import StreamingGradientAccumulator
-from thundersync_verl.core.barrier import BarrierReport
-from thundersync_verl.core.budget import MemoryBudget
-from thundersync_verl.core.buffers import BufferPool, GradLayout
-from thundersync_verl.core.config_validation import StreamingSettings, validate_streaming_config
-from thundersync_verl.core.corrections import (
-    check_sign_independent,
-    double_sided_token_mask,
-    ppo_clip_token_weights,
-    ratio_and_gate,
-    rollout_is_weights,
-)
-from thundersync_verl.core.errors import (
-    AccumulatorBudgetError,
-    StreamingConfigError,
-    StreamingError,
-    StreamingInputError,
-    StreamingStateError,
-)
-from thundersync_verl.core.estimators import FunctionEstimator, GroupEstimator, GRPOEstimator, RLOOEstimator, estimator_from_verl
-from thundersync_verl.core.gradients import GradientBuffers
-from thundersync_verl.core.groups import ANY, NEG, POS
-from thundersync_verl.core.ledger import BatchLedger
-from thundersync_verl.core.normalizers import LOSS_AGG_MODES, BatchCounts, batch_scale, token_weight, token_weights
-from thundersync_verl.core.objectives import (
-    check_opd_turn_mode,
-    entropy_from_logits,
-    distillation_token_loss,
-    kl_per_token,
-    opd_token_advantages,
-    opd_turn_loss,
-    policy_surrogate,
-)
-from thundersync_verl.core.scheduling import ChunkPlan, ScheduleHint
+_EXPORTS = {  # name -> the submodule that defines it (imported on first use: ``__getattr__`` below)
+    "StreamingGradientAccumulator": "accumulator",
+    "BarrierReport": "barrier",
+    "MemoryBudget": "budget",
+    "BufferPool": "buffers",
+    "GradLayout": "buffers",
+    "StreamingSettings": "config_validation",
+    "validate_streaming_config": "config_validation",
+    "check_sign_independent": "corrections",
+    "double_sided_token_mask": "corrections",
+    "ppo_clip_token_weights": "corrections",
+    "ratio_and_gate": "corrections",
+    "rollout_is_weights": "corrections",
+    "AccumulatorBudgetError": "errors",
+    "StreamingConfigError": "errors",
+    "StreamingError": "errors",
+    "StreamingInputError": "errors",
+    "StreamingStateError": "errors",
+    "FunctionEstimator": "estimators",
+    "GroupEstimator": "estimators",
+    "GRPOEstimator": "estimators",
+    "RLOOEstimator": "estimators",
+    "estimator_from_verl": "estimators",
+    "GradientBuffers": "gradients",
+    "ANY": "groups",
+    "NEG": "groups",
+    "POS": "groups",
+    "BatchLedger": "ledger",
+    "LOSS_AGG_MODES": "normalizers",
+    "BatchCounts": "normalizers",
+    "batch_scale": "normalizers",
+    "token_weight": "normalizers",
+    "token_weights": "normalizers",
+    "check_opd_turn_mode": "objectives",
+    "entropy_from_logits": "objectives",
+    "distillation_token_loss": "objectives",
+    "kl_per_token": "objectives",
+    "opd_token_advantages": "objectives",
+    "opd_turn_loss": "objectives",
+    "policy_surrogate": "objectives",
+    "ChunkPlan": "scheduling",
+    "ScheduleHint": "scheduling",
+}
+
+
+def __getattr__(name: str):
+    """``from thundersync_verl.core import X`` imports X's submodule only now (PEP 562): the framework-free users
+    of one light submodule (the simulator and ``tail_policy``, ``errors``) do not pay for torch."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ANY",
