@@ -26,6 +26,19 @@ def bench():
     return module
 
 
+@pytest.fixture(scope="module")
+def exact(bench):
+    """The step-1 update gap's module (a sibling of the benchmark)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import emulated_exactness
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return emulated_exactness
+
+
 def sync_run(tmp_path: Path, steps: dict[int, tuple[list[float], float, float]]) -> dict:
     """Sync's step s trains on version s-1: ``{s: (agent loop end times from the first submit, gen s, update s)}``."""
     lines, per_step = [], {1: {"timing_s/gen": 9.0, "timing_s/update_actor": 9.0}}  # step 1 (warm-up) is left out
@@ -108,19 +121,19 @@ def _unit(n: int, i: int):
     return e
 
 
-def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(bench):
+def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(exact):
     """Every run's update is one vector; Sync at micro-batch 4 with its own old-log-prob forward sits 3e-6 off the
     others and ThunderSync 6e-6 off: the floor is the widest Sync pair (3e-6), ThunderSync's gap 6e-6, so 2.0. The
     bypass runs alone agree exactly (their floor 0, ratio inf), and the token-sum pair is measured apart."""
     import torch
 
     base = torch.linspace(-1.0, 1.0, 64, dtype=torch.float64)
-    deltas = {name: base.clone() for name in bench.EXACT_RUNS}
+    deltas = {name: base.clone() for name in exact.EXACT_RUNS}
     deltas["sync_micro4"] = base + 3e-6 * _unit(64, 0)
     deltas["thundersync"] = base + 6e-6 * _unit(64, 1)
     deltas["token_sum_sync"] = 10.0 * base
     deltas["token_sum_thundersync"] = 10.0 * base + 5e-6 * _unit(64, 2)
-    out = bench.update_gaps(deltas)
+    out = exact.update_gaps(deltas)
     norm = float(base.norm())
     assert out["step1_update_floor"] == pytest.approx(3e-6 / norm)
     assert out["step1_update_gap"] == pytest.approx(6e-6 / norm)
@@ -164,3 +177,11 @@ def test_emulated_opd_runs_the_paper_workload_and_refuses_the_self_distilling_on
     assert not any(tmp_path.iterdir())
     args = modes.build_parser().parse_args(["--rollout", "emulated", "--algo", "opd"])
     assert args.workload is None  # main() resolves it: paper for OPD, recorded for GRPO
+
+
+def test_a_step1_batch_without_an_advantage_is_refused_not_reported_as_nan(exact):
+    import torch
+
+    zero = {name: torch.zeros(4, dtype=torch.float64) for name in exact.EXACT_RUNS}
+    with pytest.raises(ValueError, match="did not move the weights.*record the workload again"):
+        exact.update_gaps(zero)
