@@ -148,12 +148,11 @@ class TailBatch:
 
 @dataclass
 class TailQueue:
-    """The deferred prompts, oldest first, with the round counter; ``state_dict`` for checkpoints."""
+    """The deferred prompts, oldest first; ``state_dict`` for checkpoints."""
 
     max_deferrals: int
     rounds: str = "dedicated"
     items: list[Deferred] = field(default_factory=list)
-    step: int = 0
 
     def __post_init__(self):
         if isinstance(self.max_deferrals, bool) or not isinstance(self.max_deferrals, int) or self.max_deferrals < 0:
@@ -174,10 +173,10 @@ class TailQueue:
         self.items.append(Deferred(prompt, aborted + int(ran), first_step))
 
     def state_dict(self) -> dict:
-        return {"max_deferrals": self.max_deferrals, "rounds": self.rounds, "step": self.step,
+        return {"max_deferrals": self.max_deferrals, "rounds": self.rounds,
                 "items": [[e.prompt, e.aborted, e.first_step] for e in self.items]}
 
     @classmethod
     def from_state(cls, state: dict) -> "TailQueue":
-        return cls(max_deferrals=int(state["max_deferrals"]), rounds=state["rounds"], step=int(state["step"]),
+        return cls(max_deferrals=int(state["max_deferrals"]), rounds=state["rounds"],
                    items=[Deferred(p, int(a), int(f)) for p, a, f in state["items"]])

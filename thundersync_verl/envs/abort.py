@@ -42,9 +42,6 @@ class AbortRegistry:
     def is_aborted(self, uid: str) -> bool:
         return uid in self.uids
 
-    def size(self) -> int:
-        return len(self.uids)
-
 
 def start_registry():
     """The run's registry actor (get-or-create by name: one per run, whatever restarts the trainer)."""

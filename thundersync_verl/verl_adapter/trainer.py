@@ -291,7 +291,11 @@ def row_dataset_index(row):
     """A one-row batch's dataset index (verl's RLHFDataset copies ``extra_info.index`` into ``index``)."""
     value = row["index"]
     value = value.tolist() if hasattr(value, "tolist") else list(value)
-    value = value[0] if isinstance(value, list) else value
+    return _index_key(value[0] if isinstance(value, list) else value)
+
+
+def _index_key(value):
+    """A dataset index as the tail queue names it: an integer where it reads as one, else its text."""
     return int(value) if isinstance(value, (int, float)) or str(value).lstrip("-").isdigit() else str(value)
 
 
@@ -314,7 +318,7 @@ def dataset_rows(dataset, collate_fn, indices: list) -> list:
     position = {}
     for pos, info in enumerate(infos):
         index = (info or {}).get("index", pos) if isinstance(info, dict) else pos
-        position.setdefault(int(index) if str(index).lstrip("-").isdigit() else str(index), pos)
+        position.setdefault(_index_key(index), pos)
     missing = [i for i in indices if i not in position]
     if missing:
         raise KeyError(f"the training data holds no row with extra_info.index {missing[:5]}: a queued prompt of the "
