@@ -14,6 +14,12 @@
    drop-in test's rule, ``within_floor``), at staleness 0, with verl's critic metrics reported. One pair is
    not enough: a CI run with the 8-vs-2 pair alone drew a floor of 4.4e-5 against a gap of 2.2e-4 at step 2,
    where runs here give 3e-6 and 1.3e-5; the spread of three runs is the steadier yardstick.
+4. The actor steps with SGD at lr 1 (``runs.linear_sgd``), not the recipe's AdamW: Adam's first step moves a weight
+   by lr x g / (|g| + 1e-8), which multiplies a rounding-sized difference in a gradient near 1e-8 by up to
+   lr / 4e-8 = 5e3. With AdamW the gap was dominated by a few dozen such weights (differences of 1e-7 to 3e-7 in
+   updates of 2e-4 each) and went from 7e-6 here to 1.2e-4 (10x its floor) in a CI run. SGD's update is the
+   gradient times lr, so the gap measures the gradients: 4.5e-7 against a floor of 1.8e-7 at step 2 and 8.9e-7
+   against 4.0e-7 at step 3 (updates of norm 0.86 and 0.79, the gradient's own, below verl's clip at 1).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from thundersync_verl.models.value_model import write_value_model
 
 pytestmark = pytest.mark.slow
 ACTOR = "actor_rollout_ref.actor"
-BASE = ["trainer.critic_warmup=2", "critic.ppo_epochs=2", "data.max_response_length=64"]
+# The actor's optimizer is SGD (point 4): its update is linear in the gradient.
+BASE = ["trainer.critic_warmup=2", "critic.ppo_epochs=2", "data.max_response_length=64", *runs.linear_sgd(1.0)]
 
 
 @pytest.mark.timeout(1800)

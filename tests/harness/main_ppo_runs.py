@@ -48,9 +48,15 @@ def within_floor(gap: float, floor: float) -> bool:
     return gap <= max(4 * floor, UPDATE_ATOL)
 
 
+def linear_sgd(lr: float) -> list[str]:
+    """The actor's optimizer as plain SGD at ``lr``: its update is linear in the gradient, for runs that step more
+    than once (RESOLVING_SGD's lr 1e4 resolves one step's gradient but leaves no model to train a second step)."""
+    return ["actor_rollout_ref.actor.optim.optimizer=SGD", f"actor_rollout_ref.actor.optim.lr={lr}"]
+
+
 # SGD at lr 1e4: the pushed update is 1e4 x the clipped gradient, far above the weights' float32 spacing, so a gap
 # between two runs measures their gradients, not weights whose rounding flipped (emulated_rollout.py point 5).
-RESOLVING_SGD = ["actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1e4"]
+RESOLVING_SGD = linear_sgd(1e4)
 TOKEN_SUM = ["actor_rollout_ref.actor.loss_agg_mode=token-sum"]  # each row's coefficients exact, no per-row rounding
 TOKEN_SUM_ATOL = 1e-6  # a gap this small is rounding whatever the floor sample (a wrong term moves it 1e-3 or more)
 
