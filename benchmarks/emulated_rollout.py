@@ -65,6 +65,8 @@ Why:
    replayed from the same recording while verl's teacher server (``hf_cpu``, the tiny teacher) scores every turn
    for real on the rollout side's core, as a teacher fleet would beside the rollout fleet. Its streaming bound's
    rows are agent turns (``streaming_bound``); its exactness is ``benchmarks/equivalence.py --algo opd``'s.
+11. ``thundersync_tail`` (opt-in, ``--modes thundersync,thundersync_tail``): ThunderSync with tail batching, beside
+   plain ThunderSync, with the simulator's prediction of its speed-up (``emulated_tail.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ import statistics
 import time
 from pathlib import Path
 
+import emulated_tail  # the sibling module: the tail-batching mode and its prediction
 import modes  # the sibling script: run_mode, summarise, thundersync_lower_bound (a second import is harmless)
 from thundersync_verl.backends.replay.synthesize import SHAPES
 from thundersync_verl.run.results import write_result
@@ -171,6 +174,8 @@ def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, r
                tag: str = "", extra: list[str] | None = None, env: dict | None = None, pin: bool | None = None,
                algo: str = "grpo") -> dict:
     base, tag = ("sync", tag + "_bypass") if mode == "sync_bypass" else (mode, tag)
+    if mode == emulated_tail.TAIL_MODE:  # plain ThunderSync plus tail batching (emulated_tail.py point 1)
+        base, tag, extra = "thundersync", tag + "_tail", emulated_tail.overrides() + list(extra or [])
     rewards = work / ((base if algo == "grpo" else f"{algo}_{base}") + tag) / REWARD_LOG  # modes.run_mode's folder
     extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
              + reward_log_overrides(rewards) + TIMELINES + OVERRIDES + list(extra or []))
@@ -325,17 +330,20 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
         meta["machine_probe_s"][mode] = [before, after]
         (traces / "meta.json").write_text(json.dumps(meta) + "\n")
         before = after
-        base = "sync" if mode == "sync_bypass" else mode
+        base = BASE_MODE.get(mode, mode)
         rows[mode] = with_medians(modes.summarise(base, runs[mode]), runs[mode])
         rows[mode]["load_1min"] = runs[mode]["load_1min"]
         rows[mode]["host_cpu_s_per_step"] = host_cpu(runs[mode])
-        if mode == "thundersync":
+        if base == "thundersync":
             trace = runs[mode]["run_dir"] / f"{algo}_thundersync.jsonl"
-            (traces / trace.name).write_text(trace.read_text())
+            (traces / f"{algo}_{mode}.jsonl").write_text(trace.read_text())
             runs[mode]["drawn_after_run"] = draw_trace(trace, runs[mode]["run_dir"] / "timelines")  # point 8
         else:
             modes.write_sim_trace(base, runs[mode], traces / f"{algo}_{mode}.jsonl", algo)
     return runs, rows
+
+
+BASE_MODE = {"sync_bypass": "sync", emulated_tail.TAIL_MODE: "thundersync"}  # the trainer mode each row runs
 
 
 def with_medians(row: dict, run: dict) -> dict:
@@ -348,7 +356,7 @@ def with_medians(row: dict, run: dict) -> dict:
                 wait_share=statistics.median(m.get("timing_s/gen", 0.0) / m["timing_s/step"] for m in timed))
 
 
-def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str = "grpo") -> dict:
+def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str = "grpo", steps: int = 0) -> dict:
     out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
            "step_time_mean_s": {m: round(r["step_time_mean_s"], 3) for m, r in rows.items()},
            "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
@@ -377,7 +385,7 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str
         out["reporting"] = reporting_cost(runs["thundersync"])
         if algo == "grpo":  # OPD trains on the teacher's scores, not the verifier's reward
             out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
-    return out
+    return {**out, **emulated_tail.headline(rows, runs, steps)}
 
 
 def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workload: str, results_dir,
@@ -419,18 +427,18 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
         return result
     time_scale = TIME_SCALE[workload] if args.time_scale is None else args.time_scale
     modes_run = [m for m in (args.modes.split(",") if args.modes else EMULATED_MODES) if m]
-    rec = make_recording(workload, steps + 2, inputs, work)
+    rec = make_recording(workload, emulated_tail.recording_steps(steps, modes_run), inputs, work)
     t0 = time.time()
     repeats = []
     for r in range(args.repeats):
         traces = results_dir / f"traces_emulated{_algo(algo)}_{workload}{_suffix(args)}" / f"r{r}"
         runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces, algo)
         modes.print_table(rows, algo)
-        repeats.append(headline(rows, runs, workload, time_scale, algo))
+        repeats.append(headline(rows, runs, workload, time_scale, algo, steps))
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound",
-            "thundersync_over_schedule_bound", "sync_streaming_bound_speedup",
-            "share_of_streaming_bound")}), flush=True)
+            "thundersync_over_schedule_bound", "sync_streaming_bound_speedup", "share_of_streaming_bound",
+            "tail_speedup_vs_thundersync", "tail_speedup_predicted") if k in repeats[-1]}), flush=True)
     result = {"rollout": "emulated", "algo": algo, "workload": workload, "steps": steps, "time_scale": time_scale,
               "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
               "learner_pinned": PIN["learner"], "recording": str(rec), "policy_model": str(inputs["student"]),
@@ -449,8 +457,9 @@ def _algo(algo: str) -> str:
 
 
 def _suffix(args) -> str:
-    """Result and trace names: paired repeats and quick runs never overwrite the single full run's."""
-    return ("_repeats" if args.repeats > 1 else "") + ("_quick" if args.quick else "")
+    """Result and trace names: paired repeats, quick runs and the tail pair never overwrite the single full run's."""
+    tail = "_tail" if emulated_tail.TAIL_MODE in (args.modes or "").split(",") else ""
+    return tail + ("_repeats" if args.repeats > 1 else "") + ("_quick" if args.quick else "")
 
 
 def _g4(value):
@@ -459,11 +468,15 @@ def _g4(value):
 
 
 def _median_of(repeats: list[dict]) -> dict:
-    """The headline of the repeat whose speed-up is the median (all figures of one paired run), or the only one."""
-    if len(repeats) == 1 or "speedup_vs_sync" not in repeats[0]:
+    """The headline of the repeat whose speed-up is the median (all figures of one paired run), or the only one:
+    ThunderSync's over Sync, or else the tail policy's over plain ThunderSync."""
+    key = next((k for k in ("speedup_vs_sync", "tail_speedup_vs_thundersync") if k in repeats[0]), None)
+    if len(repeats) == 1 or key is None:
         return dict(repeats[0])
-    order = sorted(range(len(repeats)), key=lambda i: repeats[i]["speedup_vs_sync"])
+    order = sorted(range(len(repeats)), key=lambda i: repeats[i][key])
     median = dict(repeats[order[len(order) // 2]])
-    median["speedup_vs_sync_per_repeat"] = [r["speedup_vs_sync"] for r in repeats]
-    median["speedup_vs_sync_median"] = statistics.median(r["speedup_vs_sync"] for r in repeats)
+    median[f"{key}_per_repeat"] = [r[key] for r in repeats]
+    median[f"{key}_median"] = statistics.median(r[key] for r in repeats)
+    if key == "tail_speedup_vs_thundersync":
+        median["tail_speedup_predicted_per_repeat"] = [r["tail_speedup_predicted"] for r in repeats]
     return median

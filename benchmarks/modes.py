@@ -37,6 +37,8 @@ from thundersync_verl.demo import prepare_inputs, reverse_kl, run_env, run_verl,
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 MODES = ("sync", "async", "fully_async", "thundersync")
+# --rollout emulated: Sync in verl's bypass mode too, and ThunderSync with tail batching (emulated_tail.py), opt-in
+EMULATED_NAMES = ("sync_bypass", "thundersync", "sync", "async", "fully_async", "thundersync_tail")
 LEARNER_KEYS = ("old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # The default workload: tool and verifier latency shaped like agentic SWE traces (most calls short, a
 # long tail), and one trajectory per learner micro-batch, as long-context agentic runs train. The latency
@@ -229,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="4 steps per mode")
     ap.add_argument("--modes", default=None, help=f"default: {','.join(MODES)} "
-                    "(--rollout emulated: sync_bypass,thundersync,sync,async,fully_async)")
+                    "(--rollout emulated: sync_bypass,thundersync,sync,async,fully_async; thundersync_tail on request)")
     ap.add_argument("--rollout", default="cpu", choices=["cpu", "emulated"],
                     help="emulated: every mode replays one recording (generation slept, not computed)")
     ap.add_argument("--workload", default=None, choices=["recorded", "paper"],
@@ -273,6 +275,11 @@ def main(argv=None) -> dict:
         ap.error("--algo opd --model needs --teacher too: distilling a model into itself has nothing to learn")
     steps = 4 if args.quick else args.steps
     modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
+    known = EMULATED_NAMES if args.rollout == "emulated" else MODES
+    if any(m not in known for m in modes) or not modes:
+        ap.error(f"--modes {args.modes!r}: each must be one of {','.join(known)}")
+    if "thundersync_tail" in modes and args.algo != "grpo":
+        ap.error("--modes thundersync_tail needs --algo grpo: tail batching keeps whole GRPO groups")
     work = Path(args.work_dir).resolve()
     if args.rollout == "emulated" and not args.model:
         import emulated_rollout  # the sibling module (benchmarks/ is this script's folder)

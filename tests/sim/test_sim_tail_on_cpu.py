@@ -139,3 +139,43 @@ def test_cli_simulates_the_tail_mode(capsys):
                  "--tail-eta", "1.5", "--json"]) == 0
     out = capsys.readouterr().out
     assert "thundersync_tail/trajectory" in out and '"wasted_token_share"' in out
+
+
+# ----- a recorded run's prompts, served again (sim/prompts.RecordedPrompts) -----------------------------------------
+def _recorded(tmp_path):
+    from thundersync_verl.sim.trace import load_trace, replay, write_trace
+
+    from synthetic_runs import records
+
+    path = tmp_path / "grpo_thundersync.jsonl"
+    write_trace(path, records("thundersync", steps=6))
+    return path, replay(load_trace(path))
+
+
+def test_recorded_prompts_serve_the_recorded_group_on_every_attempt_and_wrap_around(tmp_path):
+    from thundersync_verl.sim.prompts import RecordedPrompts
+
+    _path, (_cfg, source, _costs) = _recorded(tmp_path)
+    src = RecordedPrompts(source)
+    p, n = src.groups_per_step, src.group_size
+    assert (p, n) == (4, 4)
+    again = src.gather(np.array([p + 1, 2, p + 1]), np.array([0, 0, 3]))  # a re-run of prompt p+1 beside prompt 2
+    rows = lambda g: again.dur_s[again.group == g]  # noqa: E731
+    assert np.array_equal(rows(0), rows(2)) and not np.array_equal(rows(0), rows(1))
+    step1 = source.batch(1)
+    assert np.array_equal(rows(0), step1.dur_s[step1.group == 1])  # prompt p+1 is group 1 of batch 1
+    wrapped = src.gather(np.array([len(source.steps) * p + 1]), np.array([0]))  # past the recording: batch 0 again
+    first = source.batch(0)
+    assert np.array_equal(wrapped.dur_s, first.dur_s[first.group == 1])
+
+
+def test_the_tail_policy_at_eta_one_on_recorded_prompts_replays_the_plain_run(tmp_path):
+    from thundersync_verl.sim.prompts import RecordedPrompts
+
+    _path, (cfg, source, costs) = _recorded(tmp_path)
+    cfg = replace(cfg, shared_cores=None)
+    plain = simulate(cfg, source, costs)
+    tail = simulate(replace(cfg, mode="thundersync_tail", tail_eta=1.0), RecordedPrompts(source), costs)
+    assert np.allclose(tail.step_times, plain.step_times, rtol=1e-9)
+    wide = simulate(replace(cfg, mode="thundersync_tail", tail_eta=1.5), RecordedPrompts(source), costs)
+    assert wide.extra["tail"]["aborted_groups_per_step"] > 0 and set(wide.staleness) == {0}

@@ -17,6 +17,10 @@ Why this module exists:
 3. `gather` assembles one round's launch (any prompts, any attempts, in launch order) into a
    Batch whose group g is the g-th launched prompt; blocks are drawn whole and cached, as a
    round re-runs only a few recent blocks.
+4. `RecordedPrompts` are the prompts of a recorded run (a trace's batches, trace.TraceSource) drawn as the
+   replay backend serves them again (``engine_kwargs.replay.repeat``): every attempt of a prompt is its
+   recorded group, tokens and service times alike. Prompt p is group p % P of the recorded batch p // P;
+   a run that needs more prompts than were recorded wraps around to the first batch.
 """
 
 from __future__ import annotations
@@ -93,6 +97,23 @@ class PromptSource(SyntheticSource):
         for key in dict.fromkeys(keys.tolist()):  # first-seen order; positions say where each row goes
             sel = np.flatnonzero(keys == key)
             parts.append((sel, self.attempt(int(blocks[sel[0]]), int(attempts[sel[0]])), rows[sel]))
+        return _assemble(parts, len(prompts), self.group_size)
+
+
+class RecordedPrompts:
+    """A recorded run's prompt groups, served again on every attempt (module docstring, point 4)."""
+
+    def __init__(self, source):
+        self.source = source  # anything with batch(i), batch_size and group_size (trace.TraceSource)
+        self.group_size, self.batch_size = int(source.group_size), int(source.batch_size)
+        self.groups_per_step = self.batch_size // self.group_size
+
+    def gather(self, prompts: np.ndarray, attempts: np.ndarray) -> Batch:
+        """One round's launch: group g of the result is prompt prompts[g] (the attempt does not matter)."""
+        prompts = np.asarray(prompts, dtype=np.int64)
+        blocks, rows = prompts // self.groups_per_step, prompts % self.groups_per_step
+        parts = [(sel, self.source.batch(int(b)), rows[sel])
+                 for b in dict.fromkeys(blocks.tolist()) for sel in [np.flatnonzero(blocks == b)]]
         return _assemble(parts, len(prompts), self.group_size)
 
 

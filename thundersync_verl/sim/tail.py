@@ -44,13 +44,16 @@ from thundersync_verl.sim.events import Placement, Recorder, lane_policy, place_
 from thundersync_verl.sim.hardware import LearnerCosts
 from thundersync_verl.sim.lane import LaneWork, run_lane
 from thundersync_verl.sim.metrics import SimResult
-from thundersync_verl.sim.prompts import PromptSource
+from thundersync_verl.sim.prompts import PromptSource, RecordedPrompts
 from thundersync_verl.sim.sim_config import SimConfig
 from thundersync_verl.sim.workload import Batch, SyntheticSource
 
 
-def prompt_source(source) -> PromptSource:
-    """The prompts behind `source`, drawable again (a recorded trace holds one run per prompt: refused)."""
+def prompt_source(source) -> PromptSource | RecordedPrompts:
+    """The prompts behind `source`, drawable again (a recorded trace holds one run per prompt: refused, unless it is
+    wrapped as RecordedPrompts, whose re-runs are the recorded groups again, as the replay backend serves them)."""
+    if isinstance(source, RecordedPrompts):
+        return source
     if isinstance(source, SyntheticSource):
         return PromptSource.of(source)
     raise ValueError("thundersync_tail draws aborted prompts again, which needs a synthetic workload (a recorded "

@@ -1,0 +1,99 @@
+"""Tail batching with the rollout on its own (emulated) device: ``modes.py --rollout emulated --modes
+thundersync,thundersync_tail``.
+
+Why:
+1. ``thundersync_tail`` is ThunderSync with tail batching on (``thundersync.tail.eta`` = ``TAIL_ETA``, the other
+   tail keys at their defaults): each round launches ceil(eta x P) prompt groups, trains the first P to complete and
+   aborts the rest, whose prompts run again in a later round. It replays the same recording as every other mode with
+   ``engine_kwargs.replay.repeat=true``: a deferred prompt's new group is served its recorded answers again, tokens
+   and service times alike. So a re-run here is the first run again (a long prompt stays exactly as long); on real
+   engines a re-run is a new sample of the prompt, which the simulator's synthetic study models
+   (``sim/prompts.py`` point 1). What this pair measures is the policy's machinery and its cost in verl (the wider
+   launch sharing the rollout slots, the aborts, the deferred rounds), and whether the simulator predicts it.
+2. The recording must hold every prompt the tail run draws: about eta x steps batches of fresh prompts, so with
+   this mode in the run the recording holds ``recording_steps`` steps (the other modes use its first part; a
+   recording is keyed by its step count, so it is made once per size).
+3. The simulator's prediction, made from the plain ThunderSync run of the same repeat (never from the tail run):
+   ``sim/trace.replay`` fits the learner's costs and the calibration on that run's trace; the same recorded prompts
+   then run through the simulator's tail policy (``sim/prompts.RecordedPrompts``: a re-run is the recorded group
+   again, as the replay serves it) for the same number of steps at the same eta, deferral bound and round kind.
+   Predicted speed-up = simulated plain step over simulated tail step, each the median over the steps after the
+   first, as the measured one. Both are simulated without the shared-core slowdown (the tail policy is simulated on
+   dedicated devices; dropping it moves the plain replay of the committed paper trace by 0.02%).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+TAIL_MODE = "thundersync_tail"
+TAIL_ETA = 1.25
+TAIL_MAX_DEFERRALS = 2  # thundersync.tail.max_deferrals' default
+TAIL_ROUNDS = "dedicated"  # thundersync.tail.rounds' default
+REPLAY = "+actor_rollout_ref.rollout.engine_kwargs.replay"
+FIGURES = ("launched", "kept", "dropped", "pinned", "queue", "deferred_kept_share", "delay_steps_mean",
+           "delay_steps_max", "tq_keys_cleared")
+
+
+def overrides() -> list[str]:
+    """The tail mode's settings on top of plain ThunderSync (point 1)."""
+    return [f"thundersync.tail.eta={TAIL_ETA}", f"{REPLAY}.repeat=true"]
+
+
+def recording_steps(steps: int, modes_run: list[str]) -> int:
+    """Steps the recording must hold (point 2): two more than the runs (the async modes generate ahead), times eta
+    when the tail mode runs."""
+    return math.ceil((steps + 2) * TAIL_ETA) if TAIL_MODE in modes_run else steps + 2
+
+
+def tail_figures(run: dict) -> dict:
+    """The tail policy's own metrics per step (``thundersync/tail/*``) over the whole run, and the totals."""
+    steps = [run["per_step"][s] for s in sorted(run["per_step"])]
+    per_step = {k: [m.get(f"thundersync/tail/{k}") for m in steps] for k in FIGURES}
+    kept = sum(x or 0 for x in per_step["kept"])
+    deferred = sum((s or 0) * (k or 0) for s, k in zip(per_step["deferred_kept_share"], per_step["kept"]))
+    return {"per_step": per_step, "launched_groups": sum(x or 0 for x in per_step["launched"]),
+            "aborted_groups": sum(x or 0 for x in per_step["dropped"]), "trained_groups": kept,
+            "deferred_prompt_share": round(deferred / max(kept, 1), 4)}
+
+
+def _median_after_first(times) -> float:
+    times = list(times)
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def predict_speedup(trace_path: Path, steps: int) -> dict:
+    """The simulator's tail-over-plain speed-up from the plain ThunderSync trace alone (point 3)."""
+    from thundersync_verl.sim.prompts import RecordedPrompts
+    from thundersync_verl.sim.sim_engine import simulate
+    from thundersync_verl.sim.trace import load_trace, replay
+
+    cfg, source, costs = replay(load_trace(trace_path))
+    cfg = replace(cfg, shared_cores=None, steps=steps)
+    plain = simulate(cfg, source, costs)
+    tail = simulate(replace(cfg, mode=TAIL_MODE, tail_eta=TAIL_ETA, tail_max_deferrals=TAIL_MAX_DEFERRALS,
+                            tail_rounds=TAIL_ROUNDS), RecordedPrompts(source), costs)
+    plain_s, tail_s = _median_after_first(plain.step_times), _median_after_first(tail.step_times)
+    summary = tail.extra["tail"]
+    return {"plain_step_s": round(plain_s, 3), "tail_step_s": round(tail_s, 3),
+            "tail_speedup_vs_thundersync": round(plain_s / tail_s, 3),
+            "deferred_prompt_share": None if not summary else round(summary["deferred_prompt_share"], 4)}
+
+
+def headline(rows: dict, runs: dict, steps: int) -> dict:
+    """The pair's figures: measured speed-up, the simulator's prediction of it and its relative error."""
+    if TAIL_MODE not in rows:
+        return {}
+    out = {"tail": tail_figures(runs[TAIL_MODE]), "tail_settings": {
+        "eta": TAIL_ETA, "max_deferrals": TAIL_MAX_DEFERRALS, "rounds": TAIL_ROUNDS, "replay_repeat": True}}
+    if "thundersync" not in rows:
+        return out
+    measured = rows["thundersync"]["step_time_s"] / rows[TAIL_MODE]["step_time_s"]
+    predicted = predict_speedup(runs["thundersync"]["run_dir"] / "grpo_thundersync.jsonl", steps)
+    out.update(tail_speedup_vs_thundersync=round(measured, 3), sim_prediction=predicted,
+               tail_speedup_predicted=predicted["tail_speedup_vs_thundersync"],
+               prediction_rel_err=round(predicted["tail_speedup_vs_thundersync"] / measured - 1.0, 4))
+    return out
