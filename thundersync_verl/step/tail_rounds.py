@@ -27,6 +27,7 @@ import ray
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.core.tail_policy import Deferred, TailQueue, launch_size
 from thundersync_verl.step.tail_gate import TailRound
+from thundersync_verl.step.trajectory_source import partition_records
 
 TERMINAL = ("failure", "finished")  # a prompt record's status once its agent loops have all ended
 
@@ -94,8 +95,7 @@ class TailRounds:
         """Clear every TransferQueue record of an aborted prompt; forget a prompt once its agent loops ended."""
         if not self.to_clear:
             return 0
-        listing = tq.kv_list(partition) or {}
-        records = listing.get(partition, listing)
+        records = partition_records(tq.kv_list(partition), partition)
         keys = [k for k in records if k.split("_")[0] in self.to_clear]
         ended = [k for k in keys if "_" not in k and (records[k] or {}).get("status") in TERMINAL]
         if keys:

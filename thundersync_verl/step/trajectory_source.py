@@ -31,6 +31,12 @@ class TrajectoryNeverArrived(RuntimeError):
     pass
 
 
+def partition_records(listing, partition: str) -> dict:
+    """A TransferQueue ``kv_list`` answer as {key: tag} of one partition (it answers {partition: {...}} or {...})."""
+    listing = listing or {}
+    return listing.get(partition, listing) if isinstance(listing, dict) else {}
+
+
 class TrajectorySource:
     def __init__(self, kv_list: Callable[[str], dict], uids: list[str], n_per_prompt: int, *, partition: str = "train",
                  timeout_s: float = 600.0):
@@ -51,8 +57,7 @@ class TrajectorySource:
 
     def _snapshot(self) -> dict:
         self.listings += 1
-        listing = self.kv_list(self.partition) or {}
-        return listing.get(self.partition, listing) if isinstance(listing, dict) else {}
+        return partition_records(self.kv_list(self.partition), self.partition)
 
     def poll(self) -> list[tuple[str, dict]]:
         """New finished trajectories of this batch (possibly none)."""
