@@ -78,6 +78,17 @@ ANY_MACHINE: dict[tuple[str, str], str] = {
         "a process that spent 0.8 CPU-s inside the window is counted at least half of that, never past the window",
     ("test_core_load_on_cpu.py", "assert list(by.values()) == sorted(by.values(), reverse=True), by"):
         "the report's order, not its figures",
+    ("sim/test_emulated_tail_on_cpu.py",
+     'assert wide["tail_speedup_vs_thundersync"] > 0 and wide["deferred_prompt_share"] is not None'):
+        "a simulated ratio of a synthetic trace (no clock read)",
+    ("sim/test_emulated_tail_on_cpu.py",
+     'assert tail.predict_speedup(path, steps=6)["tail_speedup_vs_thundersync"] == pytest.approx(1.0)'):
+        "the simulator's eta-1 identity on a synthetic trace (no clock read)",
+    ("sim/test_emulated_tail_on_cpu.py", 'assert out["tail_speedup_vs_thundersync"] == 1.2'):
+        "arithmetic on step times the test gives",
+    ("sim/test_emulated_tail_on_cpu.py",
+     'assert out["prediction_rel_err"] == pytest.approx(out["tail_speedup_predicted"] / 1.2 - 1, abs=1e-4)'):
+        "arithmetic on step times the test gives",
 }
 
 
