@@ -165,6 +165,8 @@ def replay_overrides(rec: Path, time_scale: float) -> list[str]:
     return ["actor_rollout_ref.rollout.name=replay", f"{REPLAY}.path={rec}", f"{REPLAY}.time_scale={time_scale}"]
 
 
+BASE_MODE = {"sync_bypass": "sync", emulated_tail.TAIL_MODE: "thundersync"}  # the trainer mode each row runs
+RUN_TAG = {"sync_bypass": "_bypass", emulated_tail.TAIL_MODE: "_tail"}  # and its run folder's suffix
 PIN = {"learner": "on"}  # --pin-learner (module docstring, point 7); the step-1 update runs are never pinned
 OVERRIDES: list[str] = []  # --override: extra hydra overrides for every replay (the recording is made without them)
 TIMELINES = ["thundersync.timeline_every=0"]  # point 8: drawn after the run, from the trace
@@ -173,9 +175,9 @@ TIMELINES = ["thundersync.timeline_every=0"]  # point 8: drawn after the run, fr
 def run_replay(mode: str, steps: int, inputs: dict, work: Path, workload: str, rec: Path, time_scale: float,
                tag: str = "", extra: list[str] | None = None, env: dict | None = None, pin: bool | None = None,
                algo: str = "grpo") -> dict:
-    base, tag = ("sync", tag + "_bypass") if mode == "sync_bypass" else (mode, tag)
+    base, tag = BASE_MODE.get(mode, mode), tag + RUN_TAG.get(mode, "")
     if mode == emulated_tail.TAIL_MODE:  # plain ThunderSync plus tail batching (emulated_tail.py point 1)
-        base, tag, extra = "thundersync", tag + "_tail", emulated_tail.overrides() + list(extra or [])
+        extra = emulated_tail.overrides() + list(extra or [])
     rewards = work / ((base if algo == "grpo" else f"{algo}_{base}") + tag) / REWARD_LOG  # modes.run_mode's folder
     extra = (workload_overrides(workload) + replay_overrides(rec, time_scale) + (BYPASS if mode == "sync_bypass" else [])
              + reward_log_overrides(rewards) + TIMELINES + OVERRIDES + list(extra or []))
@@ -343,9 +345,6 @@ def one_repeat(modes_run: list[str], steps: int, inputs: dict, work: Path, workl
     return runs, rows
 
 
-BASE_MODE = {"sync_bypass": "sync", emulated_tail.TAIL_MODE: "thundersync"}  # the trainer mode each row runs
-
-
 def with_medians(row: dict, run: dict) -> dict:
     """Step time and Sync wait share as the median over the timed steps (the mean is kept beside): a load spike
     from other processes on the shared machine (one Sync step's update_actor took 80 s instead of 7 s) must not
@@ -356,7 +355,7 @@ def with_medians(row: dict, run: dict) -> dict:
                 wait_share=statistics.median(m.get("timing_s/gen", 0.0) / m["timing_s/step"] for m in timed))
 
 
-def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str = "grpo", steps: int = 0) -> dict:
+def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str = "grpo") -> dict:
     out = {"step_time_s": {m: round(r["step_time_s"], 3) for m, r in rows.items()},
            "step_time_mean_s": {m: round(r["step_time_mean_s"], 3) for m, r in rows.items()},
            "staleness_max": {m: r["staleness_max"] for m, r in rows.items()},
@@ -385,7 +384,7 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str
         out["reporting"] = reporting_cost(runs["thundersync"])
         if algo == "grpo":  # OPD trains on the teacher's scores, not the verifier's reward
             out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
-    return {**out, **emulated_tail.headline(rows, runs, steps)}
+    return {**out, **emulated_tail.headline(rows, runs)}
 
 
 def calibrate(scales: list[float], steps: int, inputs: dict, work: Path, workload: str, results_dir,
@@ -434,7 +433,7 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
         traces = results_dir / f"traces_emulated{_algo(algo)}_{workload}{_suffix(args)}" / f"r{r}"
         runs, rows = one_repeat(modes_run, steps, inputs, work, workload, rec, time_scale, r, traces, algo)
         modes.print_table(rows, algo)
-        repeats.append(headline(rows, runs, workload, time_scale, algo, steps))
+        repeats.append(headline(rows, runs, workload, time_scale, algo))
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound",
             "thundersync_over_schedule_bound", "sync_streaming_bound_speedup", "share_of_streaming_bound",

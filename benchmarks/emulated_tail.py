@@ -50,14 +50,19 @@ def recording_steps(steps: int, modes_run: list[str]) -> int:
 
 
 def tail_figures(run: dict) -> dict:
-    """The tail policy's own metrics per step (``thundersync/tail/*``) over the whole run, and the totals."""
+    """The tail policy's own metrics per step (``thundersync/tail/*``) over the whole run, and the totals: shares and
+    delays are over the trained groups (each step's figure weighted by the groups it kept)."""
     steps = [run["per_step"][s] for s in sorted(run["per_step"])]
-    per_step = {k: [m.get(f"thundersync/tail/{k}") for m in steps] for k in FIGURES}
-    kept = sum(x or 0 for x in per_step["kept"])
-    deferred = sum((s or 0) * (k or 0) for s, k in zip(per_step["deferred_kept_share"], per_step["kept"]))
-    return {"per_step": per_step, "launched_groups": sum(x or 0 for x in per_step["launched"]),
-            "aborted_groups": sum(x or 0 for x in per_step["dropped"]), "trained_groups": kept,
-            "deferred_prompt_share": round(deferred / max(kept, 1), 4)}
+    per_step = {k: [float(m.get(f"thundersync/tail/{k}", 0.0)) for m in steps] for k in FIGURES}
+    kept = sum(per_step["kept"])
+    over_kept = lambda k: sum(x * n for x, n in zip(per_step[k], per_step["kept"])) / max(kept, 1)  # noqa: E731
+    return {"per_step": per_step, "launched_groups": sum(per_step["launched"]),
+            "aborted_groups": sum(per_step["dropped"]), "trained_groups": kept,
+            "aborted_groups_per_step": round(sum(per_step["dropped"]) / max(len(steps), 1), 3),
+            "deferred_prompt_share": round(over_kept("deferred_kept_share"), 4),
+            "delay_steps_mean": round(over_kept("delay_steps_mean"), 3),
+            "delay_steps_max": int(max(per_step["delay_steps_max"], default=0)),
+            "queue_at_end": int(per_step["queue"][-1]) if steps else 0}
 
 
 def _median_after_first(times) -> float:
@@ -65,14 +70,15 @@ def _median_after_first(times) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def predict_speedup(trace_path: Path, steps: int) -> dict:
-    """The simulator's tail-over-plain speed-up from the plain ThunderSync trace alone (point 3)."""
+def predict_speedup(trace_path: Path) -> dict:
+    """The simulator's tail-over-plain speed-up from the plain ThunderSync trace alone (point 3), over as many steps
+    as it recorded (the tail run's)."""
     from thundersync_verl.sim.prompts import RecordedPrompts
     from thundersync_verl.sim.sim_engine import simulate
     from thundersync_verl.sim.trace import load_trace, replay
 
     cfg, source, costs = replay(load_trace(trace_path))
-    cfg = replace(cfg, shared_cores=None, steps=steps)
+    cfg = replace(cfg, shared_cores=None)
     plain = simulate(cfg, source, costs)
     tail = simulate(replace(cfg, mode=TAIL_MODE, tail_eta=TAIL_ETA, tail_max_deferrals=TAIL_MAX_DEFERRALS,
                             tail_rounds=TAIL_ROUNDS), RecordedPrompts(source), costs)
@@ -83,7 +89,7 @@ def predict_speedup(trace_path: Path, steps: int) -> dict:
             "deferred_prompt_share": None if not summary else round(summary["deferred_prompt_share"], 4)}
 
 
-def headline(rows: dict, runs: dict, steps: int) -> dict:
+def headline(rows: dict, runs: dict) -> dict:
     """The pair's figures: measured speed-up, the simulator's prediction of it and its relative error."""
     if TAIL_MODE not in rows:
         return {}
@@ -92,7 +98,7 @@ def headline(rows: dict, runs: dict, steps: int) -> dict:
     if "thundersync" not in rows:
         return out
     measured = rows["thundersync"]["step_time_s"] / rows[TAIL_MODE]["step_time_s"]
-    predicted = predict_speedup(runs["thundersync"]["run_dir"] / "grpo_thundersync.jsonl", steps)
+    predicted = predict_speedup(runs["thundersync"]["run_dir"] / "grpo_thundersync.jsonl")
     out.update(tail_speedup_vs_thundersync=round(measured, 3), sim_prediction=predicted,
                tail_speedup_predicted=predicted["tail_speedup_vs_thundersync"],
                prediction_rel_err=round(predicted["tail_speedup_vs_thundersync"] / measured - 1.0, 4))

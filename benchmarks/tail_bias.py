@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts: modes, swe_synthetic
 import modes  # noqa: E402
+from emulated_tail import tail_figures  # noqa: E402
 from thundersync_verl.demo import prepare_inputs, run_env, run_verl  # noqa: E402
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result  # noqa: E402
 
@@ -111,13 +112,7 @@ def summary(mode: str, run: dict) -> dict:
            "staleness_max": max(float(m.get("training/off_policy/trajectory_staleness/max", 0.0)) for m in steps)}
     if mode == "thundersync_tail":
         out["launched"] = lengths(_lines(run["loop_trace"]))
-        tail = lambda k: [float(m.get(f"thundersync/tail/{k}", 0.0)) for m in steps]  # noqa: E731
-        kept = tail("kept")
-        out["deferred_prompt_share"] = round(sum(s * k for s, k in zip(tail("deferred_kept_share"), kept)) / max(sum(kept), 1), 4)
-        out["delay_steps_mean"] = round(sum(d * k for d, k in zip(tail("delay_steps_mean"), kept)) / max(sum(kept), 1), 3)
-        out["delay_steps_max"] = int(max(tail("delay_steps_max"), default=0))
-        out["aborted_groups_per_step"] = round(statistics.mean(tail("dropped")), 3)
-        out["queue_at_end"] = int(tail("queue")[-1]) if kept else 0
+        out.update({k: v for k, v in tail_figures(run).items() if k != "per_step"})
     return out
 
 

@@ -3,40 +3,23 @@ step-1 update figures (``update_gaps``), with no Ray."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from thundersync_harness.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its sibling ``modes``
-    try:
-        spec = importlib.util.spec_from_file_location("emulated_rollout_bench", ROOT / "benchmarks" / "emulated_rollout.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_benchmark("emulated_rollout")  # it imports its sibling ``modes``
 
 
 @pytest.fixture(scope="module")
-def exact(bench):
+def exact():
     """The step-1 update gap's module (a sibling of the benchmark)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import emulated_exactness
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return emulated_exactness
+    return load_benchmark("emulated_exactness")
 
 
 def sync_run(tmp_path: Path, steps: dict[int, tuple[list[float], float, float]]) -> dict:

@@ -34,12 +34,12 @@ def test_tail_figures_total_the_per_step_metrics(tail):
 def test_the_prediction_comes_from_the_plain_run_alone_and_is_one_at_eta_one(tail, tmp_path, monkeypatch):
     path = tmp_path / "grpo_thundersync.jsonl"
     write_trace(path, records("thundersync", steps=6))
-    wide = tail.predict_speedup(path, steps=6)
+    wide = tail.predict_speedup(path)
     assert wide["tail_speedup_vs_thundersync"] > 0 and wide["deferred_prompt_share"] is not None
     monkeypatch.setattr(tail, "TAIL_ETA", 1.0)
-    assert tail.predict_speedup(path, steps=6)["tail_speedup_vs_thundersync"] == pytest.approx(1.0)
+    assert tail.predict_speedup(path)["tail_speedup_vs_thundersync"] == pytest.approx(1.0)
     rows = {"thundersync": {"step_time_s": 12.0}, tail.TAIL_MODE: {"step_time_s": 10.0}}
     runs = {"thundersync": {"run_dir": tmp_path}, tail.TAIL_MODE: {"per_step": {1: {}}}}
-    out = tail.headline(rows, runs, steps=6)
+    out = tail.headline(rows, runs)
     assert out["tail_speedup_vs_thundersync"] == 1.2
     assert out["prediction_rel_err"] == pytest.approx(out["tail_speedup_predicted"] / 1.2 - 1, abs=1e-4)
