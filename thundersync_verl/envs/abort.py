@@ -1,26 +1,40 @@
-"""Aborting a prompt group's agent loops: the trainer names the groups, each agent loop stops at its next turn.
+"""Aborting a prompt group's agent loops: the trainer names the groups, each agent loop stops within a round trip.
 
 Why:
 1. Tail batching (``thundersync.tail``) closes a step's batch on its first complete groups; the groups
    still running are aborted so that their rollout slots serve the next round. verl's agent-loop
    worker runs each sample as a task of its own with no handle the trainer can reach, so the abort
-   is cooperative: the trainer adds the groups' prompt ids to ``AbortRegistry`` (a named Ray actor),
-   and an agent loop asks it before each generate call and each tool call (``AbortCheck``), one actor
-   call each, only in runs with tail batching on.
-2. An aborted agent loop raises ``GroupAborted``: verl's worker then tags the prompt ``failure`` and
+   is cooperative: the trainer adds the groups' prompt ids to ``AbortRegistry`` (a named Ray actor).
+2. Each agent-loop process follows the registry with one long-poll call at a time (``AbortWatch``: the
+   call returns when the aborted set changes), not one actor call per agent-loop call: asking before
+   each generate and tool call cost the rollout host about 1 CPU-s a step at 80 trajectories (the
+   registry's 0.5 s and as much again in the agent loops), on the core the agent loops and tools share.
+3. An agent loop runs each generate and tool call through ``AbortCheck.unless_aborted``: an aborted
+   group's loop raises ``GroupAborted`` before its next call, and a call in flight when the abort
+   arrives is cancelled at once (the loop does not wait for it; a cancelled sandbox call is killed,
+   ``envs/sandbox.py``; a generate call already on the server is left to finish there, as verl's
+   client offers no cancel, and its answer is dropped). So a loop stops within one round trip of the
+   abort, not at its next call. The abort is an optimisation only: whatever an aborted group's loops
+   still land is cleared by the trainer (``step/tail_rounds.py`` point 3), never trained.
+4. An aborted agent loop raises ``GroupAborted``: verl's worker then tags the prompt ``failure`` and
    puts nothing of it in the batch (no token of an aborted trajectory reaches the learner; the trainer
    clears what had landed and requeues the prompt). verl logs a session error with its traceback for
    every such loop; ``quiet_aborted_sessions`` keeps those records out of the log, as an abort is the
    policy working, not a failure.
-3. A generate call already on the server finishes first (the CPU backends cannot cut one short); the
-   loop stops before its next call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
+from typing import Awaitable, TypeVar
 
 REGISTRY_NAME = "thundersync_tail_aborts"
+WATCH_TIMEOUT_S = 30.0  # a long-poll call returns after this long without a change (and is sent again)
+RETRY_S = 0.5  # pause before the watch looks the registry up again after a failed call
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GroupAborted(RuntimeError):
@@ -28,19 +42,43 @@ class GroupAborted(RuntimeError):
 
 
 class AbortRegistry:
-    """The prompt ids aborted and not yet cleared (a named Ray actor, made by ``start_registry``)."""
+    """The prompt ids aborted and not yet cleared (a named async Ray actor, made by ``start_registry``).
+
+    ``epoch`` counts the changes; ``watch(epoch)`` answers once it differs from the caller's (point 2)."""
 
     def __init__(self):
         self.uids: set[str] = set()
+        self.epoch = 0
+        self._changed: asyncio.Event | None = None
 
-    def add(self, uids: list[str]) -> None:
+    def _bump(self) -> None:
+        self.epoch += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def add(self, uids: list[str]) -> None:
         self.uids.update(uids)
+        self._bump()
 
-    def discard(self, uids: list[str]) -> None:
+    async def discard(self, uids: list[str]) -> None:
         self.uids.difference_update(uids)
+        self._bump()
 
-    def is_aborted(self, uid: str) -> bool:
+    async def is_aborted(self, uid: str) -> bool:
         return uid in self.uids
+
+    async def watch(self, epoch: int, timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, list[str]]:
+        """``(epoch, aborted uids)`` as soon as the epoch is not ``epoch`` (at once if it already is not), or
+        after ``timeout_s`` unchanged."""
+        if epoch == self.epoch:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.epoch, sorted(self.uids)
 
 
 def start_registry():
@@ -50,23 +88,143 @@ def start_registry():
     return ray.remote(num_cpus=0)(AbortRegistry).options(name=REGISTRY_NAME, get_if_exists=True).remote()
 
 
+def _lookup_registry():
+    import ray
+
+    return ray.get_actor(REGISTRY_NAME)
+
+
+class AbortWatch:
+    """One agent-loop process's view of the registry (point 2): one per event loop, shared by its agent loops."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AbortWatch]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, lookup=_lookup_registry):
+        self._lookup = lookup
+        self._registry = None
+        self.epoch = -1
+        self.uids: frozenset[str] = frozenset()
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._task: asyncio.Task | None = None
+        self._first: asyncio.Future | None = None
+
+    @classmethod
+    def current(cls) -> "AbortWatch":
+        loop = asyncio.get_running_loop()
+        watch = cls._by_loop.get(loop)
+        if watch is None:
+            watch = cls._by_loop[loop] = cls()
+        return watch
+
+    async def ready(self) -> "AbortWatch":
+        """The watch with the registry's set read at least once (the first caller reads it; the others wait)."""
+        if self._task is not None and not self._task.done():
+            return self
+        if self._first is None or self._first.done():
+            self._first = asyncio.ensure_future(self._read(-1, 0.0))
+        try:
+            epoch, uids = await asyncio.shield(self._first)  # a failure here reaches the agent loop (no registry)
+        except BaseException:
+            self._first = None
+            raise
+        if self._task is None or self._task.done():
+            self._update(epoch, uids)
+            self._task = asyncio.ensure_future(self._follow())
+        return self
+
+    async def _read(self, epoch: int, timeout_s: float):
+        if self._registry is None:
+            self._registry = self._lookup()
+        return await self._registry.watch.remote(epoch, timeout_s)
+
+    async def _follow(self) -> None:
+        failing = False
+        while True:
+            try:
+                epoch, uids = await self._read(self.epoch, WATCH_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the registry restarted with the trainer (or is gone): look it up again
+                if not failing:
+                    logger.warning("tail batching: the abort registry did not answer (%s); looking it up again "
+                                   "every %.1f s", exc, RETRY_S)
+                failing, self._registry = True, None
+                await asyncio.sleep(RETRY_S)
+                continue
+            failing = False
+            self._update(epoch, uids)
+
+    def _update(self, epoch: int, uids) -> None:
+        self.epoch, self.uids = epoch, frozenset(uids)
+        for uid in self.uids.intersection(self._waiters):
+            for fut in self._waiters.pop(uid):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def aborted(self, uid: str) -> asyncio.Future:
+        """A future done once ``uid`` is seen aborted (call ``forget`` with it when no longer needed)."""
+        fut = asyncio.get_running_loop().create_future()
+        if uid in self.uids:
+            fut.set_result(None)
+        else:
+            self._waiters.setdefault(uid, set()).add(fut)
+        return fut
+
+    def forget(self, uid: str, fut: asyncio.Future) -> None:
+        waiting = self._waiters.get(uid)
+        if waiting is not None:
+            waiting.discard(fut)
+            if not waiting:
+                del self._waiters[uid]
+
+
 class AbortCheck:
-    """An agent loop's question before each call (module docstring, point 1); free when tail batching is off."""
+    """An agent loop's side of the abort (points 2-3); free when tail batching is off."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._registry = None
 
-    async def raise_if_aborted(self, uid) -> None:
+    @staticmethod
+    def _error(uid) -> GroupAborted:
+        return GroupAborted(f"prompt {uid}: aborted by thundersync.tail (its batch closed on the first complete "
+                            "groups); the prompt runs again in a later round")
+
+    async def unless_aborted(self, uid, call: Awaitable[T]) -> T:
+        """``await call``, unless the group is aborted before or while it runs: then the call is cancelled and
+        ``GroupAborted`` raised (point 3)."""
         if not self.enabled or uid is None:
-            return
-        if self._registry is None:
-            import ray
+            return await call
+        try:
+            watch = await AbortWatch.current().ready()
+        except BaseException:
+            _close(call)
+            raise
+        key = str(uid)
+        if key in watch.uids:
+            _close(call)
+            raise self._error(uid)
+        task, stop = asyncio.ensure_future(call), watch.aborted(key)
+        cut = False
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.forget(key, stop)
+            stop.cancel()
+            if not task.done():  # the abort arrived first (or this loop itself is being cancelled)
+                task.cancel()
+                cut = True
+        if not cut:
+            return task.result()  # finished before (or as) the abort arrived: the next call raises
+        try:
+            await task  # let the cancelled call clean up (a sandbox call kills its process)
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise self._error(uid)
 
-            self._registry = ray.get_actor(REGISTRY_NAME)
-        if await self._registry.is_aborted.remote(str(uid)):
-            raise GroupAborted(f"prompt {uid}: aborted by thundersync.tail (its batch closed on the first complete "
-                               "groups); the prompt runs again in a later round")
+
+def _close(call) -> None:
+    if asyncio.iscoroutine(call):
+        call.close()  # never awaited: no "coroutine was never awaited" warning
 
 
 class _DropAborted(logging.Filter):

@@ -12,8 +12,8 @@
    turn is scored by the teacher and published while the next tool call runs
    (``algos/opd/turn_teacher.py``); the trajectory returns only after all its turns
    are published, and says how many there are. Other runs are unaffected.
-5. With tail batching (``thundersync.tail``) the loop asks before each generate and tool call whether the
-   trainer aborted its group (``envs/abort.py``) and stops there if so.
+5. With tail batching (``thundersync.tail``) each generate and tool call runs unless the trainer aborts the
+   group (``envs/abort.py``): an aborted loop stops before its next call, and a call in flight is cut.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         super().__init__(*args, **kwargs)
         ts = ThunderSyncConfig.from_verl(self.config)
         self.settings = ts.env  # thundersync.env, typed and checked
-        self.abort = AbortCheck(ts.tail.enabled)  # tail batching: stop at the next call once the group is aborted
+        self.abort = AbortCheck(ts.tail.enabled)  # tail batching: stop within a round trip of the group's abort
         if ts.tail.enabled:
             quiet_aborted_sessions(va.agent_loop_session_loggers())
         self.latency = self.settings.tool_latency
@@ -89,13 +89,12 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             budget = self.response_length - len(response_ids)
             if budget <= 0:
                 break
-            await self.abort.raise_if_aborted(kwargs.get("uid"))
             t0 = time.time()
-            out = await self.server_manager.generate(
+            out = await self.abort.unless_aborted(kwargs.get("uid"), self.server_manager.generate(
                 request_id=request_id,
                 prompt_ids=prompt_ids + response_ids,
                 sampling_params={**sampling_params, "max_tokens": budget},
-            )
+            ))
             turn = {"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids) + len(response_ids), "tool_s": 0.0,
                     "min_version": int(out.extra_fields.get("min_global_steps") or 0),  # PACE's per-turn versions
                     "max_version": int(out.extra_fields.get("max_global_steps") or 0)}
@@ -113,9 +112,8 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             call = protocol.parse_tool_call(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if call is None or len(response_ids) >= self.response_length:
                 break
-            await self.abort.raise_if_aborted(kwargs.get("uid"))
             t1 = time.time()
-            observation = await self._run_tool(call)
+            observation = await self.abort.unless_aborted(kwargs.get("uid"), self._run_tool(call))
             turn["tool_s"] = time.time() - t1
             obs_ids = self.tokenizer.encode(observation, add_special_tokens=False)
             response_ids += obs_ids

@@ -86,7 +86,7 @@ class SWEAgentLoop(va.agent_loop_base()):
         self.repos_dir = repos_dir_for(self.settings, self.config)
         self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
         tail = ThunderSyncConfig.from_verl(self.config).tail.enabled
-        self.abort = AbortCheck(tail)  # tail batching: stop at the next call once the group is aborted (envs/abort.py)
+        self.abort = AbortCheck(tail)  # tail batching: stop within a round trip of the group's abort (envs/abort.py)
         if tail:
             quiet_aborted_sessions(va.agent_loop_session_loggers())
 
@@ -112,13 +112,12 @@ class SWEAgentLoop(va.agent_loop_base()):
             budget = self._budget(ep)
             if budget <= 0:
                 break
-            await self.abort.raise_if_aborted(kwargs.get("uid"))
-            action_start = await self._generate(ep, sampling_params, budget, request_id, key)
+            action_start = await self.abort.unless_aborted(kwargs.get("uid"),
+                                                           self._generate(ep, sampling_params, budget, request_id, key))
             action = protocol.parse_action(self.tokenizer.decode(ep.response_ids[action_start:], skip_special_tokens=False))
             if action is None:
                 break
-            await self.abort.raise_if_aborted(kwargs.get("uid"))
-            result = await self._act(action, workspace, starting, ep)
+            result = await self.abort.unless_aborted(kwargs.get("uid"), self._act(action, workspace, starting, ep))
             ep.turns[-1].update(tool_s=result.duration_s, tool=getattr(action, "name", "invalid"), tool_kind=result.kind)
             if result.submitted:
                 ep.submitted = True
