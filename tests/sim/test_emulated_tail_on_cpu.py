@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from synthetic_runs import records
@@ -43,3 +45,29 @@ def test_the_prediction_comes_from_the_plain_run_alone_and_is_one_at_eta_one(tai
     out = tail.headline(rows, runs)
     assert out["tail_speedup_vs_thundersync"] == 1.2
     assert out["prediction_rel_err"] == pytest.approx(out["tail_speedup_predicted"] / 1.2 - 1, abs=1e-4)
+
+
+def test_the_host_bound_prediction_fits_cpu_per_turn_on_the_plain_run_and_keeps_the_slot_model_beside_it(tail, tmp_path):
+    path = tmp_path / "grpo_thundersync.jsonl"
+    recs = records("thundersync", steps=6)
+    write_trace(path, recs)
+    by_version: dict = {}
+    for r in recs:
+        if r["kind"] == "trajectory":
+            by_version[r["policy_version"]] = by_version.get(r["policy_version"], 0) + len(r["turns"])
+    window = sorted(by_version)[1:-1]
+    turns = sum(by_version[v] for v in window) / len(window)
+    host = tail.host_model(path, {"rollout_side": 6.0}, cores=2)
+    assert host.cpu_s_per_turn == pytest.approx(6.0 / turns) and host.cores == 2
+    assert tail.host_model(path, None, 1) is None and tail.host_model(path, {"rollout_side": 6.0}, 0) is None
+    free, busy = tail.predict_speedup(path), tail.predict_speedup(path, replace(host, cpu_s_per_turn=1.0))
+    assert busy["host_cpu_s_per_turn"] == 1.0 and "host_cpu_s_per_turn" not in free
+    assert busy["plain_step_s"] > free["plain_step_s"]  # a host that slow bounds every round
+    rows = {"thundersync": {"step_time_s": 12.0, "host_cpu_s_per_step": {"rollout_side": 6.0}},
+            tail.TAIL_MODE: {"step_time_s": 10.0}}
+    runs = {"thundersync": {"run_dir": tmp_path, "pin": {"rollout_side_cpus": [0, 1]}},
+            tail.TAIL_MODE: {"per_step": {1: {}}}}
+    out = tail.headline(rows, runs)
+    assert out["prediction_host_bound"] and out["sim_prediction"]["host_cores"] == 2
+    assert out["sim_prediction_slots_only"] == free
+    assert out["plain_prediction_rel_err"] == pytest.approx(out["sim_prediction"]["plain_step_s"] / 12.0 - 1, abs=1e-4)

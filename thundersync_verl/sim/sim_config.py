@@ -49,6 +49,7 @@ class SimConfig:
     tail_eta: float = 1.25  # thundersync_tail: prompt groups launched per step / groups the batch needs
     tail_max_deferrals: int = 2  # thundersync_tail: a prompt aborted this many times is kept on its next run
     tail_rounds: str = "dedicated"  # thundersync_tail: queued prompts run in rounds of their own, or "mixed"
+    host: object | None = None  # host.HostCpu: the rollout hosts' CPU bound on each round (sync, thundersync, tail)
 
     @property
     def buffers_per_open_group(self) -> int:
@@ -90,6 +91,10 @@ class SimConfig:
             raise ValueError("rollout_slots and the batch size must be >= 1")
         if self.verify_overlap:
             self._validate_verify_overlap()
+        if self.host is not None and (self.mode not in ("sync", "thundersync", TAIL_MODE) or self.verify_overlap
+                                      or (self.shared_cores is not None and self.shared_cores.active)):
+            raise ValueError(f"the host CPU bound (host) is modelled for sync, thundersync and {TAIL_MODE} on "
+                             f"dedicated devices (got mode {self.mode!r}); drop host, shared_cores or verify_overlap")
         if self.pace is not None and self.mode != "fully_async":
             raise ValueError(f"pace is a fully_async policy (got mode {self.mode!r}): it rejects groups from the "
                              "pool of finished ones, which only a streaming pipeline has; use mode='fully_async'")

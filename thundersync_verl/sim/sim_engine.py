@@ -30,6 +30,7 @@ from thundersync_verl.sim.events import (Placement, Recorder, count_tokens, land
                      place_rollouts, reward_times)
 from thundersync_verl.sim.fully_async import simulate_fully_async
 from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.host import bound_round
 from thundersync_verl.sim.lane import LaneWork, run_lane
 from thundersync_verl.sim.metrics import SimResult
 from thundersync_verl.sim.sim_pace import simulate_pace
@@ -72,6 +73,9 @@ def _barrier(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
     for k in range(cfg.steps):
         batch = source.batch(k)
         place = place_rollouts(batch.dur_s, t, cfg.rollout_slots)
+        if cfg.host is not None:  # the rollout hosts' CPUs (host.py)
+            batch, place, _ = bound_round(cfg.host, batch, place, t, float(reward_times(batch, place, cfg.algo).max()),
+                                          cfg.rollout_slots)
         work, computed = lane_work(batch, place, cfg.algo, gran, costs)
         run = run_lane(work, policy, t, record=cfg.record_timeline)
         t_opt = run.finish + costs.step_overhead_s + costs.optimizer_s

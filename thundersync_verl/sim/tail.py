@@ -42,6 +42,7 @@ import numpy as np
 from thundersync_verl.core.tail_policy import TailQueue, launch_size, select_first
 from thundersync_verl.sim.events import Placement, Recorder, lane_policy, place_rollouts, reward_times
 from thundersync_verl.sim.hardware import LearnerCosts
+from thundersync_verl.sim.host import bound_round
 from thundersync_verl.sim.lane import LaneWork, run_lane
 from thundersync_verl.sim.metrics import SimResult
 from thundersync_verl.sim.prompts import PromptSource, RecordedPrompts
@@ -76,10 +77,10 @@ def simulate_tail(cfg: SimConfig, source, costs: LearnerCosts) -> SimResult:
         prompts, aborted, first, pinned, fresh = _launch(queue, fresh, launch_n, p, k)
         batch = src.gather(prompts, aborted)  # attempt index = runs before this one
         place = place_rollouts(batch.dur_s, t, cfg.rollout_slots)
-        land = reward_times(batch, place, cfg.algo)  # [N]
-        close = np.full(batch.n_groups, -np.inf)
-        np.maximum.at(close, batch.group, land)  # [L] a group completes when its last reward lands
-        kept, t_cut = _select(close, pinned, p, t)
+        land, close, kept, t_cut = _round(batch, place, pinned, p, t, cfg.algo)
+        if cfg.host is not None:  # the rollout hosts' CPUs (host.py): the same groups complete first, later
+            batch, place, _ = bound_round(cfg.host, batch, place, t, t_cut, cfg.rollout_slots)
+            land, close, kept, t_cut = _round(batch, place, pinned, p, t, cfg.algo)
         started = np.zeros(batch.n_groups, dtype=bool)
         np.logical_or.at(started, batch.group, place.start < t_cut)  # [L] a group that never got a slot did not run
         work = _work(batch, land, close, kept, t_cut, gran, costs)
@@ -121,6 +122,14 @@ def _launch(queue: TailQueue, fresh: int, n: int, p: int, step: int):
     pin = np.zeros(len(prompts), dtype=bool)
     pin[:plan.pinned] = True
     return prompts, aborted, first, pin, fresh + plan.fresh
+
+
+def _round(batch: Batch, place: Placement, pinned: np.ndarray, p: int, t0: float, algo: str):
+    """(landings [N], group completions [L], kept groups [L], abort time) of a placed round."""
+    land = reward_times(batch, place, algo)  # [N]
+    close = np.full(batch.n_groups, -np.inf)
+    np.maximum.at(close, batch.group, land)  # [L] a group completes when its last reward lands
+    return (land, close, *_select(close, pinned, p, t0))
 
 
 def _select(close: np.ndarray, pinned: np.ndarray, p: int, t0: float) -> tuple[np.ndarray, float]:
