@@ -6,7 +6,8 @@ Why:
    Tail batching (thundersync_verl/sim/tail.py) launches ceil(eta x P) prompt groups for a batch of
    P, trains the first P to complete, aborts and queues the rest, and runs the queued prompts again
    in a later round at the weights of that round: staleness 0. This study sweeps it beside Sync,
-   Async, Fully Async and plain ThunderSync.
+   Async, Fully Async and plain ThunderSync, and beside Sync running the same tail policy (`sync_tail`,
+   the fair reference: what the tail policy gives without streaming, `tail_x_sync_tail` what streaming adds).
 2. Every mode runs at the learner/rollout split the planner picks for it (planner.plan_split), on
    the same GPUs, batch and prompts (sim/tail_study.py). The batch is swept per rollout GPU of the
    half/half layout (the preset caps it at 16k sequences, 8 per rollout GPU at 4,096 GPUs), so no
@@ -33,7 +34,7 @@ from pathlib import Path
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 from thundersync_verl.sim.metrics import format_table
 from thundersync_verl.sim.plot import plot_step_times
-from thundersync_verl.sim.tail_study import TAIL, Deployment, Variant, run_deployment
+from thundersync_verl.sim.tail_study import SYNC_TAIL, TAIL, Deployment, Variant, run_deployment
 
 SCRIPT = Path(__file__).stem
 GPU_COUNTS = (8, 64, 512, 4096)
@@ -85,6 +86,8 @@ def headline(rows: list[dict]) -> dict:
         "batch": tail["batch"], "sync_step_s": round(by["sync"]["step_s"], 1),
         "thundersync_tail_x_sync": r3(tail["x_sync"]), "fully_async_x_sync": r3(by["fully_async"]["x_sync"]),
         "plain_thundersync_x_sync": r3(by["thundersync"]["x_sync"]), "async_x_sync": r3(by["async"]["x_sync"]),
+        "sync_tail_x_sync": r3(by[SYNC_TAIL]["x_sync"]),  # the same tail policy with Sync's learner (tail_study point 4)
+        "tail_x_sync_tail": r3(by[SYNC_TAIL]["step_s"] / ref["step_s"]),  # what streaming adds to the reference variant
         "tail_variant": tail["variant"], "tail_x_plain_thundersync": r3(tail["x_thundersync"]),
         "tail_over_fully_async_step_rate": r3(tail["rate_over_fully_async"]),
         "staleness_max": tail["staleness_max"],  # the tail policy's (0: every trained token is on-policy)
@@ -157,7 +160,8 @@ def summarize(heads: dict, quick: bool, steps: int, seconds: float) -> dict:
         "variants": [v.label for v in (QUICK_VARIANTS if quick else FULL_VARIANTS)],
         "headline": big,
         "goal_tail_rate_over_fully_async_4096": goal, "goal_met": any(x >= GOAL_RATE for x in goal.values()),
-        "tail_x_plain_thundersync_512plus": win, "win_1p5x_anywhere": any(x >= WIN for x in win.values()),
+        "tail_x_plain_thundersync_512plus": win,
+        "tail_x_sync_tail_512plus": {k: v["tail_x_sync_tail"] for k, v in big.items()}, "win_1p5x_anywhere": any(x >= WIN for x in win.values()),
         "win_1p5x_everywhere": all(x >= WIN for x in win.values()),
         "response_tokens_tail_over_sync": {k: {q: round(v["response_tokens"]["thundersync_tail"][q] /
                                                     v["response_tokens"]["sync"][q], 3) for q in ("mean", "p50", "p90")}

@@ -133,7 +133,7 @@ def plot_step_times(rows: list[dict], path, batches=(64, 8)) -> str:
     """
     styles = dict(zip(batches, ("-", "--", ":", "-.")))
     combos = sorted({(r["model"], r["tail"]) for r in rows})
-    modes = [m for m in ("sync", "async", "fully_async", "thundersync", "thundersync_tail")
+    modes = [m for m in ("sync", "async", "fully_async", "thundersync", "thundersync_tail", "sync_tail")
              if any(r["mode"] == m for r in rows)]
     cols = min(len(combos), 2)
     nrows = -(-len(combos) // cols)

@@ -15,7 +15,11 @@ Why this module exists:
 3. Each row holds what the study reports: step time, GPU-hours per million trained tokens,
    staleness, wasted tokens (rollout) and wasted learner work, deferral statistics, and the
    trained response lengths (Sync trains every prompt's first attempt: the unbiased draw).
-4. What bounds a zero-staleness round is in the workload itself (`workload_times`): every kept
+4. Sync with the same tail policy is the fair reference for what streaming adds to it: the tail policy at
+   batch granularity (`SYNC_TAIL`: every kept group trains after the round's batch is complete, one
+   chunk, as Sync's `update_actor`), on its own planned split. It trains the same groups as the streamed
+   tail policy (the same prompts, launches and aborts), only later.
+5. What bounds a zero-staleness round is in the workload itself (`workload_times`): every kept
    group starts at the round's weight push and the round lasts until its slowest kept group has
    all its rewards, so a round costs about a group's completion time (a quantile of it when the
    first P of ceil(eta P) are kept), while a pipeline that may run ahead (Fully Async) pays about
@@ -37,6 +41,7 @@ from thundersync_verl.sim.tail import length_summary
 SLOTS_PER_ROLLOUT_GPU = 64  # sequences per rollout B200 at the calibrated decode speed (presets.PAPER_ROLLOUT)
 BASE_MODES = ("sync", "async", "fully_async", "thundersync")
 TAIL = "thundersync_tail"
+SYNC_TAIL = "sync_tail"  # the tail policy with Sync's learner (point 4)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,9 @@ def run_deployment(dep: Deployment, variants: list[Variant], steps: int, plan_st
                 cfg = dep.setting(learner).sim_config(TAIL, "grpo", steps, warmup_steps=warmup, **v.config())
                 rows.append(_row(dep, TAIL, v.label, simulate(cfg, source, dep.setting(learner).costs), learner,
                                  {}, source, warmup))
+    sync_tail = {**variants[0].config(), "granularity": "batch"}
+    res, learner, tried = _planned(dep, source, candidates, TAIL, sync_tail, steps, steps, warmup)
+    rows.append(_row(dep, SYNC_TAIL, variants[0].label, res, learner, tried, source, warmup))
     times = workload_times(source, range(warmup, steps), variants[0].eta)
     for r in rows:
         r["workload"] = times
@@ -126,7 +134,7 @@ def _planned(dep, source, candidates, mode, extra, steps, plan_steps, warmup):
 def _row(dep: Deployment, mode: str, variant: str, res, learner: int, tried: dict, source, warmup: int) -> dict:
     tail = res.extra.get("tail", {})
     window = range(res.warmup_steps, len(res.step_end))
-    if mode == TAIL:
+    if mode in (TAIL, SYNC_TAIL):
         tokens = tail["trained_tokens_per_step"]
         lengths = tail["response_tokens"]
     else:
