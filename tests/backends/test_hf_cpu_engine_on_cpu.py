@@ -114,6 +114,33 @@ def test_abort_returns_in_flight_requests_and_parks_new_ones(engine):
     assert later.stop_reason == "length" and len(later.token_ids) == 3
 
 
+def test_a_stopped_or_cancelled_request_leaves_the_batch_and_the_others_run_on(engine):
+    long = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def run():
+        stop = asyncio.get_running_loop().create_future()
+        stopped = asyncio.create_task(engine.generate(_prompt(engine), long, stop=stop))
+        dropped = asyncio.create_task(engine.generate(_prompt(engine), long))
+        kept = asyncio.create_task(engine.generate(_prompt(engine), {**long, "max_tokens": 40}))
+        await asyncio.sleep(0.05)
+        stop.set_result(None)  # the caller's group was aborted
+        dropped.cancel()  # the caller stopped waiting
+        out = await asyncio.wait_for(stopped, 5.0)
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        busy = len(engine._running) + len(engine._waiting)
+        done = await asyncio.wait_for(kept, 30.0)
+        return out, done, busy, len(engine._running) + len(engine._waiting)
+
+    out, kept, busy_after, left = asyncio.run(run())
+    assert out.stop_reason == "aborted" and len(out.token_ids) < 200
+    assert busy_after <= 1  # at most the kept request decodes on
+    assert left == 0  # the cancelled one (200 tokens asked, 40 for the kept one) is not decoding any more
+    assert kept.stop_reason == "length" and len(kept.token_ids) == 40
+    solo = asyncio.run(engine.generate(_prompt(engine), {"max_tokens": 40, "ignore_eos": True, "temperature": 0}))
+    assert solo.token_ids == kept.token_ids  # the aborts changed nothing for the request that ran on
+
+
 def test_bad_sampling_params_and_overlong_prompt_fail_clearly(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingSpec.from_params({"max_tokens": 0}, default_max_tokens=5)

@@ -91,6 +91,34 @@ def test_without_tail_batching_no_registry_is_asked(registry):
     _clear(registry, "a1")
 
 
+def test_the_cpu_engine_stops_an_aborted_groups_call_and_only_when_named(registry, tiny_random_lm):
+    from types import SimpleNamespace
+
+    from thundersync_verl.backends.cpu.rollout import HFCpuServer
+    from thundersync_verl.envs.abort import ABORT_UID_KEY
+
+    config = SimpleNamespace(dtype="float32", max_model_len=256, prompt_length=48, response_length=200, engine_kwargs={})
+    server = HFCpuServer(config, SimpleNamespace(local_path=str(tiny_random_lm)), None, 0)
+    prompt = server.engine.tokenizer.encode("<|im_start|>user\nCompute `3+4`.<|im_end|>\n<|im_start|>assistant\n")
+    params = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def scenario():
+        named = asyncio.ensure_future(server.generate(prompt, params, request_id="r1", **{ABORT_UID_KEY: "s1"}))
+        other = asyncio.ensure_future(server.generate(prompt, params, request_id="r2", **{ABORT_UID_KEY: "s2"}))
+        await asyncio.sleep(0.1)
+        await registry.add.remote(["s1"])
+        cut = await asyncio.wait_for(named, CALL_BOUND_S)
+        return cut, await asyncio.wait_for(other, CALL_BOUND_S)
+
+    cut, other = asyncio.run(scenario())
+    assert cut.stop_reason == "aborted" and len(cut.token_ids) < 200
+    assert other.stop_reason == "completed" and len(other.token_ids) == 200  # another group's call runs to its end
+    assert AbortCheck(True, "hf_cpu").server_kwargs("s1") == {ABORT_UID_KEY: "s1"}
+    assert AbortCheck(True, "vllm").server_kwargs("s1") == {}  # vLLM's server takes no such argument
+    assert AbortCheck(False, "hf_cpu").server_kwargs("s1") == {} == AbortCheck(True, "hf_cpu").server_kwargs(None)
+    _clear(registry, "s1")
+
+
 def test_the_watch_finds_a_restarted_registry(registry):
     import ray
 

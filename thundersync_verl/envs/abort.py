@@ -12,9 +12,11 @@ Why:
 3. An agent loop runs each generate and tool call through ``AbortCheck.unless_aborted``: an aborted
    group's loop raises ``GroupAborted`` before its next call, and a call in flight when the abort
    arrives is cancelled at once (the loop does not wait for it; a cancelled sandbox call is killed,
-   ``envs/sandbox.py``; a generate call already on the server is left to finish there, as verl's
-   client offers no cancel, and its answer is dropped). So a loop stops within one round trip of the
-   abort, not at its next call. The abort is an optimisation only: whatever an aborted group's loops
+   ``envs/sandbox.py``). So a loop stops within one round trip of the abort, not at its next call.
+   verl's client offers no cancel of a generate call on the server; on the CPU engine the loop names its
+   group in the call (``ABORT_UID_KEY``, which verl's client passes through to the server) and the server
+   follows the registry too (``abort_signal``): the request leaves the engine's batch at the next decode step.
+   On vLLM/SGLang the call runs to its end in the engine and its answer is dropped. The abort is an optimisation only: whatever an aborted group's loops
    still land is cleared by the trainer (``step/tail_rounds.py`` point 3), never trained.
 4. An aborted agent loop raises ``GroupAborted``: verl's worker then tags the prompt ``failure`` and
    puts nothing of it in the batch (no token of an aborted trajectory reaches the learner; the trainer
@@ -26,11 +28,14 @@ Why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
-from typing import Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, TypeVar
 
 REGISTRY_NAME = "thundersync_tail_aborts"
+ABORT_UID_KEY = "thundersync_abort_uid"  # generate kwarg: the group a call belongs to (servers that can stop one)
+SERVER_SIDE_ABORT = ("hf_cpu",)  # rollout backends whose server stops an aborted group's call (point 3)
 WATCH_TIMEOUT_S = 30.0  # a long-poll call returns after this long without a change (and is sent again)
 RETRY_S = 0.5  # pause before the watch looks the registry up again after a failed call
 logger = logging.getLogger(__name__)
@@ -181,8 +186,13 @@ class AbortWatch:
 class AbortCheck:
     """An agent loop's side of the abort (points 2-3); free when tail batching is off."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, rollout_name: str = ""):
         self.enabled = enabled
+        self.server_side = enabled and rollout_name in SERVER_SIDE_ABORT
+
+    def server_kwargs(self, uid) -> dict:
+        """What the loop adds to its generate call so that the server can stop it (point 3)."""
+        return {ABORT_UID_KEY: str(uid)} if self.server_side and uid is not None else {}
 
     @staticmethod
     def _error(uid) -> GroupAborted:
@@ -220,6 +230,21 @@ class AbortCheck:
         except (asyncio.CancelledError, Exception):
             pass
         raise self._error(uid)
+
+
+@contextlib.asynccontextmanager
+async def abort_signal(uid) -> AsyncIterator[asyncio.Future | None]:
+    """A server's side (point 3): a future done once the group ``uid`` is aborted; None (never) without a uid."""
+    if uid is None:
+        yield None
+        return
+    watch, key = await AbortWatch.current().ready(), str(uid)
+    stop = watch.aborted(key)
+    try:
+        yield stop
+    finally:
+        watch.forget(key, stop)
+        stop.cancel()
 
 
 def _close(call) -> None:

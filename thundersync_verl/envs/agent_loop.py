@@ -58,7 +58,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
         super().__init__(*args, **kwargs)
         ts = ThunderSyncConfig.from_verl(self.config)
         self.settings = ts.env  # thundersync.env, typed and checked
-        self.abort = AbortCheck(ts.tail.enabled)  # tail batching: stop within a round trip of the group's abort
+        self.abort = AbortCheck(ts.tail.enabled, self.rollout_config.name)  # tail batching: stop on the group's abort
         if ts.tail.enabled:
             quiet_aborted_sessions(va.agent_loop_session_loggers())
         self.latency = self.settings.tool_latency
@@ -94,6 +94,7 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
                 request_id=request_id,
                 prompt_ids=prompt_ids + response_ids,
                 sampling_params={**sampling_params, "max_tokens": budget},
+                **self.abort.server_kwargs(kwargs.get("uid")),
             ))
             turn = {"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids) + len(response_ids), "tool_s": 0.0,
                     "min_version": int(out.extra_fields.get("min_global_steps") or 0),  # PACE's per-turn versions

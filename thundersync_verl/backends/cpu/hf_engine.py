@@ -113,6 +113,8 @@ class _Request:
     cache: Any = None  # per-layer (K, V) while decoding
     reason: str = "length"
     t0: float = dataclasses.field(default_factory=time.perf_counter)
+    stop: Optional[asyncio.Future] = None  # done: leave the batch at the next step (the caller's group was aborted)
+    dropped: bool = False  # the caller stopped waiting (its call was cancelled)
 
 
 class HFGenerationEngine:
@@ -161,7 +163,10 @@ class HFGenerationEngine:
         return loaded
 
     # -- generation ----------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: dict[str, Any]) -> Generation:
+    async def generate(self, prompt_ids: list[int], params: dict[str, Any],
+                       stop: Optional[asyncio.Future] = None) -> Generation:
+        """One request, batched with the others in flight. ``stop``: once done, the request leaves the batch at the
+        next step and returns what it has, reason "aborted"; a cancelled call's request leaves it the same way."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
@@ -176,15 +181,20 @@ class HFGenerationEngine:
         try:
             await self._paused.wait()  # requests that arrive during a pause are parked, not failed
             stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self.eos_token_ids)
-            req = _Request(list(prompt_ids), spec, gen, stops, self._abort_epoch, asyncio.get_running_loop().create_future())
+            req = _Request(list(prompt_ids), spec, gen, stops, self._abort_epoch, asyncio.get_running_loop().create_future(),
+                           stop=stop)
             self._waiting.append(req)
             self._ensure_scheduler()
-            await req.done
+            try:
+                await req.done
+            except asyncio.CancelledError:
+                req.dropped = True  # no one will read it: stop computing it
+                raise
         finally:
             self.active -= 1
         versions = req.versions or [self.version]
         out_lp = req.out_lp
-        if self.rescore and req.out_ids and min(versions) == max(versions) == self.version:
+        if self.rescore and req.out_ids and req.reason != "aborted" and min(versions) == max(versions) == self.version:
             out_lp = self._full_forward_logprobs(req.prompt_ids, req.out_ids, spec.temperature)
         return Generation(req.out_ids, out_lp, req.reason, min(versions), max(versions), time.perf_counter() - req.t0)
 
@@ -244,7 +254,8 @@ class HFGenerationEngine:
 
     def _retire_aborted(self) -> None:
         for queue in (self._waiting, self._running):
-            for req in [r for r in queue if r.epoch != self._abort_epoch]:
+            for req in [r for r in queue if r.epoch != self._abort_epoch or r.dropped
+                        or (r.stop is not None and r.stop.done())]:
                 queue.remove(req)
                 self._finish(req, "aborted")
 

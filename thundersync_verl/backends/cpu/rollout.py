@@ -35,6 +35,7 @@ from thundersync_verl.backends import rollout_contract as contract
 from thundersync_verl.backends.cpu.hf_engine import HFGenerationEngine
 from thundersync_verl.backends.lora_weights import LoraMerger, LoraSpec
 from thundersync_verl.backends.replay.record import GenerateRecorder
+from thundersync_verl.envs.abort import ABORT_UID_KEY, abort_signal
 
 logger = logging.getLogger(__name__)
 ROLLOUT_NAME = "hf_cpu"
@@ -142,7 +143,8 @@ class HFCpuServer(contract.ServerControl):
         if faults.ACTIVE:  # $THUNDERSYNC_FAULTS: rollout_kill
             faults.rollout_generate()
         start = self.recorder.clock() if self.recorder is not None else 0.0
-        gen = await self.engine.generate(list(prompt_ids), params)
+        async with abort_signal(kwargs.get(ABORT_UID_KEY)) as stop:  # tail batching: the group's abort stops it
+            gen = await self.engine.generate(list(prompt_ids), params, stop=stop)
         self.requests_served += 1
         if self.recorder is not None and num_prompt_logprobs is None:  # teacher scoring calls are not rollouts
             self.recorder.generation(request_id=request_id, prompt_ids=prompt_ids, sampling_params=params, gen=gen, start=start)

@@ -86,7 +86,7 @@ class SWEAgentLoop(va.agent_loop_base()):
         self.repos_dir = repos_dir_for(self.settings, self.config)
         self.turn_teacher = AgentTurnTeacher.for_agent_loop(self.config, self.server_manager)  # None unless OPD
         tail = ThunderSyncConfig.from_verl(self.config).tail.enabled
-        self.abort = AbortCheck(tail)  # tail batching: stop within a round trip of the group's abort (envs/abort.py)
+        self.abort = AbortCheck(tail, self.rollout_config.name)  # tail batching: stop on the group's abort (envs/abort.py)
         if tail:
             quiet_aborted_sessions(va.agent_loop_session_loggers())
 
@@ -112,8 +112,9 @@ class SWEAgentLoop(va.agent_loop_base()):
             budget = self._budget(ep)
             if budget <= 0:
                 break
-            action_start = await self.abort.unless_aborted(kwargs.get("uid"),
-                                                           self._generate(ep, sampling_params, budget, request_id, key))
+            action_start = await self.abort.unless_aborted(kwargs.get("uid"), self._generate(
+                ep, sampling_params, budget, request_id, key,
+                self.abort.server_kwargs(kwargs.get("uid"))))
             action = protocol.parse_action(self.tokenizer.decode(ep.response_ids[action_start:], skip_special_tokens=False))
             if action is None:
                 break
@@ -134,11 +135,14 @@ class SWEAgentLoop(va.agent_loop_base()):
         used = len(ep.response_ids) + pending
         return min(self.response_length - used, self.max_context - len(ep.prompt_ids) - used)
 
-    async def _generate(self, ep: Episode, sampling_params, budget: int, request_id: str, key: str) -> int:
-        """One assistant turn appended (trained); its teacher scoring launched in OPD runs; returns where it starts."""
+    async def _generate(self, ep: Episode, sampling_params, budget: int, request_id: str, key: str,
+                        extra: dict | None = None) -> int:
+        """One assistant turn appended (trained); its teacher scoring launched in OPD runs; returns where it starts.
+        ``extra``: keyword arguments for the server (``envs/abort.generate_kwargs``)."""
         t0 = time.time()
         out = await self.server_manager.generate(request_id=request_id, prompt_ids=ep.prompt_ids + ep.response_ids,
-                                                 sampling_params={**sampling_params, "max_tokens": budget})
+                                                 sampling_params={**sampling_params, "max_tokens": budget},
+                                                 **(extra or {}))
         ep.turns.append({"gen_s": time.time() - t0, "gen_tokens": len(out.token_ids),
                          "prompt_tokens": len(ep.prompt_ids) + len(ep.response_ids), "tool_s": 0.0})
         ep.versions += [int(out.extra_fields.get("min_global_steps") or 0), int(out.extra_fields.get("max_global_steps") or 0)]
