@@ -161,7 +161,8 @@ def summarize(heads: dict, quick: bool, steps: int, seconds: float) -> dict:
         "headline": big,
         "goal_tail_rate_over_fully_async_4096": goal, "goal_met": any(x >= GOAL_RATE for x in goal.values()),
         "tail_x_plain_thundersync_512plus": win,
-        "tail_x_sync_tail_512plus": {k: v["tail_x_sync_tail"] for k, v in big.items()}, "win_1p5x_anywhere": any(x >= WIN for x in win.values()),
+        "tail_x_sync_tail_512plus": {k: v["tail_x_sync_tail"] for k, v in big.items()},
+        "win_1p5x_anywhere": any(x >= WIN for x in win.values()),
         "win_1p5x_everywhere": all(x >= WIN for x in win.values()),
         "response_tokens_tail_over_sync": {k: {q: round(v["response_tokens"]["thundersync_tail"][q] /
                                                     v["response_tokens"]["sync"][q], 3) for q in ("mean", "p50", "p90")}

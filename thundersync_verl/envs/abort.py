@@ -16,8 +16,9 @@ Why:
    verl's client offers no cancel of a generate call on the server; on the CPU engine the loop names its
    group in the call (``ABORT_UID_KEY``, which verl's client passes through to the server) and the server
    follows the registry too (``abort_signal``): the request leaves the engine's batch at the next decode step.
-   On vLLM/SGLang the call runs to its end in the engine and its answer is dropped. The abort is an optimisation only: whatever an aborted group's loops
-   still land is cleared by the trainer (``step/tail_rounds.py`` point 3), never trained.
+   On vLLM/SGLang the call runs to its end in the engine and its answer is dropped. The abort is an
+   optimisation only: whatever an aborted group's loops still land is cleared by the trainer
+   (``step/tail_rounds.py`` point 3), never trained.
 4. An aborted agent loop raises ``GroupAborted``: verl's worker then tags the prompt ``failure`` and
    puts nothing of it in the batch (no token of an aborted trajectory reaches the learner; the trainer
    clears what had landed and requeues the prompt). verl logs a session error with its traceback for
@@ -70,9 +71,6 @@ class AbortRegistry:
         self.uids.difference_update(uids)
         self._bump()
 
-    async def is_aborted(self, uid: str) -> bool:
-        return uid in self.uids
-
     async def watch(self, epoch: int, timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, list[str]]:
         """``(epoch, aborted uids)`` as soon as the epoch is not ``epoch`` (at once if it already is not), or
         after ``timeout_s`` unchanged."""
@@ -93,19 +91,12 @@ def start_registry():
     return ray.remote(num_cpus=0)(AbortRegistry).options(name=REGISTRY_NAME, get_if_exists=True).remote()
 
 
-def _lookup_registry():
-    import ray
-
-    return ray.get_actor(REGISTRY_NAME)
-
-
 class AbortWatch:
     """One agent-loop process's view of the registry (point 2): one per event loop, shared by its agent loops."""
 
     _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AbortWatch]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, lookup=_lookup_registry):
-        self._lookup = lookup
+    def __init__(self):
         self._registry = None
         self.epoch = -1
         self.uids: frozenset[str] = frozenset()
@@ -139,7 +130,9 @@ class AbortWatch:
 
     async def _read(self, epoch: int, timeout_s: float):
         if self._registry is None:
-            self._registry = self._lookup()
+            import ray
+
+            self._registry = ray.get_actor(REGISTRY_NAME)
         return await self._registry.watch.remote(epoch, timeout_s)
 
     async def _follow(self) -> None:
@@ -204,31 +197,22 @@ class AbortCheck:
         ``GroupAborted`` raised (point 3)."""
         if not self.enabled or uid is None:
             return await call
+        task = None
         try:
-            watch = await AbortWatch.current().ready()
-        except BaseException:
-            _close(call)
-            raise
-        key = str(uid)
-        if key in watch.uids:
-            _close(call)
-            raise self._error(uid)
-        task, stop = asyncio.ensure_future(call), watch.aborted(key)
-        cut = False
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            async with abort_signal(uid) as stop:
+                if not stop.done():  # not aborted already
+                    task = asyncio.ensure_future(call)
+                    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            watch.forget(key, stop)
-            stop.cancel()
-            if not task.done():  # the abort arrived first (or this loop itself is being cancelled)
-                task.cancel()
-                cut = True
-        if not cut:
+            if task is None:
+                _close(call)  # never started: the group was aborted already, or the registry did not answer
+            elif not task.done():
+                task.cancel()  # the abort arrived first (or this loop itself is being cancelled)
+        if task is not None and task.done():
             return task.result()  # finished before (or as) the abort arrived: the next call raises
-        try:
-            await task  # let the cancelled call clean up (a sandbox call kills its process)
-        except (asyncio.CancelledError, Exception):
-            pass
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # let the cancelled call clean up (a sandbox call kills its process)
         raise self._error(uid)
 
 
