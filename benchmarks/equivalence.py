@@ -94,6 +94,17 @@ Why:
    the same config (``opd_config.opd_loss_from_verl_config``); with task rewards the stream also feeds each trajectory
    when its last turn has arrived (``algos/opd/opd_task.py``). JSON <name>_verl[_M] with a ``distillation`` key
    (``--quick --seeds 0,1,2``: equivalence_opd_verl_seeds.json; the project's setting: equivalence_opd_seeds.json).
+19. The applied gradient (FSDP2, every comparison): each step's update is also compared before fp32 parameter
+   storage rounds it, on the clipped gradient the optimizer step applied (``learner/engines/fsdp.py`` point 5);
+   JSON ``gap_over_floor_applied`` (worst step; with ``--seeds`` its median, ``_per_seed`` and ``_worst``). A weight
+   near 1 (a norm weight) is stored to 1.2e-7: where one such element's update lands on the other side of a
+   rounding boundary in one path, the update's gap grows by 1.2e-7 / ||dθ|| (3e-6 at lr 0.05), whatever the
+   gradients. Measured: the k1 tail (seed 0 step 2, 4.68) is one flip of one final-norm weight, absent on the
+   gradient (3.07 / 3.24 / 3.14 over seeds 0-2, every step 2.3-3.2); the token-mask outlier (seed 1, 2.90 and
+   4.98 at steps 2-3) likewise (1.69 and 2.02 there). On the gradient the regrouped floor is about 3x smaller
+   (1.3e-7 against 5e-7 on the update: storage rounding is most of the update floor), and the three
+   settings measured (plain GRPO, k1 + entropy, token-mask; 2026-12-06) sit at 2.3-3.5 x it: point 7's per-row
+   rounding of A_i / N, which the floor never sees.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -426,9 +437,23 @@ def _report_float64_sum(runs: dict) -> dict:
     return {"gap_float64_sum": max(gaps), "gap_float64_sum_over_floor": max(g / f for g, f in zip(gaps, floors))}
 
 
+def _report_applied(info_a: list, info_b: list, info_s: list) -> dict:
+    """Point 19: the same comparison on the gradient each optimizer step applied (FSDP2 records it), before fp32
+    parameter storage rounds the update; {} where a run did not record it."""
+    if not all("applied" in i for i in (*info_a, *info_b, *info_s)):
+        return {}
+    rows = [(relative_gap(s["applied"], a["applied"]), relative_gap(b["applied"], a["applied"]))
+            for a, b, s in zip(info_a, info_b, info_s)]
+    ratios = [g / f if f > 0 else float("inf") for g, f in rows]
+    print("  on the applied gradient (before parameter storage rounding), gap (gap/floor) per step: "
+          + ", ".join(f"{g:.3e} ({r:.2f})" for (g, _), r in zip(rows, ratios)))
+    k = ratios.index(max(ratios))
+    return {"gap_applied": rows[k][0], "floor_applied": rows[k][1], "gap_over_floor_applied": ratios[k]}
+
+
 def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     extra = extra or {}
-    (da, info_a), (db, _), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
+    (da, info_a), (db, info_b), (ds, info_s) = runs["sync_a"], runs["sync_b"], runs["stream"]
     layout, optimizer = f"dp={args.dp}", args.optimizer
     if args.engine == "megatron":
         layout = f"engine=megatron, tp={args.tp}, pp={args.pp}, dp={args.dp}" + (", per-token loss" * args.per_token_loss)
@@ -449,7 +474,7 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     verdict = "PASS" if worst[2] <= 2.0 else "FAIL"
     print(f"worst step: gap/floor = {worst[2]:.2f} -> {verdict} (acceptance: gap <= 2 x floor); {seconds:.0f} s")
     result = {"algo": args.algo, "engine": args.engine, "tp": args.tp, "pp": args.pp, "dp": args.dp,
-              "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2]}
+              "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2], **_report_applied(info_a, info_b, info_s)}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
     if "terms" in extra:  # point 8: --kl / --entropy
         terms = extra["terms"]

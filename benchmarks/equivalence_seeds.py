@@ -28,6 +28,10 @@ def aggregate_seeds(per_seed: list[dict]) -> dict:
     result = {k: v for k, v in pick.items() if k not in ("seed", "seconds")}
     result.update(gap_over_floor=median, gap_over_floor_per_seed=ratios, gap_over_floor_worst=max(ratios),
                   seeds=[r["seed"] for r in per_seed], median_seed=pick["seed"], per_seed=per_seed)
+    if all("gap_over_floor_applied" in r for r in per_seed):  # equivalence.py point 19, aggregated the same way
+        applied = [r["gap_over_floor_applied"] for r in per_seed]
+        result.update(gap_over_floor_applied=statistics.median_high(applied), gap_over_floor_applied_per_seed=applied,
+                      gap_over_floor_applied_worst=max(applied))
     return result
 
 
@@ -49,6 +53,9 @@ def report_seeds(args, seconds: float, failed: dict | None = None) -> dict:
           + f"; median {median:.2f} (seed {result['median_seed']}) -> {'PASS' if median <= 2.0 else 'FAIL'}, "
           + f"worst seed {worst:.2f}{'' if worst <= 2.0 else ' (above 2)'}; {seconds:.0f} s"
           + ("" if failed is None else f" (PARTIAL: {len(result['seeds'])} of {len(args.seeds)} seeds)"))
+    if "gap_over_floor_applied" in result:
+        print("on the applied gradient (point 19): " + ", ".join(f"{r:.2f}" for r in result["gap_over_floor_applied_per_seed"])
+              + f"; median {result['gap_over_floor_applied']:.2f}, worst seed {result['gap_over_floor_applied_worst']:.2f}")
     result["seconds"] = round(seconds, 1)
     write_result(name, result, args.results_dir)
     return result

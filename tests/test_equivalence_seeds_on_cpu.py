@@ -30,6 +30,27 @@ def test_the_median_seed_carries_the_result_and_the_worst_stands_beside_it(bench
     assert "seed" not in result and result["per_seed"] == per_seed
 
 
+def test_the_applied_gradient_figure_is_aggregated_on_its_own_and_only_where_every_seed_has_it(bench):
+    per_seed = [dict(seed_result(0, 4.7), gap_over_floor_applied=3.1), dict(seed_result(1, 2.0), gap_over_floor_applied=3.2),
+                dict(seed_result(2, 1.9), gap_over_floor_applied=2.9)]
+    result = bench.aggregate_seeds(per_seed)
+    assert result["gap_over_floor"] == 2.0 and result["gap_over_floor_applied"] == 3.1  # its own median, not seed 1's
+    assert result["gap_over_floor_applied_worst"] == 3.2 and result["gap_over_floor_applied_per_seed"] == [3.1, 3.2, 2.9]
+    del per_seed[2]["gap_over_floor_applied"]
+    assert "gap_over_floor_applied_worst" not in bench.aggregate_seeds(per_seed)
+
+
+def test_applied_gradient_rows_compare_each_step_and_report_the_worst(bench):
+    def rows(*pairs):  # float64, as the learner records them
+        return [{"applied": torch.tensor(p, dtype=torch.float64)} for p in pairs]
+
+    a, b = rows([1.0, 2.0], [3.0, 4.0]), rows([1.0, 2.0 + 1e-6], [3.0, 4.0 + 1e-6])
+    s = rows([1.0, 2.0 + 2e-6], [3.0, 4.0 + 3e-6])
+    out = bench._report_applied(a, b, s)
+    assert out["gap_over_floor_applied"] == pytest.approx(3.0) and out["floor_applied"] == pytest.approx(1e-6 / 5)
+    assert bench._report_applied(a, b, s[:1] + [{}]) == {}  # a run that did not record it (Megatron)
+
+
 def test_with_an_even_count_the_median_is_the_higher_middle_value(bench):
     result = bench.aggregate_seeds([seed_result(0, 1.5), seed_result(1, 2.5), seed_result(2, 1.0), seed_result(3, 3.0)])
     assert result["gap_over_floor"] == 2.5 and result["median_seed"] == 1  # never in the stream's favour

@@ -18,7 +18,9 @@ Why:
    queues them through ``stream_exec.OpPipeline``): the simplest driver, for tests and comparisons.
    With a reference group it scores each chunk just before its backward (verl's KL loss).
 5. ``train`` resets the model and records each step's dθ, so two paths compare from the same
-   weights; ``relative_gap`` is the yardstick, ``gap_rows`` the per-step table of the benchmarks.
+   weights; ``relative_gap`` is the yardstick, ``gap_rows`` the per-step table of the benchmarks. Where the
+   learner records it (FSDP2), each step's info also carries ``applied``: the clipped gradient the optimizer
+   step applied, the update before fp32 parameter storage rounds it (``learner/engines/fsdp.py`` point 5).
    The GRPO-family spec (``PolicySpec``) and OPD's (``OPDSpec``) live here; the others in their modules.
 """
 
@@ -401,11 +403,17 @@ def train(wg, steps, reset: str = "reset_actor") -> tuple[list[torch.Tensor], li
     (one optimizer step each), return each dθ and info."""
     getattr(wg, reset)()
     theta = wg.gather_flat_params()[0]
+    record = hasattr(wg, "gather_applied_gradient")
+    if record:
+        wg.gather_applied_gradient()  # arms the recording (point 5)
     deltas, infos = [], []
     for step in steps:
         t0 = time.perf_counter()
         info = step()
         info["seconds"] = time.perf_counter() - t0
+        applied = wg.gather_applied_gradient()[0] if record else None
+        if applied is not None:
+            info["applied"] = applied
         new = wg.gather_flat_params()[0]
         deltas.append(new - theta)
         infos.append(info)

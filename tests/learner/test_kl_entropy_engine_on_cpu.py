@@ -19,6 +19,7 @@ from thundersync_harness.engine_steps import relative_gap, stream_step, sync_ste
 
 pytestmark = pytest.mark.slow  # Ray, verl's FSDP2 engine and a reference worker group (~1 min on 2 cores)
 GROUPS = 2
+LR = 0.05  # engine_setup.verl_config's SGD learning rate
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,13 @@ def test_streamed_step_with_kl_and_entropy_equals_verls_update_actor(engine):
     assert info[0]["ops/bucket"] > 0 and info[0]["ops/fold"] > 0  # bucket rows ran: their KL/entropy went direct
     assert info[0]["ref_calls"] == info[0]["ops/bucket"] + info[0]["ops/direct"]  # every chunk scored on arrival
     assert info[1]["grad_norm"] == pytest.approx(info_sync[1]["grad_norm"], rel=1e-4)
+    # the applied gradient (engines/fsdp.py point 5): SGD's update before fp32 storage rounds it, each path's own
+    for d, step in zip(d_stream + d_sync, info + info_sync):
+        applied = step["applied"]
+        assert float(applied.norm()) > 1e-3
+        assert float((d + LR * applied).abs().max()) <= 2.4e-7  # half an ulp of a stored weight below 4
+    for step, step_sync in zip(info, info_sync):
+        assert relative_gap(step["applied"], step_sync["applied"]) < 2e-5
 
 
 def test_a_kl_chunk_without_reference_log_probs_is_refused_before_its_backward(engine):

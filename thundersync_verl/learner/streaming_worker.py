@@ -440,6 +440,12 @@ class StreamingActorWorker(_Base):
         return self._learner().flat_params()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather_applied_gradient(self) -> torch.Tensor | None:
+        """The last optimizer step's clipped gradient, laid out as ``gather_flat_params`` (the learner's
+        ``applied_gradient``: the first call arms it and returns None)."""
+        return self._learner().applied_gradient()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def reset_actor(self) -> None:
         """Reload the actor from its model path with a fresh optimizer and LR scheduler."""
         va.reset_actor(self)

@@ -82,3 +82,10 @@ class StreamLearner(abc.ABC):
     @abc.abstractmethod
     def flat_params(self) -> torch.Tensor:
         """Every parameter of the model, flattened to one float64 CPU vector (a collective)."""
+
+    def applied_gradient(self) -> torch.Tensor | None:
+        """The gradient the last optimizer step applied (after the engine's clip), laid out as ``flat_params``:
+        an update compared before fp32 parameter storage rounds it. The first call arms the recording (a full
+        float64 copy of the gradient at every step: equivalence checks only) and returns None; None where the
+        engine records nothing."""
+        return None

@@ -13,6 +13,9 @@ Why:
    weights never get a ``.grad``, so buckets, folds and the deferred scale cover the adapter's
    parameters alone (a bucket costs the adapter's size, not the model's); ``flat_params`` still
    lists every parameter, so an update is compared on the whole model.
+5. ``applied_gradient`` (equivalence checks): a pre-step hook on verl's optimizer copies the clipped gradient as
+   the step applies it. A parameter near 1 (a norm weight) is stored to 1.2e-7, so one rounding flip of one
+   element moves a 0.04-norm update by 3e-6 relative: the update's gap then measures storage, not the gradient.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class FSDPLearner(StreamLearner):
     def __init__(self, worker):
         super().__init__(worker)
         self._stash: list | None = None
+        self._recorded_optimizer = None  # point 5
+        self._applied: torch.Tensor | None = None
 
     def _engine(self):
         return va.actor_engine(self.worker)
@@ -91,3 +96,18 @@ class FSDPLearner(StreamLearner):
         with torch.no_grad():
             return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64)
                               for p in va.actor_parameters(self._engine())])
+
+    def applied_gradient(self) -> torch.Tensor | None:
+        optimizer = self._engine().optimizer
+        if self._recorded_optimizer is not optimizer:  # armed once per optimizer (reset_actor builds a new one)
+            optimizer.register_step_pre_hook(self._record_step)
+            self._recorded_optimizer, self._applied = optimizer, None
+        return self._applied
+
+    def _record_step(self, *_) -> None:
+        """Every rank steps at once, so the all-gather of each shard is a collective all ranks reach."""
+        with torch.no_grad():
+            self._applied = torch.cat([
+                torch.zeros(p.numel(), dtype=torch.float64) if p.grad is None
+                else va.full_tensor(p.grad).detach().reshape(-1).to("cpu", torch.float64)
+                for p in va.actor_parameters(self._engine())])
