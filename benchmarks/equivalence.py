@@ -104,7 +104,8 @@ Why:
    4.98 at steps 2-3) likewise (1.69 and 2.02 there). On the gradient the regrouped floor is about 3x smaller
    (1.3e-7 against 5e-7 on the update: storage rounding is most of the update floor), and the three
    settings measured (plain GRPO, k1 + entropy, token-mask; 2026-12-06) sit at 2.3-3.5 x it: point 7's per-row
-   rounding of A_i / N, which the floor never sees.
+   rounding of A_i / N, which the floor never sees. ``--diagnostics`` (fsdp plain GRPO) runs point 7's controls
+   as on Megatron, on the applied gradient too; JSON <name>_diagnostics.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-token-loss", action="store_true", help="megatron: calculate_per_token_loss on (point 11)")
     parser.add_argument("--float64-sum", action="store_true",
                         help="megatron experiment: also the stream summed in float64 across calls (point 11)")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help="fsdp GRPO: point 7's controls as on Megatron, on the applied gradient too (point 19)")
     settings.add_arguments(parser)  # points 13-16
     add_results_dir_argument(parser)
     return parser
@@ -319,6 +322,9 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
 
         return run_then_report(args, work, ray_tmp, t0, "minibatch",
                                lambda: run_minibatches(args, model_path, pad_id, vocab, groups, micro, work))
+    if args.diagnostics and (megatron or args.algo != "grpo" or args.kl or args.entropy or args.mini_batches > 1
+                             or args.estimator != "grpo"):
+        parser.error("--diagnostics runs the plain GRPO comparison on --engine fsdp (Megatron runs them always)")
     if args.per_token_loss and (not megatron or args.float64_sum or args.kl or args.entropy):
         parser.error("--per-token-loss runs the plain GRPO comparison on --engine megatron")
     if args.float64_sum and (not megatron or args.distributed_optimizer or args.algo != "grpo" or args.kl
@@ -356,7 +362,8 @@ def compare(parser: argparse.ArgumentParser, args) -> dict:
         if args.algo == "opd":
             steps = opd_steps(wg, batches, pad_id, micro, loss=opd_loss_from_verl_config(config))
         else:
-            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank), spec=args.rc_spec,
+            steps = grpo_steps(wg, batches, pad_id, micro, diagnostics=megatron or bool(args.lora_rank) or args.diagnostics,
+                               spec=args.rc_spec,
                                float64_sum=args.float64_sum)
             steps.update(batching.regrouped_floor_steps(args, wg, batches, pad_id))
             steps.update(precision.diagnostic_steps(args, wg, batches, pad_id))  # --dtype bf16 (point 14)
@@ -424,7 +431,26 @@ def _report_diagnostics(runs: dict) -> dict:
     return {"gap_normaliser_matched": max(gaps), "gap_verl_rescaled_over_floor": max(g / f for g, f in zip(control, floors)),
             "floor_fine_over_floor": max(x / f for x, f in zip(fine, floors)),
             "gap_over_max_floor": max(g / max(f, x) for g, f, x in zip(stream_gaps, floors, fine)),
-            "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a)}
+            "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a),
+            **_diagnostics_applied(runs)}
+
+
+def _diagnostics_applied(runs: dict) -> dict:
+    """Point 19 on point 7's controls: the stream with verl's rounding of 1/N and verl's x24 vs x16 update, on the
+    applied gradient, over its floor; {} where a run did not record it."""
+    kinds = ("sync_a", "sync_b", "stream_prescaled", "sync_pow2", "sync_other")
+    if not all("applied" in i for k in kinds for i in runs[k][1]):
+        return {}
+    g = {k: [i["applied"] for i in runs[k][1]] for k in (*kinds, "sync_fine")}
+    floors = [relative_gap(b, a) for a, b in zip(g["sync_a"], g["sync_b"])]
+    matched = [relative_gap(p, a) / f for p, a, f in zip(g["stream_prescaled"], g["sync_a"], floors)]
+    control = [relative_gap(o, p) / f for o, p, f in zip(g["sync_other"], g["sync_pow2"], floors)]
+    fine = [relative_gap(x, a) / f for x, a, f in zip(g["sync_fine"], g["sync_a"], floors)]
+    print("  on the applied gradient, over its floor per step: stream with verl's 1/N rounding "
+          + ", ".join(f"{r:.2f}" for r in matched) + "; verl's x24 vs x16 " + ", ".join(f"{r:.2f}" for r in control)
+          + "; verl one row per micro-batch " + ", ".join(f"{r:.2f}" for r in fine))
+    return {"normaliser_matched_over_floor_applied": max(matched), "verl_rescaled_over_floor_applied": max(control),
+            "floor_fine_over_floor_applied": max(fine)}
 
 
 def _report_float64_sum(runs: dict) -> dict:
@@ -502,8 +528,9 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
     if args.algo == "opd":
         _report_opd_teacher(runs, extra)
         result["teacher_prefix_max_diff"] = extra["teacher_prefix_max_diff"]
-    if args.lora_rank and "stream_prescaled" in runs:  # point 16: point 7's controls on the adapter
+    if (args.lora_rank or args.diagnostics) and "stream_prescaled" in runs:  # point 16: point 7's controls on the adapter
         result.update(_report_diagnostics(runs))
+        name += "_diagnostics" * args.diagnostics
     name = settings.result_name(args, result, name, runs)  # points 13-16
     name = name if args.dp == 1 or args.engine == "megatron" else f"{name}_dp{args.dp}"
     if getattr(args, "per_seed", None) is not None:  # --seeds: main writes the aggregate (point 12)
