@@ -438,7 +438,7 @@ def _report_diagnostics(runs: dict) -> dict:
 def _diagnostics_applied(runs: dict) -> dict:
     """Point 19 on point 7's controls: the stream with verl's rounding of 1/N and verl's x24 vs x16 update, on the
     applied gradient, over its floor; {} where a run did not record it."""
-    kinds = ("sync_a", "sync_b", "stream_prescaled", "sync_pow2", "sync_other")
+    kinds = ("sync_a", "sync_b", "stream", "stream_prescaled", "sync_pow2", "sync_other")
     if not all("applied" in i for k in kinds for i in runs[k][1]):
         return {}
     g = {k: [i["applied"] for i in runs[k][1]] for k in (*kinds, "sync_fine")}
@@ -446,11 +446,14 @@ def _diagnostics_applied(runs: dict) -> dict:
     matched = [relative_gap(p, a) / f for p, a, f in zip(g["stream_prescaled"], g["sync_a"], floors)]
     control = [relative_gap(o, p) / f for o, p, f in zip(g["sync_other"], g["sync_pow2"], floors)]
     fine = [relative_gap(x, a) / f for x, a, f in zip(g["sync_fine"], g["sync_a"], floors)]
+    stream = [relative_gap(st, a) / f for st, a, f in zip(g["stream"], g["sync_a"], floors)]
+    over_control = [x / c for x, c in zip(stream, control)]  # the stream's gap over verl's own, step by step
     print("  on the applied gradient, over its floor per step: stream with verl's 1/N rounding "
           + ", ".join(f"{r:.2f}" for r in matched) + "; verl's x24 vs x16 " + ", ".join(f"{r:.2f}" for r in control)
-          + "; verl one row per micro-batch " + ", ".join(f"{r:.2f}" for r in fine))
+          + "; verl one row per micro-batch " + ", ".join(f"{r:.2f}" for r in fine)
+          + "; the stream's gap over verl's x24 vs x16 " + ", ".join(f"{r:.2f}" for r in over_control))
     return {"normaliser_matched_over_floor_applied": max(matched), "verl_rescaled_over_floor_applied": max(control),
-            "floor_fine_over_floor_applied": max(fine)}
+            "floor_fine_over_floor_applied": max(fine), "gap_over_verl_rescaled_applied": max(over_control)}
 
 
 def _report_float64_sum(runs: dict) -> dict:

@@ -32,6 +32,8 @@ def aggregate_seeds(per_seed: list[dict]) -> dict:
         applied = [r["gap_over_floor_applied"] for r in per_seed]
         result.update(gap_over_floor_applied=statistics.median_high(applied), gap_over_floor_applied_per_seed=applied,
                       gap_over_floor_applied_worst=max(applied))
+    if all("gap_over_verl_rescaled_applied" in r for r in per_seed):
+        result["gap_over_verl_rescaled_applied_worst"] = max(r["gap_over_verl_rescaled_applied"] for r in per_seed)
     return result
 
 
@@ -55,7 +57,9 @@ def report_seeds(args, seconds: float, failed: dict | None = None) -> dict:
           + ("" if failed is None else f" (PARTIAL: {len(result['seeds'])} of {len(args.seeds)} seeds)"))
     if "gap_over_floor_applied" in result:
         print("on the applied gradient (point 19): " + ", ".join(f"{r:.2f}" for r in result["gap_over_floor_applied_per_seed"])
-              + f"; median {result['gap_over_floor_applied']:.2f}, worst seed {result['gap_over_floor_applied_worst']:.2f}")
+              + f"; median {result['gap_over_floor_applied']:.2f}, worst seed {result['gap_over_floor_applied_worst']:.2f}"
+              + (f"; the stream's gap over verl's x24 vs x16, worst step of all seeds "
+                 f"{result['gap_over_verl_rescaled_applied_worst']:.2f}" if "gap_over_verl_rescaled_applied_worst" in result else ""))
     result["seconds"] = round(seconds, 1)
     write_result(name, result, args.results_dir)
     return result

@@ -36,6 +36,10 @@ def test_the_applied_gradient_figure_is_aggregated_on_its_own_and_only_where_eve
     result = bench.aggregate_seeds(per_seed)
     assert result["gap_over_floor"] == 2.0 and result["gap_over_floor_applied"] == 3.1  # its own median, not seed 1's
     assert result["gap_over_floor_applied_worst"] == 3.2 and result["gap_over_floor_applied_per_seed"] == [3.1, 3.2, 2.9]
+    assert "gap_over_verl_rescaled_applied_worst" not in result
+    for r, x in zip(per_seed, (1.04, 0.96, 0.9)):
+        r["gap_over_verl_rescaled_applied"] = x
+    assert bench.aggregate_seeds(per_seed)["gap_over_verl_rescaled_applied_worst"] == 1.04
     del per_seed[2]["gap_over_floor_applied"]
     assert "gap_over_floor_applied_worst" not in bench.aggregate_seeds(per_seed)
 

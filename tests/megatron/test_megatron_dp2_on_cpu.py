@@ -36,6 +36,7 @@ def test_dp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(gr
     out = streamed_vs_verl(group, GROUPS)
     assert float(out["sync"].norm()) > 1e-4
     assert out["gap"] < 1e-5, out["gap"]  # fp32 summation order (floor ~6e-7 on this layout)
+    assert "applied" not in out["info"]  # the distributed optimizer's gradients are shards: not recorded
     assert out["info"]["grad_norm"] == pytest.approx(out["info_sync"]["grad_norm"], rel=1e-5)
     assert out["info"]["ops/bucket"] > 0 and out["info"]["ops/fold"] > 0
     # the grad buffer reduce-scattered in place at every call, then again at the barrier

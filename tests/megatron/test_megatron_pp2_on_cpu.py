@@ -27,6 +27,14 @@ def test_pp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(gr
     assert out["info"]["ops/bucket"] > 0 and out["info"]["ops/fold"] > 0
     # the tied embedding's two copies all-reduced at every call: counted again and again
     assert out["gap_every_call"] > 1e-2 > 1000 * out["gap"], out["gap_every_call"]
+    # the applied gradient (learner/engines/megatron.py applied_gradient): SGD at lr 0.05, before storage rounding,
+    # both pipeline stages' parameters in flat_params's layout
+    for d, info in ((out["sync"], out["info_sync"]), (out["stream"], out["info"])):
+        assert d.shape == info["applied"].shape and float(info["applied"].norm()) > 1e-3
+        assert float((d + 0.05 * info["applied"]).abs().max()) <= 2.4e-7
+    from thundersync_harness.engine_steps import relative_gap
+
+    assert relative_gap(out["info"]["applied"], out["info_sync"]["applied"]) < 1e-5
 
 
 def test_pp2_a_batch_dropped_half_way_leaves_no_trace_in_the_next_step(group):

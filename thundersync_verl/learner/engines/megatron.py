@@ -48,6 +48,9 @@ Why:
    budget gives, as do point 6's per-call seeds. Checked against verl's Megatron update under the same budget
    (``tests/megatron/test_megatron_dynamic_bsz_on_cpu.py``,
    ``benchmarks/equivalence.py --engine megatron --dynamic-bsz``).
+8. ``applied_gradient`` (equivalence checks, as ``engines/fsdp.py`` point 5): Megatron's optimizer clips the main
+   gradients, then its inner torch optimizer steps; a pre-step hook there reads each local main parameter's
+   gradient, in ``flat_params``'s layout. Not with the distributed optimizer (its inner optimizer holds shards).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class MegatronLearner(StreamLearner):
         self._stash: list[torch.Tensor] | None = None
         self._isolating = False
         self._direct_nonzero = False  # no copy is needed to set aside a gradient that is still zero
+        self._recorded_optimizer = None  # applied_gradient
+        self._applied: torch.Tensor | None = None
 
     def _engine(self):
         return va.actor_engine(self.worker)
@@ -174,3 +179,27 @@ class MegatronLearner(StreamLearner):
         parts = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, local)
         return torch.cat(parts)
+
+    def applied_gradient(self) -> torch.Tensor | None:
+        """``flat_params``'s layout: each local (main) parameter's gradient as Megatron's inner optimizer steps it,
+        after the clip (a pre-step hook on it); None with the distributed optimizer (its gradients are shards)."""
+        optimizer = self._engine().optimizer
+        inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        if not inner or inner[0] is None:
+            return None
+        if self._recorded_optimizer is not inner[0]:  # armed once per optimizer (reset_actor builds a new one)
+            inner[0].register_step_pre_hook(self._record_step)
+            self._recorded_optimizer, self._applied = inner[0], None
+        return self._applied
+
+    def _record_step(self, *_) -> None:
+        """Every rank steps at once; the gather is a collective every rank reaches, with or without a gradient."""
+        with torch.no_grad():
+            params = mg.master_parameters(self._chunks())
+            local = None if any(p.grad is None for p in params) else torch.cat(
+                [p.grad.detach().reshape(-1).to("cpu", torch.float64) for p in params])
+        parts = [local]
+        if torch.distributed.is_initialized():
+            parts = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, local)
+        self._applied = None if any(x is None for x in parts) else torch.cat(parts)
