@@ -17,12 +17,11 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/thundersync demo --algo $(ALGO) --mode $(MODE) --steps $(STEPS)
 
-# Two workers, each taking whole test files (module fixtures such as a recorded run are built once), the slowest
-# files first (tests/conftest.py file_rank; xdist's own reorder would put them last); the 15 slowest tests are
-# printed at the end. TEST_WORKERS=0 runs everything in this process.
+# Two workers, each taking whole test files (module fixtures such as a recorded run are built once); the 15
+# slowest tests are printed at the end. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: every warning is an error. mkdocs and
 # mkdocs-material come with the venv's test extra; docs/hooks.py generates the configuration reference.

@@ -17,18 +17,6 @@ os.environ.setdefault("VERL_PLATFORM", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-def file_rank(path: str, slow: bool) -> int:
-    """Where a test file runs: the main_ppo end-to-end files first, then the other files with slow tests, then the
-    rest. ``make test`` hands whole files to two workers in this order (``--dist loadfile --no-loadscope-reorder``):
-    started last, a 4-minute e2e file kept one worker busy minutes after the other had finished."""
-    return 0 if "/e2e/" in path.replace(os.sep, "/") else 1 if slow else 2
-
-
-def pytest_collection_modifyitems(config, items):
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: file_rank(str(item.path), item.path in slow_files))  # stable: files stay whole
-
-
 @pytest.fixture(scope="session")
 def tiny_random_lm(tmp_path_factory):
     """A random 2-layer Qwen2 with the project's tokenizer, saved in HF format (seconds to build)."""
