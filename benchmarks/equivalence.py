@@ -94,7 +94,7 @@ Why:
    the same config (``opd_config.opd_loss_from_verl_config``); with task rewards the stream also feeds each trajectory
    when its last turn has arrived (``algos/opd/opd_task.py``). JSON <name>_verl[_M] with a ``distillation`` key
    (``--quick --seeds 0,1,2``: equivalence_opd_verl_seeds.json; the project's setting: equivalence_opd_seeds.json).
-19. The applied gradient (FSDP2, every comparison): each step's update is also compared before fp32 parameter
+19. The applied gradient (FSDP2, and Megatron without the distributed optimizer; every comparison): each step's update is also compared before fp32 parameter
    storage rounds it, on the clipped gradient the optimizer step applied (``learner/engines/fsdp.py`` point 5);
    JSON ``gap_over_floor_applied`` (worst step; with ``--seeds`` its median, ``_per_seed`` and ``_worst``). A weight
    near 1 (a norm weight) is stored to 1.2e-7: where one such element's update lands on the other side of a
@@ -467,8 +467,8 @@ def _report_float64_sum(runs: dict) -> dict:
 
 
 def _report_applied(info_a: list, info_b: list, info_s: list) -> dict:
-    """Point 19: the same comparison on the gradient each optimizer step applied (FSDP2 records it), before fp32
-    parameter storage rounds the update; {} where a run did not record it."""
+    """Point 19: the same comparison on the gradient each optimizer step applied, before fp32
+    parameter storage rounds the update (FSDP2 and Megatron record it); {} where a run did not record it."""
     if not all("applied" in i for i in (*info_a, *info_b, *info_s)):
         return {}
     rows = [(relative_gap(s["applied"], a["applied"]), relative_gap(b["applied"], a["applied"]))

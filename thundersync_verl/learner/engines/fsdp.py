@@ -94,8 +94,7 @@ class FSDPLearner(StreamLearner):
 
     def flat_params(self) -> torch.Tensor:
         with torch.no_grad():
-            return torch.cat([va.full_tensor(p).detach().reshape(-1).to("cpu", torch.float64)
-                              for p in va.actor_parameters(self._engine())])
+            return torch.cat([_full_flat(p) for p in va.actor_parameters(self._engine())])
 
     def applied_gradient(self) -> torch.Tensor | None:
         optimizer = self._engine().optimizer
@@ -107,7 +106,10 @@ class FSDPLearner(StreamLearner):
     def _record_step(self, *_) -> None:
         """Every rank steps at once, so the all-gather of each shard is a collective all ranks reach."""
         with torch.no_grad():
-            self._applied = torch.cat([
-                torch.zeros(p.numel(), dtype=torch.float64) if p.grad is None
-                else va.full_tensor(p.grad).detach().reshape(-1).to("cpu", torch.float64)
-                for p in va.actor_parameters(self._engine())])
+            self._applied = torch.cat([torch.zeros(p.numel(), dtype=torch.float64) if p.grad is None else _full_flat(p.grad)
+                                       for p in va.actor_parameters(self._engine())])
+
+
+def _full_flat(tensor) -> torch.Tensor:
+    """The all-gathered value of a (DTensor) shard as one float64 CPU vector (a collective)."""
+    return va.full_tensor(tensor).detach().reshape(-1).to("cpu", torch.float64)

@@ -174,11 +174,7 @@ class MegatronLearner(StreamLearner):
         parameters their fp32 main parameters, what the optimizer steps (``grads.master_parameters``)."""
         with torch.no_grad():
             local = torch.cat([p.detach().reshape(-1).to("cpu", torch.float64) for p in mg.master_parameters(self._chunks())])
-        if not torch.distributed.is_initialized():
-            return local
-        parts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, local)
-        return torch.cat(parts)
+        return torch.cat(_every_rank(local))
 
     def applied_gradient(self) -> torch.Tensor | None:
         """``flat_params``'s layout: each local (main) parameter's gradient as Megatron's inner optimizer steps it,
@@ -198,8 +194,14 @@ class MegatronLearner(StreamLearner):
             params = mg.master_parameters(self._chunks())
             local = None if any(p.grad is None for p in params) else torch.cat(
                 [p.grad.detach().reshape(-1).to("cpu", torch.float64) for p in params])
-        parts = [local]
-        if torch.distributed.is_initialized():
-            parts = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(parts, local)
+        parts = _every_rank(local)
         self._applied = None if any(x is None for x in parts) else torch.cat(parts)
+
+
+def _every_rank(local):
+    """Every rank's ``local`` object in rank order (a collective; just ``[local]`` without a process group)."""
+    if not torch.distributed.is_initialized():
+        return [local]
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, local)
+    return parts
