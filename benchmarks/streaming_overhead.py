@@ -9,12 +9,21 @@ Why:
    members), (d) per closed group only (group granularity: no buffers at all).
 2. Throughput = prompt + response tokens per CPU-second of the learner process (one thread;
    CPU time rather than wall time, so other jobs on a shared machine do not distort it),
-   including the accumulator's work and the barrier's normalisation; medians over repeats,
-   modes interleaved.
+   including the accumulator's work and the barrier's normalisation; modes interleaved, each repeat
+   runs every mode once, and a mode's ratio is the median over repeats of that repeat's batched time
+   over the mode's (paired: the machine's drift between repeats cancels).
 3. Trajectories arrive in a long-tailed order (log-normal completion times with a shared
    per-group factor), as in agentic rollouts; the batched baseline sees all of them at once.
 4. Headline: the pre-declared chunked setting (wake every 8 arrivals, chunks of at most 16)
    on equal-length responses, where the batched baseline wastes nothing on padding.
+5. The product's split (``worker ...`` and ``coalescing ...`` rows): the driver's ``StreamPlanner`` plans and a
+   learner runs its ops as the FSDP2 streaming worker does (a direct chunk into ``.grad``, a bucket chunk with
+   ``.grad`` set aside, folds, one scale at the barrier). Only the learner's CPU enters the ratio; the planner's
+   (the driver's, another process in a run) is printed beside it.
+6. ``coalescing load L``: the product's policy on a virtual clock. Rows land over 1/L of one batched backward's
+   learner time; whenever the learner is free it gets one call with what has landed. At load 1 a learner that
+   lost nothing to streaming would finish with the last landing. ``tail`` is the learner's work left after the
+   last landing, over one batched backward (the batched learner's tail is 1).
 """
 
 from __future__ import annotations
@@ -28,10 +37,13 @@ import time
 import torch
 
 from thundersync_harness import tiny_lm as C
-from thundersync_verl.core import GRPOEstimator, token_weights
+from thundersync_verl.core import BufferPool, GradLayout, GRPOEstimator, token_weights
+from thundersync_verl.core.buffers import axpy_, copy_into_
+from thundersync_verl.step.stream_plan import FinalizeOp, FoldOp, StreamPlanner
 from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 HEADLINE = "chunks k=8 min4"
+LOADS = (0.5, 1, 2, 4)  # arrivals over 1/load of one batched backward's learner time
 
 
 def arrival_order(trajs, seed: int) -> list[int]:
@@ -94,14 +106,154 @@ def streamed(model, spec, trajs, order, wake_every: int, max_chunk: int, min_ope
     acc.finish_batch(params)  # normalise and write .grad, as the barrier does before the step
 
 
-def _timed(fn) -> float:
-    """CPU seconds of this process: stable when other jobs share the cores (one thread)."""
+class WorkerLearner:
+    """The learner's side of a streamed step, op for op as the FSDP2 streaming worker runs it
+    (``learner/engines/fsdp.py``): a direct chunk backpropagates into ``.grad``, where the batch gradient
+    accumulates; a bucket chunk runs with ``.grad`` set aside and its gradient goes into the bucket; a fold is
+    ``.grad += A(r) * bucket``; the barrier multiplies ``.grad`` by the deferred scale. ``cpu_s`` counts this
+    side's CPU only: in a run the planning is the driver's, in another process."""
+
+    def __init__(self, model, spec, trajs):
+        self.model, self.spec = model, spec
+        self.params = list(model.parameters())
+        self.pool = BufferPool(GradLayout.from_tensors(self.params))
+        self.by_key = {(t.gid, t.tid): t for t in trajs}
+        self.buckets: dict[str, list[torch.Tensor]] = {}
+        self.cpu_s = 0.0
+        self.calls = 0  # backward calls
+
+    def run(self, ops) -> None:
+        t0 = time.process_time()
+        for op in ops:
+            if isinstance(op, FoldOp):
+                self._fold(op)
+            elif isinstance(op, FinalizeOp):
+                torch._foreach_mul_([p.grad for p in self.params], op.scale)
+            else:
+                self._backward(op)
+                self.calls += 1
+        self.cpu_s += time.process_time() - t0
+
+    def _backward(self, op) -> None:
+        members = [self.by_key[it] for it in op.items]
+        logp, mask, _ = C.response_log_probs(self.model, members)
+        w = token_weights(self.spec.loss_agg_mode, mask, dtype=logp.dtype)  # [C, T]
+        coefs = torch.tensor(op.coefs, dtype=logp.dtype)  # worker convention: coef x grad(-sum_t w log pi)
+        loss = -((logp * w).sum(dim=-1) * coefs).sum()
+        if op.dest == "direct":
+            loss.backward()
+            return
+        stash = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        grads = [p.grad for p in self.params]
+        if op.dest in self.buckets:
+            axpy_(self.buckets[op.dest], grads, 1.0)
+        else:
+            self.pool.reserve(op.dest, 1, is_group=True)
+            self.buckets[op.dest] = self.pool.allocate(op.dest)
+            copy_into_(self.buckets[op.dest], grads)
+        for p, g in zip(self.params, stash):
+            p.grad = g
+
+    def _fold(self, op) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for key, coef in op.folds.items():
+            axpy_([p.grad for p in self.params], self.buckets.pop(key), coef)
+            self.pool.release(key)
+
+
+def worker_stream(model, spec, trajs, order, wake_every: int, max_chunk: int) -> dict[str, float]:
+    """The product's split of a streamed step: the driver's ``StreamPlanner`` turns arrivals into ops
+    (every ``wake_every`` arrivals it plans every ready row, chunks of at most ``max_chunk``), the
+    ``WorkerLearner`` runs them. Returns the CPU seconds of each side."""
     t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=spec.loss_agg_mode, max_chunk_size=max_chunk,
+                            stats_dtype=next(model.parameters()).dtype)
+    sizes: dict[int, int] = {}
+    for t in trajs:
+        sizes[t.gid] = sizes.get(t.gid, 0) + 1
+    planner.begin_batch(sizes)
+    learner = WorkerLearner(model, spec, trajs)
+    model.zero_grad(set_to_none=True)
+    planner_s = time.process_time() - t0
+    for i, k in enumerate(order):
+        t = trajs[k]
+        t0 = time.process_time()
+        planner.arrive(t.gid, t.tid, t.reward, len(t.response))
+        last = i + 1 == len(order)
+        ops = planner.next_ops() if last or (i + 1) % wake_every == 0 else []
+        if last:
+            ops.append(planner.finalize())
+        planner_s += time.process_time() - t0
+        learner.run(ops)
+    assert not learner.buckets and learner.pool.reserved_bytes == 0
+    return {"learner": learner.cpu_s, "planner": planner_s, "calls": learner.calls}
 
 
-def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, float]:
+def arrival_fractions(trajs, seed: int) -> list[float]:
+    """``arrival_order``'s completion times, as fractions of the batch's arrival span (first 0, last 1)."""
+    rng = random.Random(seed)
+    group_factor = {t.gid: rng.gauss(0.0, 0.8) for t in trajs}
+    times = [math.exp(group_factor[t.gid] + rng.gauss(0.0, 0.5)) for t in trajs]
+    lo, hi = min(times), max(times)
+    return [(x - lo) / (hi - lo) for x in times]
+
+
+def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: int) -> dict[str, float]:
+    """The product's planning policy on a virtual clock: trajectory k lands at ``fractions[k] * span_s``; whenever
+    the learner is free, the planner hands it ONE call (``next_ops(max_backwards=1)``: the queued folds and the
+    best-ranked chunk of what has landed), and the clock advances by that call's learner CPU time. A learner that
+    falls behind finds more rows landed at its next call, so its chunks grow (``core/call_cost.py`` plans the
+    next call just in time for the same effect in a run)."""
+    t0 = time.process_time()
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=spec.loss_agg_mode, max_chunk_size=max_chunk,
+                            stats_dtype=next(model.parameters()).dtype)
+    sizes: dict[int, int] = {}
+    for t in trajs:
+        sizes[t.gid] = sizes.get(t.gid, 0) + 1
+    planner.begin_batch(sizes)
+    learner = WorkerLearner(model, spec, trajs)
+    model.zero_grad(set_to_none=True)
+    order = sorted(range(len(trajs)), key=lambda k: fractions[k])
+    planner_s = time.process_time() - t0
+    clock, landed = 0.0, 0
+    while True:
+        t0 = time.process_time()
+        while landed < len(order) and fractions[order[landed]] * span_s <= clock:
+            t = trajs[order[landed]]
+            planner.arrive(t.gid, t.tid, t.reward, len(t.response))
+            landed += 1
+        ops = planner.next_ops(max_backwards=1) if planner.ready_count or planner.queued_folds else []
+        done = landed == len(order) and not ops and not planner.ready_count
+        if done:
+            ops = [planner.finalize()]
+        planner_s += time.process_time() - t0
+        if not ops:
+            clock = fractions[order[landed]] * span_s  # idle until the next landing
+            continue
+        before = learner.cpu_s
+        learner.run(ops)
+        clock += learner.cpu_s - before
+        if done:
+            break
+    assert not learner.buckets and learner.pool.reserved_bytes == 0
+    return {"learner": learner.cpu_s, "planner": planner_s, "calls": learner.calls, "tail": max(0.0, clock - span_s)}
+
+
+def _timed(fn) -> dict[str, float]:
+    """CPU seconds of this process (stable when other jobs share the cores; one thread): the learner's, and
+    the planner's where ``fn`` separates them (the driver's work in a run)."""
+    t0 = time.process_time()
+    parts = fn()
+    total = time.process_time() - t0
+    return parts if parts is not None else {"learner": total, "planner": 0.0}
+
+
+def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[str, float]]:
     tokens = sum(len(t.prompt) + len(t.response) for t in trajs)
     order = arrival_order(trajs, seed=1)
     modes = {
@@ -110,25 +262,41 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, float
         "chunks k=4": lambda: streamed(model, spec, trajs, order, 4, 16),
         "chunks k=8": lambda: streamed(model, spec, trajs, order, 8, 16),
         "chunks k=16": lambda: streamed(model, spec, trajs, order, 16, 32),
-        HEADLINE: lambda: streamed(model, spec, trajs, order, 8, 16, min_open=4),
+        "chunks k=8 min4": lambda: streamed(model, spec, trajs, order, 8, 16, min_open=4),
         "closed groups k=8": lambda: streamed(model, spec, trajs, order, 8, 16, min_open=10**9),
+        "worker k=8": lambda: worker_stream(model, spec, trajs, order, 8, 16),
+        "worker k=16": lambda: worker_stream(model, spec, trajs, order, 16, 32),
     }
+    fractions = arrival_fractions(trajs, seed=1)
+    for load in LOADS:
+        modes[f"coalescing load {load}"] = lambda load=load: coalescing_stream(
+            model, spec, trajs, fractions, span["s"] / load, 16)
     modes["batched"]()  # warm-up, and the reference gradient every mode must reproduce
+    span = {"s": statistics.median(_timed(modes["batched"])["learner"] for _ in range(3))}  # load 1: one batched backward
     reference = [p.grad.clone() for p in model.parameters()]
     for m, fn in modes.items():
         fn()
         err = C.relative_error([p.grad for p in model.parameters()], reference)
         assert err <= 1e-5, f"{m}: streamed gradient differs from the batched one ({err:.2e})"
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m, fn in modes.items():
             times[m].append(_timed(fn))
-    med = {m: statistics.median(v) for m, v in times.items()}
+    base = statistics.median(t["learner"] for t in times["batched"])
     print(f"\n{label}: {len(trajs)} trajectories, {tokens} tokens, median of {repeats}")
-    print(f"{'mode':<22}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}")
-    for m, s in med.items():
-        print(f"{m:<22}{s:>10.4f}{tokens / s:>12.0f}{med['batched'] / s:>8.2f}")
-    return {m: med["batched"] / s for m, s in med.items()}
+    print(f"{'mode':<22}{'learner s':>10}{'tokens/s':>12}{'ratio':>8}{'planner s':>12}{'calls':>7}{'tail':>7}")
+    out = {}
+    for m, ts in times.items():
+        learner = statistics.median(t["learner"] for t in ts)
+        planner = statistics.median(t["planner"] for t in ts)
+        tail = statistics.median(t["tail"] for t in ts) / base if "tail" in ts[0] else None
+        paired = statistics.median(b["learner"] / t["learner"] for b, t in zip(times["batched"], ts))
+        out[m] = {"ratio": paired, "planner_share": planner / learner, "tail": tail}
+        shown = f"{planner:>12.4f}" if m.startswith(("worker", "coalescing")) else "(in learner)" if m != "batched" else ""
+        calls = f"{statistics.median(t['calls'] for t in ts):>7.0f}" if "calls" in ts[0] else " " * 7
+        print(f"{m:<22}{learner:>10.4f}{tokens / learner:>12.0f}{paired:>8.2f}{shown:>12}{calls}"
+              + (f"{tail:>7.2f}" if tail is not None else ""))
+    return out
 
 
 def main() -> None:
@@ -146,7 +314,14 @@ def main() -> None:
     ratios = run_setting(model, spec, equal, repeats, "equal-length responses (64 tokens)")
     run_setting(model, spec, varied, repeats, "variable-length responses (16-112 tokens, batched pads)")
     print(f"\nheadline: '{HEADLINE}' on equal-length responses")
-    write_result("streaming_overhead", {"throughput_ratio": round(ratios[HEADLINE], 3)}, args.results_dir)
+    result = {"throughput_ratio": round(ratios[HEADLINE]["ratio"], 3),
+              "throughput_ratio_worker_k8": round(ratios["worker k=8"]["ratio"], 3)}
+    for load in LOADS:
+        row = ratios[f"coalescing load {load}"]
+        result[f"throughput_ratio_coalescing_load_{load}"] = round(row["ratio"], 3)
+        result[f"tail_over_batched_load_{load}"] = round(row["tail"], 3)
+    result["planner_share_load_1"] = round(ratios["coalescing load 1"]["planner_share"], 3)
+    write_result("streaming_overhead", result, args.results_dir)
 
 
 if __name__ == "__main__":

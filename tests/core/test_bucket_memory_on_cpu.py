@@ -71,3 +71,24 @@ def test_a_host_bucket_folds_exactly_like_a_device_bucket():
     for host, device, want in zip(*results, expected):
         assert torch.equal(host, device)  # the same arithmetic, bit for bit
         torch.testing.assert_close(host, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dst_dtype,src_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32), (torch.float64, torch.float32)])
+def test_multi_tensor_axpy_and_copy_equal_the_per_shard_loop_bit_for_bit(dst_dtype, src_dtype):
+    """buffers.py point 8: one multi-tensor call per axpy/copy, the same values as one add_/copy_ per shard
+    (the promoted dtype and the single rounding of point 7 included); None shards skipped or zeroed."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (), (7,), (2, 2, 2)]
+    dst = [torch.randn(s, generator=g).to(dst_dtype) for s in shapes]
+    src = [torch.randn(s, generator=g).to(src_dtype) for s in shapes]
+    src[1] = None
+    want_axpy = [d.clone() if s is None else d.clone().add_(s, alpha=-0.37) for d, s in zip(dst, src)]
+    want_copy = [torch.zeros_like(d) if s is None else d.clone().copy_(s) for d, s in zip(dst, src)]
+    got_axpy, got_copy = [d.clone() for d in dst], [d.clone() for d in dst]
+    axpy_(got_axpy, src, -0.37)
+    copy_into_(got_copy, src)
+    for want, got in ((want_axpy, got_axpy), (want_copy, got_copy)):
+        for w, x in zip(want, got):
+            assert x.dtype == dst_dtype and torch.equal(w, x)
+    assert not torch.equal(got_axpy[0], dst[0])  # the add happened

@@ -171,8 +171,8 @@ def finish_batch(
             lr_scheduler.step()
         _end_batch(ledger, bufs)
         return BarrierReport(None, None, False, "no scored tokens", counts.num_tokens, counts.num_sequences)
-    for d in direct:  # 2. the deferred normaliser, once
-        d.mul_(scale)
+    if direct:
+        torch._foreach_mul_(list(direct), scale)  # 2. the deferred normaliser, once
     targets = write_grads(direct) if write_grads is not None else _write_param_grads(params, direct)  # type: ignore[arg-type]
     if targets is None:
         targets = direct

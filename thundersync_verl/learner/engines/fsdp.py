@@ -84,9 +84,9 @@ class FSDPLearner(StreamLearner):
 
     def finalize(self, scale: float, lr_step: bool = True) -> dict:
         engine = self._engine()
-        for p in self._params():
-            if p.grad is not None:
-                va.local_view(p.grad).mul_(scale)
+        grads = [va.local_view(p.grad) for p in self._params() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
         with engine.train_mode(zero_grad_on_exit=True):
             grad_norm = engine.optimizer_step()  # clips the full batch gradient, steps (skips if non-finite)
         lr = engine.lr_scheduler_step() if lr_step else float("nan")  # mini-batch steps before the last: no LR step
