@@ -406,15 +406,23 @@ def _report_opd_teacher(runs: dict, extra: dict) -> None:
           + ", ".join(f"{relative_gap(st, w):.3e}" for st, w in zip(ds, dw)))
 
 
+def _control_gaps(v: dict) -> dict[str, list[float]]:
+    """Point 7's comparisons per step on one kind of per-run vectors (the updates, or the applied gradients): the
+    floor (sync_b vs sync_a), the stream and the stream with verl's 1/N rounding against sync_a, verl's x24 vs x16
+    update, and verl with one row per micro-batch against sync_a."""
+    a = v["sync_a"]
+    return {"floor": [relative_gap(b, x) for b, x in zip(v["sync_b"], a)],
+            "stream": [relative_gap(st, x) for st, x in zip(v["stream"], a)],
+            "matched": [relative_gap(p, x) for p, x in zip(v["stream_prescaled"], a)],
+            "control": [relative_gap(o, p) for o, p in zip(v["sync_other"], v["sync_pow2"])],
+            "fine": [relative_gap(f, x) for f, x in zip(v["sync_fine"], a)]}
+
+
 def _report_diagnostics(runs: dict) -> dict:
     """The stream with verl's rounding of 1/N, and verl's own update with its loss scalars rounded otherwise."""
-    (da, info_a), db = runs["sync_a"], runs["sync_b"][0]
-    floors = [relative_gap(b, a) for b, a in zip(db, da)]
-    gaps = [relative_gap(p, a) for p, a in zip(runs["stream_prescaled"][0], da)]
-    (d_pow2, info_pow2), d_other = runs["sync_pow2"], runs["sync_other"][0]
-    control = [relative_gap(o, p) for o, p in zip(d_other, d_pow2)]
-    fine = [relative_gap(f, a) for f, a in zip(runs["sync_fine"][0], da)]  # verl's own update, one row per micro-batch
-    stream_gaps = [relative_gap(st, a) for st, a in zip(runs["stream"][0], da)]
+    info_a, info_pow2 = runs["sync_a"][1], runs["sync_pow2"][1]
+    c = _control_gaps({k: r[0] for k, r in runs.items()})
+    floors, gaps, control, fine = c["floor"], c["matched"], c["control"], c["fine"]
     clipped = all(i["grad_norm"] > 1.0 for i in info_pow2)  # verl's clip: 1.0 (optim.clip_grad / actor.grad_clip)
     eps = max(1e-6 * (1 / CONTROL_POW2 - 1 / CONTROL_OTHER) / i["grad_norm"] for i in info_a)
     print("  stream with 1/N rounded where verl rounds it (diagnostic), gap to verl per step: "
@@ -427,10 +435,10 @@ def _report_diagnostics(runs: dict) -> dict:
     print("  fine floor: verl's update with one row per micro-batch vs the regular one, per step: "
           + ", ".join(f"{g:.3e} ({g / f:.2f} x floor)" for g, f in zip(fine, floors))
           + "; stream gap over the larger of the two floors: "
-          + ", ".join(f"{g / max(f, x):.2f}" for g, f, x in zip(stream_gaps, floors, fine)))
+          + ", ".join(f"{g / max(f, x):.2f}" for g, f, x in zip(c["stream"], floors, fine)))
     return {"gap_normaliser_matched": max(gaps), "gap_verl_rescaled_over_floor": max(g / f for g, f in zip(control, floors)),
             "floor_fine_over_floor": max(x / f for x, f in zip(fine, floors)),
-            "gap_over_max_floor": max(g / max(f, x) for g, f, x in zip(stream_gaps, floors, fine)),
+            "gap_over_max_floor": max(g / max(f, x) for g, f, x in zip(c["stream"], floors, fine)),
             "control_clipped": clipped, "grad_norm_min": min(i["grad_norm"] for i in info_a),
             **_diagnostics_applied(runs)}
 
@@ -438,22 +446,20 @@ def _report_diagnostics(runs: dict) -> dict:
 def _diagnostics_applied(runs: dict) -> dict:
     """Point 19 on point 7's controls: the stream with verl's rounding of 1/N and verl's x24 vs x16 update, on the
     applied gradient, over its floor; {} where a run did not record it."""
-    kinds = ("sync_a", "sync_b", "stream", "stream_prescaled", "sync_pow2", "sync_other")
-    if not all("applied" in i for k in kinds for i in runs[k][1]):
+    kinds = ("sync_a", "sync_b", "stream", "stream_prescaled", "sync_pow2", "sync_other", "sync_fine")
+    if not all("applied" in i for k in kinds[:-1] for i in runs[k][1]):
         return {}
-    g = {k: [i["applied"] for i in runs[k][1]] for k in (*kinds, "sync_fine")}
-    floors = [relative_gap(b, a) for a, b in zip(g["sync_a"], g["sync_b"])]
-    matched = [relative_gap(p, a) / f for p, a, f in zip(g["stream_prescaled"], g["sync_a"], floors)]
-    control = [relative_gap(o, p) / f for o, p, f in zip(g["sync_other"], g["sync_pow2"], floors)]
-    fine = [relative_gap(x, a) / f for x, a, f in zip(g["sync_fine"], g["sync_a"], floors)]
-    stream = [relative_gap(st, a) / f for st, a, f in zip(g["stream"], g["sync_a"], floors)]
-    over_control = [x / c for x, c in zip(stream, control)]  # the stream's gap over verl's own, step by step
+    c = _control_gaps({k: [i["applied"] for i in runs[k][1]] for k in kinds})
+    over = {k: [g / f for g, f in zip(c[k], c["floor"])] for k in ("matched", "control", "fine", "stream")}
+    over_control = [x / y for x, y in zip(over["stream"], over["control"])]  # the stream's gap over verl's own, per step
     print("  on the applied gradient, over its floor per step: stream with verl's 1/N rounding "
-          + ", ".join(f"{r:.2f}" for r in matched) + "; verl's x24 vs x16 " + ", ".join(f"{r:.2f}" for r in control)
-          + "; verl one row per micro-batch " + ", ".join(f"{r:.2f}" for r in fine)
+          + ", ".join(f"{r:.2f}" for r in over["matched"]) + "; verl's x24 vs x16 "
+          + ", ".join(f"{r:.2f}" for r in over["control"]) + "; verl one row per micro-batch "
+          + ", ".join(f"{r:.2f}" for r in over["fine"])
           + "; the stream's gap over verl's x24 vs x16 " + ", ".join(f"{r:.2f}" for r in over_control))
-    return {"normaliser_matched_over_floor_applied": max(matched), "verl_rescaled_over_floor_applied": max(control),
-            "floor_fine_over_floor_applied": max(fine), "gap_over_verl_rescaled_applied": max(over_control)}
+    return {"normaliser_matched_over_floor_applied": max(over["matched"]),
+            "verl_rescaled_over_floor_applied": max(over["control"]),
+            "floor_fine_over_floor_applied": max(over["fine"]), "gap_over_verl_rescaled_applied": max(over_control)}
 
 
 def _report_float64_sum(runs: dict) -> dict:
