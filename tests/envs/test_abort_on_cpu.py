@@ -135,3 +135,19 @@ def test_the_watch_finds_a_restarted_registry(registry):
 
     fresh = asyncio.run(scenario())
     _clear(fresh, "r1")
+
+
+def test_a_finished_event_loop_leaves_no_watch_behind(registry):
+    """One watch per event loop; the watch follows the registry with a task of that loop. When ``asyncio.run`` ends,
+    the cancelled task drops what it held of the loop, so the loop and its watch are collected."""
+    import gc
+
+    async def scenario():
+        check = AbortCheck(enabled=True)
+        assert await check.unless_aborted("leak", asyncio.sleep(0, result=2)) == 2
+
+    before = len(AbortWatch._by_loop)
+    asyncio.run(scenario())
+    asyncio.run(scenario())
+    gc.collect()
+    assert len(AbortWatch._by_loop) <= before

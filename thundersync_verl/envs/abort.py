@@ -136,6 +136,13 @@ class AbortWatch:
         return await self._registry.watch.remote(epoch, timeout_s)
 
     async def _follow(self) -> None:
+        try:
+            await self._follow_registry()
+        finally:  # its loop is closing (asyncio.run cancels what is left): hold nothing of that loop, so the loop
+            self._task = self._first = None  # and this watch (``_by_loop``'s value) can be collected
+            self._waiters.clear()
+
+    async def _follow_registry(self) -> None:
         failing = False
         while True:
             try:
