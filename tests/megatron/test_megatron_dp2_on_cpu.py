@@ -30,13 +30,21 @@ def test_dp2_distributed_optimizer_buckets_hold_one_data_parallel_shard(group):
 
 
 def test_dp2_streamed_step_equals_verls_update_and_finalize_per_call_does_not(group):
+    from thundersync_harness.engine_steps import relative_gap
     from thundersync_verl import verl_adapter as va
 
     assert va.actor_dp_size(group.wg) == 2  # rows are split over the two data-parallel ranks
     out = streamed_vs_verl(group, GROUPS)
     assert float(out["sync"].norm()) > 1e-4
     assert out["gap"] < 1e-5, out["gap"]  # fp32 summation order (floor ~6e-7 on this layout)
-    assert "applied" not in out["info"]  # the distributed optimizer's gradients are shards: not recorded
+    # the applied gradient (learner/engines/megatron.py point 8): both ranks' shards, each parameter once; its norm
+    # is the clipped norm of the gradient Megatron reports (clip 1.0), so no element is missing or counted twice
+    params = group.wg.gather_flat_params()[0].numel() // group.world
+    for info in (out["info"], out["info_sync"]):
+        clipped = info["grad_norm"] * min(1.0, 1.0 / (info["grad_norm"] + 1e-6))
+        assert info["applied"].numel() == params
+        assert float(info["applied"].norm()) == pytest.approx(clipped, rel=1e-5)
+    assert relative_gap(out["info"]["applied"], out["info_sync"]["applied"]) < 1e-5
     assert out["info"]["grad_norm"] == pytest.approx(out["info_sync"]["grad_norm"], rel=1e-5)
     assert out["info"]["ops/bucket"] > 0 and out["info"]["ops/fold"] > 0
     # the grad buffer reduce-scattered in place at every call, then again at the barrier

@@ -50,7 +50,9 @@ Why:
    ``benchmarks/equivalence.py --engine megatron --dynamic-bsz``).
 8. ``applied_gradient`` (equivalence checks, as ``engines/fsdp.py`` point 5): Megatron's optimizer clips the main
    gradients, then its inner torch optimizer steps; a pre-step hook there reads each local main parameter's
-   gradient, in ``flat_params``'s layout. Not with the distributed optimizer (its inner optimizer holds shards).
+   gradient, in ``flat_params``'s layout. With the distributed optimizer the inner optimizer steps this rank's
+   shards of the main parameters: the hook reads those, and every rank's shards in rank order hold each
+   parameter's gradient once (another order than ``flat_params``; runs of the same layout compare).
 """
 
 from __future__ import annotations
@@ -177,8 +179,8 @@ class MegatronLearner(StreamLearner):
         return torch.cat(_every_rank(local))
 
     def applied_gradient(self) -> torch.Tensor | None:
-        """``flat_params``'s layout: each local (main) parameter's gradient as Megatron's inner optimizer steps it,
-        after the clip (a pre-step hook on it); None with the distributed optimizer (its gradients are shards)."""
+        """Each local (main) parameter's gradient as Megatron's inner optimizer steps it, after the clip (a pre-step
+        hook on it), in ``flat_params``'s layout; with the distributed optimizer, every rank's shards (point 8)."""
         optimizer = self._engine().optimizer
         inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         if not inner or inner[0] is None:
@@ -188,10 +190,13 @@ class MegatronLearner(StreamLearner):
             self._recorded_optimizer, self._applied = inner[0], None
         return self._applied
 
-    def _record_step(self, *_) -> None:
+    def _record_step(self, optimizer, *_) -> None:
         """Every rank steps at once; the gather is a collective every rank reaches, with or without a gradient."""
         with torch.no_grad():
-            params = mg.master_parameters(self._chunks())
+            if self._sharded():  # the inner optimizer's parameters are this rank's shards of the main parameters
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+            else:
+                params = mg.master_parameters(self._chunks())
             local = None if any(p.grad is None for p in params) else torch.cat(
                 [p.grad.detach().reshape(-1).to("cpu", torch.float64) for p in params])
         parts = _every_rank(local)
