@@ -94,7 +94,7 @@ Why:
    the same config (``opd_config.opd_loss_from_verl_config``); with task rewards the stream also feeds each trajectory
    when its last turn has arrived (``algos/opd/opd_task.py``). JSON <name>_verl[_M] with a ``distillation`` key
    (``--quick --seeds 0,1,2``: equivalence_opd_verl_seeds.json; the project's setting: equivalence_opd_seeds.json).
-19. The applied gradient (FSDP2, and Megatron without the distributed optimizer; every comparison): each step's update is also compared before fp32 parameter
+19. The applied gradient (FSDP2 and Megatron; every comparison): each step's update is also compared before fp32 parameter
    storage rounds it, on the clipped gradient the optimizer step applied (``learner/engines/fsdp.py`` point 5);
    JSON ``gap_over_floor_applied`` (worst step; with ``--seeds`` its median, ``_per_seed`` and ``_worst``). A weight
    near 1 (a norm weight) is stored to 1.2e-7: where one such element's update lands on the other side of a
@@ -106,6 +106,9 @@ Why:
    settings measured (plain GRPO, k1 + entropy, token-mask; 2026-12-06) sit at 2.3-3.5 x it: point 7's per-row
    rounding of A_i / N, which the floor never sees. ``--diagnostics`` (fsdp plain GRPO) runs point 7's controls
    as on Megatron, on the applied gradient too; JSON <name>_diagnostics.
+20. Where the worst step's gap sits (``equivalence_storage.py``): the share of its squared norm in its 3 largest
+   elements and their sizes in ulps of their stored values (JSON ``worst_step_top3_*``): most of the gap in 1-2
+   ulps of a weight near 1 is point 19's storage flip.
 The engine setup and both update paths live in ``thundersync_harness.engine_setup`` and
 ``engine_steps`` (``tests/harness/``; the engine tests use them too); this script runs and reports
 the comparison. Run: python benchmarks/equivalence.py [--algo grpo|opd] [--engine fsdp|megatron] [--dp 1|2] [--quick]
@@ -152,6 +155,7 @@ from thundersync_verl.run.results import add_results_dir_argument, find_results_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module equivalence_seeds.py
 from equivalence_seeds import aggregate_seeds, parse_seeds, report_seeds  # noqa: E402
+from equivalence_storage import print_storage, storage_report  # noqa: E402
 
 
 # ----- comparison ----------------------------------------------------------------------------
@@ -505,11 +509,14 @@ def report(args, runs: dict, seconds: float, extra: dict | None = None) -> dict:
         secs = f"{info['seconds']:.2f}/{info_sync['seconds']:.2f}"
         print(f"{s + 1:>4} | {gap:>16.3e} | {floor:>19.3e} | {ratio:>9.2f} | {float(a.norm()):>9.3e} | {secs:>13} | {_ops_text(info)}")
         if worst is None or ratio > worst[2]:
-            worst = (gap, floor, ratio)
+            worst = (gap, floor, ratio, s)
     verdict = "PASS" if worst[2] <= 2.0 else "FAIL"
     print(f"worst step: gap/floor = {worst[2]:.2f} -> {verdict} (acceptance: gap <= 2 x floor); {seconds:.0f} s")
+    storage = storage_report(ds[worst[3]] - da[worst[3]], info_a[worst[3]].get("params"))  # point 20
+    print_storage(storage)
     result = {"algo": args.algo, "engine": args.engine, "tp": args.tp, "pp": args.pp, "dp": args.dp,
-              "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2], **_report_applied(info_a, info_b, info_s)}
+              "gap": worst[0], "floor": worst[1], "gap_over_floor": worst[2], **_report_applied(info_a, info_b, info_s),
+              **storage}
     name = "equivalence" if args.algo == "grpo" else "equivalence_opd"
     if "terms" in extra:  # point 8: --kl / --entropy
         terms = extra["terms"]

@@ -415,6 +415,7 @@ def train(wg, steps, reset: str = "reset_actor") -> tuple[list[torch.Tensor], li
         if applied is not None:
             info["applied"] = applied
         new = wg.gather_flat_params()[0]
+        info["params"] = new  # the parameters after the step (equivalence_storage.py)
         deltas.append(new - theta)
         infos.append(info)
         theta = new
