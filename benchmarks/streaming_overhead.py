@@ -47,11 +47,9 @@ LOADS = (0.5, 1, 2, 4)  # arrivals over 1/load of one batched backward's learner
 
 
 def arrival_order(trajs, seed: int) -> list[int]:
-    """Log-normal completion times; a per-group factor makes members finish together."""
-    rng = random.Random(seed)
-    group_factor = {t.gid: rng.gauss(0.0, 0.8) for t in trajs}
-    times = [math.exp(group_factor[t.gid] + rng.gauss(0.0, 0.5)) for t in trajs]
-    return sorted(range(len(trajs)), key=lambda k: times[k])
+    """Log-normal completion times (``arrival_fractions``); a per-group factor makes members finish together."""
+    fractions = arrival_fractions(trajs, seed)
+    return sorted(range(len(trajs)), key=lambda k: fractions[k])
 
 
 def batched(model, spec, trajs) -> None:
@@ -166,19 +164,24 @@ class WorkerLearner:
             self.pool.release(key)
 
 
-def worker_stream(model, spec, trajs, order, wake_every: int, max_chunk: int) -> dict[str, float]:
-    """The product's split of a streamed step: the driver's ``StreamPlanner`` turns arrivals into ops
-    (every ``wake_every`` arrivals it plans every ready row, chunks of at most ``max_chunk``), the
-    ``WorkerLearner`` runs them. Returns the CPU seconds of each side."""
-    t0 = time.process_time()
+def _open_batch(model, spec, trajs, max_chunk: int):
+    """The driver's planner with the batch's groups declared, and a learner with ``.grad`` cleared."""
     planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=spec.loss_agg_mode, max_chunk_size=max_chunk,
                             stats_dtype=next(model.parameters()).dtype)
     sizes: dict[int, int] = {}
     for t in trajs:
         sizes[t.gid] = sizes.get(t.gid, 0) + 1
     planner.begin_batch(sizes)
-    learner = WorkerLearner(model, spec, trajs)
     model.zero_grad(set_to_none=True)
+    return planner, WorkerLearner(model, spec, trajs)
+
+
+def worker_stream(model, spec, trajs, order, wake_every: int, max_chunk: int) -> dict[str, float]:
+    """The product's split of a streamed step: the driver's ``StreamPlanner`` turns arrivals into ops
+    (every ``wake_every`` arrivals it plans every ready row, chunks of at most ``max_chunk``), the
+    ``WorkerLearner`` runs them. Returns the CPU seconds of each side."""
+    t0 = time.process_time()
+    planner, learner = _open_batch(model, spec, trajs, max_chunk)
     planner_s = time.process_time() - t0
     for i, k in enumerate(order):
         t = trajs[k]
@@ -195,12 +198,13 @@ def worker_stream(model, spec, trajs, order, wake_every: int, max_chunk: int) ->
 
 
 def arrival_fractions(trajs, seed: int) -> list[float]:
-    """``arrival_order``'s completion times, as fractions of the batch's arrival span (first 0, last 1)."""
+    """Log-normal completion times with a shared per-group factor, as fractions of the batch's arrival span
+    (first 0, last 1)."""
     rng = random.Random(seed)
     group_factor = {t.gid: rng.gauss(0.0, 0.8) for t in trajs}
     times = [math.exp(group_factor[t.gid] + rng.gauss(0.0, 0.5)) for t in trajs]
     lo, hi = min(times), max(times)
-    return [(x - lo) / (hi - lo) for x in times]
+    return [(x - lo) / (hi - lo) if hi > lo else 0.0 for x in times]
 
 
 def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: int) -> dict[str, float]:
@@ -210,14 +214,7 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
     falls behind finds more rows landed at its next call, so its chunks grow (``core/call_cost.py`` plans the
     next call just in time for the same effect in a run)."""
     t0 = time.process_time()
-    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode=spec.loss_agg_mode, max_chunk_size=max_chunk,
-                            stats_dtype=next(model.parameters()).dtype)
-    sizes: dict[int, int] = {}
-    for t in trajs:
-        sizes[t.gid] = sizes.get(t.gid, 0) + 1
-    planner.begin_batch(sizes)
-    learner = WorkerLearner(model, spec, trajs)
-    model.zero_grad(set_to_none=True)
+    planner, learner = _open_batch(model, spec, trajs, max_chunk)
     order = sorted(range(len(trajs)), key=lambda k: fractions[k])
     planner_s = time.process_time() - t0
     clock, landed = 0.0, 0
