@@ -264,12 +264,12 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[
         "worker k=8": lambda: worker_stream(model, spec, trajs, order, 8, 16),
         "worker k=16": lambda: worker_stream(model, spec, trajs, order, 16, 32),
     }
+    modes["batched"]()  # warm-up, and the reference gradient every mode must reproduce
+    span_s = statistics.median(_timed(modes["batched"])["learner"] for _ in range(3))  # load 1: one batched backward
     fractions = arrival_fractions(trajs, seed=1)
     for load in LOADS:
         modes[f"coalescing load {load}"] = lambda load=load: coalescing_stream(
-            model, spec, trajs, fractions, span["s"] / load, 16)
-    modes["batched"]()  # warm-up, and the reference gradient every mode must reproduce
-    span = {"s": statistics.median(_timed(modes["batched"])["learner"] for _ in range(3))}  # load 1: one batched backward
+            model, spec, trajs, fractions, span_s / load, 16)
     reference = [p.grad.clone() for p in model.parameters()]
     for m, fn in modes.items():
         fn()

@@ -19,8 +19,9 @@ Why:
    With a reference group it scores each chunk just before its backward (verl's KL loss).
 5. ``train`` resets the model and records each step's dθ, so two paths compare from the same
    weights; ``relative_gap`` is the yardstick, ``gap_rows`` the per-step table of the benchmarks. Where the
-   learner records it (FSDP2; Megatron without the distributed optimizer), each step's info also carries ``applied``: the clipped gradient the optimizer
-   step applied, the update before fp32 parameter storage rounds it (``learner/engines/fsdp.py`` point 5).
+   learner records it (FSDP2 and Megatron), each step's info also carries ``applied``: the clipped gradient the optimizer
+   step applied, the update before fp32 parameter storage rounds it (``learner/engines/fsdp.py`` point 5), and
+   ``params``: the parameters after the step (``benchmarks/equivalence_storage.py``).
    The GRPO-family spec (``PolicySpec``) and OPD's (``OPDSpec``) live here; the others in their modules.
 """
 

@@ -254,17 +254,18 @@ def _finish_host(pending, alpha: float, accumulate: bool) -> None:
 def _local_axpy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float, accumulate: bool) -> None:
     """``dst`` (+)= alpha * ``src`` where every shard of ``src`` sits on its ``dst`` shard's device: one
     multi-tensor call each (point 8) instead of a Python loop of per-shard adds."""
-    pairs = [(d, s) for d, s in zip(dst, src) if s is not None]
+    ds = [d for d, s in zip(dst, src) if s is not None]
+    ss = [s for s in src if s is not None]
     if not accumulate:
         zeros = [d for d, s in zip(dst, src) if s is None]
         if zeros:
             torch._foreach_zero_(zeros)
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        if ds:
+            torch._foreach_copy_(ds, ss)
             if alpha != 1.0:
-                torch._foreach_mul_([d for d, _ in pairs], alpha)
-    elif pairs:
-        torch._foreach_add_([d for d, _ in pairs], [s for _, s in pairs], alpha=alpha)
+                torch._foreach_mul_(ds, alpha)
+    elif ds:
+        torch._foreach_add_(ds, ss, alpha=alpha)
 
 
 def _into_device_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor | None], alpha: float) -> None:
