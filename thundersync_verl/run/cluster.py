@@ -219,13 +219,17 @@ class LocalCluster:
         if pid is None:
             raise RuntimeError(f"node {name!r} has no live raylet")
         _signal(pid, signal.SIGKILL)
+        _wait_gone(pid)  # a SIGKILL is delivered asynchronously: the raylet may still run when kill() returns
         self.log(f"killed node {name!r} (raylet {pid})")
         return pid
 
     def restart_node(self, name: str) -> None:
         """A fresh raylet with node ``name``'s resources joins the cluster (a replaced machine)."""
-        for pid in self.node_processes(name):
+        pids = self.node_processes(name)
+        for pid in pids:
             _signal(pid, signal.SIGKILL)  # whatever of the lost node still runs
+        for pid in pids:
+            _wait_gone(pid)  # its ports are free before the replacement binds them
         self._start_node(self.nodes[name].spec, [f"--address={self.address}"])
         self.wait_for_nodes(len(self.specs))
 
@@ -240,6 +244,22 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Return once ``pid`` has exited (gone, or a zombie: an empty command line) or raise after ``timeout``."""
+    deadline = time.time() + timeout
+    while _cmdline(pid):
+        if time.time() > deadline:
+            raise RuntimeError(f"process {pid} still runs {timeout:.0f}s after SIGKILL")
+        time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _environ(pid: int) -> bytes:
@@ -260,9 +280,6 @@ def _proc_cmdlines():
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
+        raw = _cmdline(int(entry))
         if raw:
             yield int(entry), raw.replace(b"\0", b" ").decode(errors="replace")
