@@ -21,6 +21,7 @@ from thundersync_verl.core import StreamingConfigError, StreamingInputError, Str
 from thundersync_verl.algos.opd.opd_stream import (
     OPDTurn,
     OPDTurnPlanner,
+    TrajectoryRow,
     TurnBackwardOp,
     opd_planner_from_verl_config,
     turns_of_trajectory,
@@ -65,7 +66,10 @@ def test_turns_in_any_order_then_the_deferred_normaliser():
     with pytest.raises(StreamingStateError, match=r"lacks turns \[1\].*1 scored turn\(s\) not taken"):
         planner.finalize()
     planner.add_turn(a[1])
-    assert [len(op.turns) for op in planner.next_ops()] == [2]
+    (op,) = planner.next_ops()  # a's turns 0 and 1, ready together, share one row: turn 1's prefix
+    assert op.items == (("a", 0), ("a", 1)) and len(op.turns) == 1
+    row = op.turns[0]
+    assert row.response == a[1].response and row.token_coefs() == [1.0] * 3 + [0.0] * 2 + [1.0] * 2
     final = planner.finalize()
     assert final.num_tokens == 8 and final.num_sequences == 2 and final.scale == pytest.approx(1 / 8)
     with pytest.raises(StreamingStateError, match="no OPD batch open"):
@@ -279,27 +283,34 @@ def test_trajectory_granularity_releases_one_row_per_finished_trajectory():
         OPDTurnPlanner(granularity="group")
 
 
-def test_trajectory_rows_give_the_turn_rows_gradient(model64):
+def test_trajectory_rows_and_merged_ready_turns_give_the_turn_rows_gradient(model64):
     trajs = _trajectories(seed=7)
     turns = [u for i, t in enumerate(trajs) for u in turns_of_trajectory(i, *t)]
     grads = {}
-    for granularity in ("turn", "trajectory"):
+    # (granularity, plan after every k-th scored turn): k > 1 is a learner that fell behind, whose plans find
+    # several turns of one trajectory ready at once and merge them, from any turn on (not only turn 0)
+    for granularity, every in (("turn", 1), ("trajectory", 1), ("turn", 3)):
         planner = OPDTurnPlanner(granularity=granularity, max_chunk_size=3)
         planner.begin_batch(range(len(trajs)))
         ops = []
-        for turn in turns:
+        for n, turn in enumerate(turns, 1):
             planner.add_turn(turn)
-            ops += planner.next_ops()
+            if n % every == 0:
+                ops += planner.next_ops()
         for i, t in enumerate(trajs):
             planner.end_trajectory(i, len(turns_of_trajectory(i, *t)))
             ops += planner.next_ops()
         chunks = [build_token_chunk([u.prompt for u in op.turns], [u.response for u in op.turns],
                                     [u.token_coefs() for u in op.turns], dp_size=1, pad_token_id=PAD,
                                     teacher_log_probs=[u.teacher_row() for u in op.turns]) for op in ops]
-        grads[granularity] = _grad(model64, chunks)
+        grads[granularity, every] = _grad(model64, chunks)
         assert sorted(i for op in ops for i in op.items) == sorted((u.traj_id, u.turn) for u in turns)
-    rel = (grads["trajectory"] - grads["turn"]).norm() / grads["turn"].norm()
-    assert float(rel) < 1e-10  # float64: summation order only
+        rows = [row for op in ops for row in op.turns]
+        if (granularity, every) == ("turn", 3):  # merged rows, some starting past turn 0, fewer rows than turns
+            assert any(isinstance(r, TrajectoryRow) and r.parts[0].turn > 0 for r in rows) and len(rows) < len(turns)
+    for other in (("trajectory", 1), ("turn", 3)):
+        rel = (grads[other] - grads["turn", 1]).norm() / grads["turn", 1].norm()
+        assert float(rel) < 1e-10  # float64: summation order only
 
 
 def test_turn_backwards_report_the_reverse_kl_of_the_whole_trajectories(model64):
@@ -348,3 +359,21 @@ def test_planner_from_verl_config_checks_the_distillation_settings():
         opd_planner_from_verl_config(va.compose_ppo_config(bad))
     with pytest.raises(StreamingConfigError, match="seq-mean-token-mean"):
         opd_planner_from_verl_config(va.compose_ppo_config(good + ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]))
+
+
+def test_a_plan_into_free_slots_leaves_the_rest_to_merge_with_later_turns():
+    a = turns_of_trajectory("a", PROMPT, RESPONSE, MASK, TEACHER)
+    b = turns_of_trajectory("b", (9,), (30, 31), (1, 1), (-1.0, -2.0))
+    planner = OPDTurnPlanner(max_chunk_size=1)
+    planner.begin_batch(["a", "b"])
+    for turn in (b[0], a[0], a[1]):
+        planner.add_turn(turn)
+    (op,) = planner.next_ops(max_backwards=1)  # one free slot: one chunk of one row, the oldest first
+    assert op.items == (("b", 0),) and planner.ready_count == 2
+    assert planner.next_ops(max_backwards=0) == [] and planner.ready_count == 2  # no free slot: nothing planned
+    planner.add_turn(a[2])  # lands while the learner is busy: joins a's waiting turns in one row
+    (op,) = planner.next_ops(max_backwards=4)
+    assert op.items == (("a", 0), ("a", 1), ("a", 2)) and op.turns[0].response == RESPONSE
+    planner.end_trajectory("a", 3)
+    planner.end_trajectory("b", 1)
+    assert planner.finalize().num_tokens == 8

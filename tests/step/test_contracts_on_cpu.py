@@ -5,6 +5,7 @@ GPUs needed: 0 (CPU only). No Ray, no verl engine.
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -50,7 +51,10 @@ def test_every_planner_has_every_member_the_step_uses(name):
     missing = [m for m in _members(Planner) if not _has(planner, m)]
     assert not missing, missing
     assert isinstance(planner.verl_settings, dict) and callable(planner.metrics)
-    assert planner.fills_free_slots is (name == "grpo")  # only GRPO's planner plans to the pipeline's free slots
+    # GRPO's and OPD's turn planners plan to the pipeline's free slots (arrivals wait and share the next call)
+    assert planner.fills_free_slots is (name in ("grpo", "opd"))
+    if planner.fills_free_slots:
+        assert "max_backwards" in inspect.signature(planner.next_ops).parameters
 
 
 def test_every_algorithm_has_every_member_the_step_uses():

@@ -29,7 +29,7 @@ class Planner(Protocol):
     max_chunk_size: int
     verl_settings: dict  # verl estimator settings the learner re-checks against its own config ({}: none)
     independent_buckets: bool  # bucketed rows keep their KL/entropy part in a companion bucket (mini-batches)
-    fills_free_slots: bool  # coalescing: next_ops(max_backwards=k) plans only as many backwards as free slots
+    fills_free_slots: bool  # coalescing: next_ops(max_backwards=k) plans at most k backward calls (the free slots)
     held_count: int  # ready rows the last plan held back (the memory budget); read when fills_free_slots
     queued_folds: int  # folds planned but not sent; read when fills_free_slots
 

@@ -128,6 +128,10 @@ def _grpo_chunk(op, rows, *, parts: bool = False, **layout):
                               ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
 
 
+def _opd_tokens(op) -> int:  # OPD: each row is a turn's prefix (or merged turns' latest prefix), held by the op
+    return sum(len(row.prompt) + len(row.response) for row in op.turns)
+
+
 def _opd_stats(op, parts: list) -> dict:
     return {"kl_sum": _stat(parts, "ts_kl_sum", sum), "kl_tokens": _stat(parts, "ts_kl_tokens", sum)}
 
@@ -147,12 +151,13 @@ class OpKind:
     chunk: Callable | None  # (op, rows, dp_size=, pad_token_id=, temperature=) -> chunk; None: the op is its payload
     stats: Callable = lambda op, parts: {}  # (op, the worker's metric parts) -> this op type's own figures
     row_items: bool = False  # the op's items name the step's fetched rows, (group, key): their tokens are its cost
+    tokens: Callable | None = None  # (op) -> its rows' prompt and response tokens, for an op that holds its rows
     parts: bool = False  # ``chunk`` can build one part per data-parallel rank (``parts=True``): no split on dispatch
 
 
 OP_KINDS: dict[type, OpKind] = {  # every op type a planner emits, in one table (looked up along the op's MRO)
     FoldOp: OpKind("fold", "stream_fold", None),
-    TurnBackwardOp: OpKind("backward", "stream_token_backward", _opd_chunk, _opd_stats),
+    TurnBackwardOp: OpKind("backward", "stream_token_backward", _opd_chunk, _opd_stats, tokens=_opd_tokens),
     SAOBackwardOp: OpKind("backward", "stream_token_backward", _sao_chunk, _sao_stats),
     PPOBackwardOp: OpKind("backward", "stream_backward", _ppo_chunk, row_items=True),
     BackwardOp: OpKind("backward", "stream_backward", _grpo_chunk, row_items=True, parts=True),

@@ -445,10 +445,13 @@ class StreamedStep:
         self.state.fetch_s += time.time() - t0
 
     def _op_tokens(self, op) -> int | None:
-        """A GRPO op's prompt and response tokens (its cost for ``CallCost``; a fold has none); None for others."""
+        """An op's prompt and response tokens (its cost for ``CallCost``; a fold has none): a GRPO op's fetched rows,
+        an OPD op's own rows; None for others."""
         kind = op_kind(op)
         if kind.name == "fold":
             return 0
+        if kind.tokens is not None:
+            return kind.tokens(op)
         return items_tokens(self.state.rows, op.items) if kind.row_items else None
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:

@@ -43,6 +43,13 @@ Why:
    loss (verl's ``use_policy_gradient: false``, its shipped default with k3): either way a token's term depends on that
    token's log-probs only, so turns stream the same; the op carries the setting to the chunk (``stream_loss.py``
    point 9). verl's ``use_task_rewards: true`` adds the task-reward policy term: ``opd_task.OPDTaskPlanner``.
+7. Turns of one trajectory that are ready at the same plan (the learner was busy while the next tool call and
+   turn ran) share one row, ``merge_ready_turns``: the later turn's prefix with every ready turn's action tokens
+   scored, the same gradient as their separate rows (point 5's argument) for one forward+backward instead of
+   one per turn. With ``thundersync.coalesce`` the driver plans only into the learner's free slots, just in time
+   (``streamed_step``), so turns that land while the learner is busy wait for the next plan: a learner that keeps
+   up sees one turn per row; one that falls behind recomputes fewer prefixes, the further behind the fewer
+   (towards one row per trajectory).
 Flow (see ``OPDTurnPlanner``): begin_batch(traj_ids) -> add_turn(OPDTurn) as each turn is scored
 -> next_ops() -> OPDStreamClient.run(ops) -> end_trajectory(id, n_turns) -> finalize() -> barrier.
 """
@@ -298,13 +305,19 @@ class OPDTurnPlanner(PlannerDefaults):
         """Turn rows hold no buckets: every turn goes straight into the batch gradient."""
         return {}
 
-    def next_ops(self, max_chunk_size: int | None = None) -> list[TurnBackwardOp]:
-        """Every ready turn, in chunks of at most ``max_chunk_size`` rows, in arrival order."""
+    fills_free_slots = True  # point 7: a busy learner's turns wait and merge (streamed_step's free-slot planning)
+
+    def next_ops(self, max_chunk_size: int | None = None, max_backwards: int | None = None) -> list[TurnBackwardOp]:
+        """The ready turns, in chunks of at most ``max_chunk_size`` rows, in arrival order; turns of one
+        trajectory that are ready together share one row (point 7). ``max_backwards``: at most that many chunks
+        (the learner's free slots); the rest stay ready, to merge with their trajectories' later turns."""
         size = int(max_chunk_size or self.max_chunk_size)
-        ready = self._ready
-        ops = [TurnBackwardOp(tuple(ready[i : i + size]), self.opd_clamp, self.loss)
-               for i in range(0, len(ready), size)]
-        self._ready = []
+        ready = merge_ready_turns(self._ready)
+        take = len(ready) if max_backwards is None else min(len(ready), max(0, int(max_backwards)) * size)
+        ops = [TurnBackwardOp(tuple(ready[i : min(i + size, take)]), self.opd_clamp, self.loss)
+               for i in range(0, take, size)]
+        self._ready = [part for row in ready[take:] for part in getattr(row, "parts", (row,))] \
+            if self.granularity == "turn" else ready[take:]
         return ops
 
     def missing(self) -> list[str]:
@@ -333,6 +346,21 @@ class OPDTurnPlanner(PlannerDefaults):
                   "by that count", "drop the batch instead of stepping", StreamingStateError)
         self._trajs = None
         return FinalizeOp(scale, self.num_tokens, n_seq)
+
+
+def merge_ready_turns(ready: Sequence[OPDTurn | TrajectoryRow]) -> list[OPDTurn | TrajectoryRow]:
+    """One row per trajectory among ``ready``: two or more of its turns become one ``TrajectoryRow`` (the latest
+    turn's prefix, every ready turn's action tokens scored), at the place of its first ready turn (point 7)."""
+    by_traj: dict[Hashable, list] = {}
+    for row in ready:
+        by_traj.setdefault(row.traj_id, []).append(row)
+    out = []
+    for rows in by_traj.values():
+        if len(rows) == 1 or not all(isinstance(r, OPDTurn) for r in rows):
+            out += rows
+        else:
+            out.append(TrajectoryRow(tuple(sorted(rows, key=lambda t: t.turn))))
+    return out
 
 
 def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequence[int], response_mask: Sequence[int],

@@ -195,6 +195,7 @@ class _StepBook:
     seen_at: dict = field(default_factory=dict)  # (trajectory, turn) -> time the turn reached the driver
     backward_at: dict = field(default_factory=dict)  # (trajectory, turn) -> start of its backward
     from_trajectory_end: int = 0  # turns split from a landed trajectory (point 4)
+    rows: int = 0  # learner rows the turns ran in (fewer than turns where ready turns merged: opd_stream point 7)
 
     def missing(self) -> list[str]:
         return [f"{traj}: {len(self.turns.get(traj, {}))}/{n} turns" for traj, n in self.expected.items()
@@ -263,6 +264,7 @@ class OPDArrivals(AlgorithmDefaults):
                                                 for _, k in items)
         for item in op.items:  # (trajectory, turn) of every turn in the chunk, merged rows included
             self.book.backward_at[item] = t0
+        self.book.rows += len(op.turns)
         items = [(str(turn.traj_id).split("_")[0], turn.traj_id) for turn in op.turns]
         return "backward", items, sum(len(turn.prompt) + len(turn.response) for turn in op.turns)
 
@@ -310,6 +312,7 @@ class OPDArrivals(AlgorithmDefaults):
         return {
             "thundersync/opd/turns": len(book.backward_at),
             "thundersync/opd/turns_from_trajectory_end": book.from_trajectory_end,
+            "thundersync/opd/rows": book.rows,
             "thundersync/opd/turns_backpropagated_before_trajectory_end": sum(early) / max(len(early), 1),
             "thundersync/opd/turn_to_backward_s/mean": sum(delay) / max(len(delay), 1),
             "thundersync/opd/reverse_kl": kl / max(n_tok, 1),
