@@ -230,7 +230,8 @@ class OPDConfig(_Section, va.base_config_cls()):
     PREFIX: ClassVar[str] = "thundersync.opd"
 
     granularity: str = _key("turn", _choice(*GRANULARITIES), "turn: each scored turn backpropagates at once (prefix "
-                            "recompute); trajectory: one row per trajectory once its last turn is scored")
+                            "recompute; turns that land while the learner is busy share a row); trajectory: one row "
+                            "per trajectory once its last turn is scored")
     teacher_max_attempts: int = _key(3, _integer(1), "teacher calls per turn before the step fails loudly (1: no retry)")
     teacher_timeout_s: float | None = _key(120.0, _optional(_number(above=0), "no timeout"),
                                            "seconds one teacher attempt may take; a slower reply is a failed attempt")

@@ -318,6 +318,8 @@ class OPDArrivals(AlgorithmDefaults):
             "thundersync/opd/reverse_kl": kl / max(n_tok, 1),
             "thundersync/opd/teacher_prefix_gap_max": gap,
             "thundersync/opd/teacher_retries": retries,
+            "thundersync/opd/teacher_calls": round(sum(1.0 / max(int(tag.get("turns_per_call", 1)), 1)  # turn_teacher
+                                                       for tag in self.turns.seen.values())),  # point 4: shared calls
             "thundersync/opd/whole_teacher_call_reused": sum(
                 bool((rows[k]["extra"].get("thundersync_events") or {}).get("teacher_reused")) for k in keys) / max(len(keys), 1),
         }

@@ -13,6 +13,13 @@ Why:
    from ``thundersync.opd``); after the last attempt a failure record is published, so the trainer
    fails the step naming the turn instead of waiting for it. This module lives outside ``trainer/``:
    agent loops (``envs/``) import it, and nothing here imports the trainer.
+4. One teacher call in flight per trajectory. A turn's call asks for log-probs over its whole prefix, and a
+   serving engine recomputes the whole prefix for such a request (vLLM skips its prefix cache when prompt
+   log-probs are asked for), so scoring every turn costs ~K/2 times the trajectory's tokens. A turn that
+   finishes while its trajectory's previous call is in flight (the teacher is behind) waits for it; every
+   turn waiting then shares ONE call on the latest prefix, each published with its own slice. A teacher
+   that keeps up sees one call per turn; one that falls behind gets fewer, longer calls. A failed call fails
+   each turn it carried, as a failure record of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -113,6 +120,7 @@ class AgentTurnTeacher:
         self.put = put or _tq_put
         self.sleep = sleep
         self.replies: dict[str, tuple] = {}  # trajectory -> (prefix, ids rows, log-prob rows) of its latest scored turn
+        self._lanes: dict[str, _Lane] = {}  # trajectory -> its turns waiting for the teacher (point 4)
 
     def whole_trajectory_reply(self, traj_key: str, sequence: list[int]) -> dict | None:
         """verl's ``teacher_ids`` / ``teacher_logprobs`` for ``sequence`` if a scored turn's prefix equals it.
@@ -181,22 +189,76 @@ class AgentTurnTeacher:
 
     async def score_and_publish(self, traj_key: str, turn: int, prompt_ids: list[int], response_ids: list[int],
                                 action_start: int, rollout_log_probs: list[float] | None = None) -> None:
-        """Score turn ``turn`` (its action is ``response_ids[action_start:]``) and put it into the TransferQueue."""
-        prefix = list(prompt_ids) + list(response_ids)
-        key = turn_key(traj_key, turn)
+        """Score turn ``turn`` (its action is ``response_ids[action_start:]``) and put it into the TransferQueue.
+
+        A trajectory has at most one teacher call in flight (point 4): a turn that finishes meanwhile waits, and
+        every turn waiting when the call returns is scored by ONE call on the latest turn's prefix."""
+        lane = self._lanes.setdefault(traj_key, _Lane())
+        mine = _PendingTurn(int(turn), list(prompt_ids), list(response_ids), int(action_start), rollout_log_probs)
+        lane.pending.append(mine)
+        async with lane.lock:
+            if not mine.done:
+                taken, lane.pending = lane.pending, []
+                await self._score_together(traj_key, taken)
+        if not lane.pending and not lane.lock.locked():
+            self._lanes.pop(traj_key, None)
+        if mine.error is not None:
+            raise mine.error
+
+    async def _score_together(self, traj_key: str, turns: list["_PendingTurn"]) -> None:
+        """One teacher call on the latest turn's prefix for ``turns`` (its earlier turns' prefixes are prefixes of
+        it: a causal teacher gives each token the log-prob its own turn's prefix would); each turn published."""
+        turns = sorted(turns, key=lambda t: t.turn)
+        latest = turns[-1]
+        prefix = latest.prompt_ids + latest.response_ids
+        for t in turns[:-1]:
+            if t.prompt_ids + t.response_ids != prefix[: len(t.prompt_ids) + len(t.response_ids)]:
+                await self._score_together(traj_key, [t])  # not one history (never from one agent loop): alone
+                turns = [u for u in turns if u is not t]
+        start = len(latest.prompt_ids) + min(t.action_start for t in turns)
         try:
-            values, attempts = await self.score(traj_key, turn, prefix, len(prompt_ids) + action_start)
+            values, attempts = await self.score(traj_key, latest.turn, prefix, start)
         except TeacherScoringError as exc:
-            await self.put(key, None, {"status": "failure", "traj": traj_key, "turn": int(turn), "error": str(exc)})
-            raise
-        fields = {"prefix_ids": torch.tensor(prefix, dtype=torch.long),  # [P + end]
+            for t in turns:
+                await self.put(turn_key(traj_key, t.turn), None, {"status": "failure", "traj": traj_key,
+                                                                  "turn": t.turn, "error": str(exc)})
+                t.done, t.error = True, exc
+            return
+        for t in turns:
+            lo = len(t.prompt_ids) + t.action_start - start
+            await self._publish(traj_key, t, values[lo : lo + len(t.response_ids) - t.action_start], attempts, len(turns))
+            t.done = True
+
+    async def _publish(self, traj_key: str, t: "_PendingTurn", values: list[float], attempts: int, shared: int) -> None:
+        fields = {"prefix_ids": torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long),  # [P + end]
                   "teacher_log_probs": torch.tensor(values, dtype=torch.float32)}  # [end - action_start]
-        if rollout_log_probs is not None and len(rollout_log_probs) == len(values):
-            fields["rollout_log_probs"] = torch.tensor(list(rollout_log_probs), dtype=torch.float32)  # [end - action_start]
-        await self.put(key, fields, {"status": "success", "traj": traj_key, "turn": int(turn),
-                                     "prompt_len": len(prompt_ids), "action_start": int(action_start),
-                                     "attempts": attempts, "t_scored": time.time(),
-                                     "rollout_lp": "rollout_log_probs" in fields})
+        if t.rollout_log_probs is not None and len(t.rollout_log_probs) == len(values):
+            fields["rollout_log_probs"] = torch.tensor(list(t.rollout_log_probs), dtype=torch.float32)  # [end - action_start]
+        await self.put(turn_key(traj_key, t.turn), fields, {
+            "status": "success", "traj": traj_key, "turn": t.turn, "prompt_len": len(t.prompt_ids),
+            "action_start": t.action_start, "attempts": attempts, "t_scored": time.time(),
+            "rollout_lp": "rollout_log_probs" in fields, "turns_per_call": shared})
+
+
+@dataclass
+class _PendingTurn:
+    """A finished turn waiting for its trajectory's teacher call (``AgentTurnTeacher.score_and_publish``)."""
+
+    turn: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action_start: int
+    rollout_log_probs: list[float] | None
+    done: bool = False
+    error: Exception | None = None
+
+
+@dataclass
+class _Lane:
+    """One trajectory's turns waiting for the teacher, and the lock that keeps one call in flight."""
+
+    pending: list = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 async def _tq_put(key: str, fields: dict | None, tag: dict) -> None:
