@@ -30,6 +30,7 @@ class Planner(Protocol):
     verl_settings: dict  # verl estimator settings the learner re-checks against its own config ({}: none)
     independent_buckets: bool  # bucketed rows keep their KL/entropy part in a companion bucket (mini-batches)
     fills_free_slots: bool  # coalescing: next_ops(max_backwards=k) plans at most k backward calls (the free slots)
+    eager_full_chunks: bool  # coalescing: a full chunk of ready rows is planned at once (else just in time only)
     held_count: int  # ready rows the last plan held back (the memory budget); read when fills_free_slots
     queued_folds: int  # folds planned but not sent; read when fills_free_slots
 
@@ -51,6 +52,7 @@ class PlannerDefaults:
     verl_settings: dict = {}
     independent_buckets = False
     fills_free_slots = False
+    eager_full_chunks = True
     held_count = 0
     queued_folds = 0
 

@@ -274,8 +274,9 @@ class StreamedStep:
         self.pipe = self.ctx.make_pipeline(self._op_done)
 
     def _plan_now(self) -> bool:
-        """Plan while the learner is idle, for a full chunk, at the end, or just in time for the learner to go
-        on without a gap (``_plan_at``), and only into a free pipeline slot; else arrivals share the next chunk.
+        """Plan while the learner is idle, for a full chunk (planners with ``eager_full_chunks``), at the end, or
+        just in time for the learner to go on without a gap (``_plan_at``), and only into a free pipeline slot;
+        else arrivals share the next chunk.
 
         Rows the last plan held back (their buckets did not fit the memory budget) can only run once
         something new lands (a group closing frees its buckets), so they alone never trigger a plan.
@@ -285,7 +286,9 @@ class StreamedStep:
             return False
         if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
             return False
-        if self.pipe.in_flight == 0 or ready >= self.planner.max_chunk_size or self.source.done:
+        if self.pipe.in_flight == 0 or self.source.done:
+            return True
+        if ready >= self.planner.max_chunk_size and self.planner.eager_full_chunks:
             return True
         plan_at = self._plan_at()
         self._ahead = plan_at is not None and time.time() >= plan_at

@@ -47,7 +47,8 @@ Why:
    turn ran) share one row, ``merge_ready_turns``: the later turn's prefix with every ready turn's action tokens
    scored, the same gradient as their separate rows (point 5's argument) for one forward+backward instead of
    one per turn. With ``thundersync.coalesce`` the driver plans only into the learner's free slots, just in time
-   (``streamed_step``), so turns that land while the learner is busy wait for the next plan: a learner that keeps
+   (``streamed_step``; never early for a full chunk), so turns that land while the learner is busy wait for the
+   next plan: a learner that keeps
    up sees one turn per row; one that falls behind recomputes fewer prefixes, the further behind the fewer
    (towards one row per trajectory).
 Flow (see ``OPDTurnPlanner``): begin_batch(traj_ids) -> add_turn(OPDTurn) as each turn is scored
@@ -305,7 +306,8 @@ class OPDTurnPlanner(PlannerDefaults):
         """Turn rows hold no buckets: every turn goes straight into the batch gradient."""
         return {}
 
-    fills_free_slots = True  # point 7: a busy learner's turns wait and merge (streamed_step's free-slot planning)
+    fills_free_slots = True  # point 7: a busy learner's turns wait and merge (streamed_step's free-slot planning),
+    eager_full_chunks = False  # and go just in time only: a waiting turn may still merge with its next turn
 
     def next_ops(self, max_chunk_size: int | None = None, max_backwards: int | None = None) -> list[TurnBackwardOp]:
         """The ready turns, in chunks of at most ``max_chunk_size`` rows, in arrival order; turns of one
