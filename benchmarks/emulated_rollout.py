@@ -363,6 +363,9 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str
            "final_reward": {m: round(r["final_reward"], 3) for m, r in rows.items()},
            "load_1min": {m: r["load_1min"] for m, r in rows.items()},
            "host_cpu_s_per_step": {m: r.get("host_cpu_s_per_step") for m, r in rows.items()}}
+    for key in ("opd_rows_per_turn", "opd_teacher_calls_per_turn"):  # OPD per turn: how much was shared
+        if key in rows.get("thundersync", {}):
+            out[key] = round(rows["thundersync"][key], 3)
     syncs = [m for m in ("sync", "sync_bypass") if m in rows]
     if syncs:
         ref = min(syncs, key=lambda m: rows[m]["step_time_s"])

@@ -104,7 +104,13 @@ def summarise(mode: str, run: dict) -> dict:
         busy = mean([sum(m.get(f"timing_s/{k}", 0.0) for k in LEARNER_KEYS) / m["timing_s/step"] for m in timed])
     last = [run["per_step"][s] for s in steps[-3:]]
     kls = [k for k in (reverse_kl(run["per_step"][s]) for s in steps) if k is not None]
+    turns = sum(m.get("thundersync/opd/turns", 0) for m in timed)
+    merged = {  # OPD per turn: learner rows and teacher calls per scored turn (1: none shared; opd_stream point 7)
+        "opd_rows_per_turn": sum(m.get("thundersync/opd/rows", 0) for m in timed) / turns,
+        "opd_teacher_calls_per_turn": sum(m.get("thundersync/opd/teacher_calls", 0) for m in timed) / turns,
+    } if turns and mode == "thundersync" else {}
     return {
+        **merged,
         "reverse_kl_first5": mean(kls[:5]) if kls else None,
         "reverse_kl_last5": mean(kls[-5:]) if kls else None,
         "step_time_s": step_time,

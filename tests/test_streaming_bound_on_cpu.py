@@ -168,3 +168,15 @@ def test_a_step1_batch_without_an_advantage_is_refused_not_reported_as_nan(exact
     zero = {name: torch.zeros(4, dtype=torch.float64) for name in exact.EXACT_RUNS}
     with pytest.raises(ValueError, match="did not move the weights.*record the workload again"):
         exact.update_gaps(zero)
+
+
+def test_opd_runs_report_learner_rows_and_teacher_calls_per_scored_turn(bench):
+    step = {"timing_s/step": 10.0, "timing_s/gen": 6.0}
+    per_step = {1: dict(step, **{"thundersync/opd/turns": 99, "thundersync/opd/rows": 1, "thundersync/opd/teacher_calls": 1}),
+                2: dict(step, **{"thundersync/opd/turns": 100, "thundersync/opd/rows": 80, "thundersync/opd/teacher_calls": 90}),
+                3: dict(step, **{"thundersync/opd/turns": 100, "thundersync/opd/rows": 60, "thundersync/opd/teacher_calls": 100})}
+    row = bench.modes.summarise("thundersync", {"per_step": per_step})  # step 1 (warm-up) is left out
+    assert row["opd_rows_per_turn"] == pytest.approx(0.7) and row["opd_teacher_calls_per_turn"] == pytest.approx(0.95)
+    assert "opd_rows_per_turn" not in bench.modes.summarise("sync_bypass", {"per_step": per_step})
+    grpo = {s: {"timing_s/step": 10.0} for s in (1, 2)}
+    assert "opd_rows_per_turn" not in bench.modes.summarise("thundersync", {"per_step": grpo})

@@ -274,9 +274,8 @@ class StreamedStep:
         self.pipe = self.ctx.make_pipeline(self._op_done)
 
     def _plan_now(self) -> bool:
-        """Plan while the learner is idle, for a full chunk (planners with ``eager_full_chunks``), at the end, or
-        just in time for the learner to go on without a gap (``_plan_at``), and only into a free pipeline slot;
-        else arrivals share the next chunk.
+        """Plan while the learner is idle, for a full chunk (``eager_full_chunks``), at the end, or just in time for
+        the learner to go on without a gap (``_plan_at``), only into a free pipeline slot; else rows wait to share.
 
         Rows the last plan held back (their buckets did not fit the memory budget) can only run once
         something new lands (a group closing frees its buckets), so they alone never trigger a plan.
@@ -286,9 +285,8 @@ class StreamedStep:
             return False
         if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
             return False
-        if self.pipe.in_flight == 0 or self.source.done:
-            return True
-        if ready >= self.planner.max_chunk_size and self.planner.eager_full_chunks:
+        if self.pipe.in_flight == 0 or self.source.done or (ready >= self.planner.max_chunk_size
+                                                            and self.planner.eager_full_chunks):
             return True
         plan_at = self._plan_at()
         self._ahead = plan_at is not None and time.time() >= plan_at
@@ -451,10 +449,8 @@ class StreamedStep:
         """An op's prompt and response tokens (its cost for ``CallCost``; a fold has none): a GRPO op's fetched rows,
         an OPD op's own rows; None for others."""
         kind = op_kind(op)
-        if kind.name == "fold":
-            return 0
-        if kind.tokens is not None:
-            return kind.tokens(op)
+        if kind.name == "fold" or kind.tokens is not None:
+            return kind.tokens(op) if kind.tokens is not None else 0
         return items_tokens(self.state.rows, op.items) if kind.row_items else None
 
     def _op_done(self, op, stats: dict, t0: float, t1: float) -> None:
