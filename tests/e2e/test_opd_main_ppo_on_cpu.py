@@ -118,8 +118,8 @@ def test_hf_cpu_teacher_prompt_logprobs_match_an_hf_forward():
 class _FakeTeacher:
     """verl's teacher client surface: ``generate`` returning extra_fields['prompt_logprobs']."""
 
-    def __init__(self, model, fail_first: int = 0, hang: bool = False, delay: float = 0.0):
-        self.model, self.fail_first, self.hang, self.delay, self.calls = model, fail_first, hang, delay, []
+    def __init__(self, model, fail_first: int = 0, hang: bool = False):
+        self.model, self.fail_first, self.hang, self.calls = model, fail_first, hang, []
 
     async def generate(self, request_id, *, prompt_ids, sampling_params):
         from types import SimpleNamespace
@@ -129,7 +129,6 @@ class _FakeTeacher:
         self.calls.append((list(prompt_ids), dict(sampling_params)))
         if self.hang:
             await asyncio.sleep(60)
-        await asyncio.sleep(self.delay)
         if len(self.calls) <= self.fail_first:
             raise ConnectionError("teacher server restarting")
         return SimpleNamespace(extra_fields=prompt_logprob_fields(self.model, list(prompt_ids), sampling_params["prompt_logprobs"]))
@@ -165,40 +164,93 @@ def test_turn_is_scored_on_its_prefix_and_published_after_a_retry():
     assert teacher.client.calls[-1][1]["prompt_logprobs"] == 0 and teacher.client.calls[-1][1]["temperature"] == 1.0
 
 
+class _GatedTeacher(_FakeTeacher):
+    """Each call answers only once the test opens its gate (``gates[k]`` for the k-th call): no timing in the test."""
+
+    def __init__(self, model, fail_first: int = 0):
+        super().__init__(model, fail_first=fail_first)
+        self.gates: list[asyncio.Event] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+
+async def _until(condition) -> None:
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the teacher was never called as expected")
+
+
+PROMPT3, RESPONSE9 = [4, 7, 11], [20, 21, 30, 31, 22, 23, 32, 24, 25]  # actions [0,2) [4,6) [7,9), observations between
+TURNS3 = [(0, 2, 0), (1, 6, 4), (2, 9, 7)]  # (turn, end, action start)
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["scored", "teacher_down"])
 def test_turns_that_finish_while_their_trajectorys_call_is_in_flight_share_the_next_call(fails):
     from thundersync_harness.teacher import HFTeacherScorer
     from thundersync_verl.algos.opd.turn_teacher import TeacherScoringError
 
     model = _tiny_model(4)
-    teacher, puts = _publisher(_FakeTeacher(model, fail_first=99 if fails else 0, delay=0.05), max_attempts=1)
-    prompt = [4, 7, 11]
-    response = [20, 21, 30, 31, 22, 23, 32, 24, 25]  # actions [0,2) [4,6) [7,9), observations between
-    turns = [(0, 2, 0), (1, 6, 4), (2, 9, 7)]  # (turn, end, action start)
+    client = _GatedTeacher(model, fail_first=99 if fails else 0)
+    teacher, puts = _publisher(client, max_attempts=1)
 
     async def loop():  # the agent loop: turn 0's call starts, turns 1 and 2 finish while it is in flight
-        tasks = []
-        for j, end, start in turns:
-            tasks.append(asyncio.create_task(teacher.score_and_publish("u_0_0", j, prompt, response[:end], start)))
-            await asyncio.sleep(0.001)
+        tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
+        await _until(lambda: len(client.gates) == 1)
+        tasks += [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
+                  for j, end, start in TURNS3[1:]]
+        await asyncio.sleep(0)
+        client.gates[0].set()
+        await _until(lambda: len(client.gates) == 2)
+        client.gates[1].set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(loop())
-    assert [call[0] for call in teacher.client.calls] == [prompt + response[:2], prompt + response]  # 2 calls, 3 turns
+    assert [call[0] for call in client.calls] == [PROMPT3 + RESPONSE9[:2], PROMPT3 + RESPONSE9]  # 2 calls, 3 turns
     assert sorted(key for key, _, _ in puts) == ["u_0_0_t0", "u_0_0_t1", "u_0_0_t2"]
+    assert not teacher._lanes  # nothing kept once every turn is answered
     if fails:  # every turn a failed call carried fails as itself: a record each, raised in each turn's task
         assert all(isinstance(r, TeacherScoringError) for r in results)
         assert all(tag["status"] == "failure" and fields is None for _, fields, tag in puts)
         return
-    assert results == [None] * 3 and not teacher._lanes  # nothing kept once every turn is published
+    assert results == [None] * 3
     scorer = HFTeacherScorer(model)
     for key, fields, tag in puts:
         j = int(key[-1])
-        _, end, start = turns[j]
-        assert fields["prefix_ids"].tolist() == prompt + response[:end] and tag["action_start"] == start
+        _, end, start = TURNS3[j]
+        assert fields["prefix_ids"].tolist() == PROMPT3 + RESPONSE9[:end] and tag["action_start"] == start
         assert tag["turns_per_call"] == (1 if j == 0 else 2)
-        whole = scorer.score(prompt + response[:end], (len(prompt) + start, len(prompt) + end))  # its own prefix
+        whole = scorer.score(PROMPT3 + RESPONSE9[:end], (len(PROMPT3) + start, len(PROMPT3) + end))  # its own prefix
         assert torch.allclose(fields["teacher_log_probs"], whole, atol=1e-6)
+
+
+def test_a_cancelled_turn_is_not_published_and_the_turns_its_call_carried_are_scored_next():
+    client = _GatedTeacher(_tiny_model(4))
+    teacher, puts = _publisher(client, max_attempts=1)
+
+    async def loop():
+        tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
+        await _until(lambda: len(client.gates) == 1)
+        tasks += [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
+                  for j, end, start in TURNS3[1:]]
+        await asyncio.sleep(0)
+        client.gates[0].set()
+        await _until(lambda: len(client.gates) == 2)  # turn 1's task asked for turns 1 and 2 in one call
+        tasks[1].cancel()  # and its agent loop gave up before the teacher answered
+        await _until(lambda: len(client.gates) == 3)  # turn 2 goes back to waiting and is asked for alone
+        client.gates[2].set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(loop())
+    assert results[0] is None and isinstance(results[1], asyncio.CancelledError) and results[2] is None
+    assert [key for key, _, _ in puts] == ["u_0_0_t0", "u_0_0_t2"]  # the cancelled turn is not published
+    assert [call[0] for call in client.calls] == [PROMPT3 + RESPONSE9[:2], PROMPT3 + RESPONSE9]  # answered calls
+    assert not teacher._lanes
 
 
 def test_agent_loop_scores_turns_only_when_the_rollout_client_carries_one_teacher():

@@ -196,12 +196,19 @@ class AgentTurnTeacher:
         lane = self._lanes.setdefault(traj_key, _Lane())
         mine = _PendingTurn(int(turn), list(prompt_ids), list(response_ids), int(action_start), rollout_log_probs)
         lane.pending.append(mine)
-        async with lane.lock:
-            if not mine.done:
-                taken, lane.pending = lane.pending, []
-                await self._score_together(traj_key, taken)
-        if not lane.pending and not lane.lock.locked():
-            self._lanes.pop(traj_key, None)
+        try:
+            async with lane.lock:
+                if not mine.done:
+                    taken, lane.pending = lane.pending, []
+                    try:
+                        await self._score_together(traj_key, taken)
+                    finally:  # cancelled mid-call (its agent loop was): the other turns it carried wait again
+                        lane.pending[:0] = [t for t in taken if not t.done and t is not mine]
+        finally:  # a cancelled turn is not published (nor carried by a later call)
+            if not mine.done and mine in lane.pending:
+                lane.pending.remove(mine)
+            if not lane.pending and not lane.lock.locked():
+                self._lanes.pop(traj_key, None)
         if mine.error is not None:
             raise mine.error
 
