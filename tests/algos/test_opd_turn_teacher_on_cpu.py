@@ -112,6 +112,15 @@ PROMPT3, RESPONSE9 = [4, 7, 11], [20, 21, 30, 31, 22, 23, 32, 24, 25]  # actions
 TURNS3 = [(0, 2, 0), (1, 6, 4), (2, 9, 7)]  # (turn, end, action start)
 
 
+async def _three_turns(teacher, client) -> list:
+    """The agent loop's three turns of one trajectory: turn 0's call starts, then turns 1 and 2 finish while it is
+    in flight (unanswered: its gate is closed)."""
+    tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
+    await _until(lambda: len(client.gates) == 1)
+    return tasks + [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
+                    for j, end, start in TURNS3[1:]]
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["scored", "teacher_down"])
 def test_turns_that_finish_while_their_trajectorys_call_is_in_flight_share_the_next_call(fails):
     from thundersync_harness.teacher import HFTeacherScorer
@@ -121,11 +130,8 @@ def test_turns_that_finish_while_their_trajectorys_call_is_in_flight_share_the_n
     client = _GatedTeacher(model, fail_first=99 if fails else 0)
     teacher, puts = _publisher(client, max_attempts=1)
 
-    async def loop():  # the agent loop: turn 0's call starts, turns 1 and 2 finish while it is in flight
-        tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
-        await _until(lambda: len(client.gates) == 1)
-        tasks += [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
-                  for j, end, start in TURNS3[1:]]
+    async def loop():
+        tasks = await _three_turns(teacher, client)
         await asyncio.sleep(0)
         client.gates[0].set()
         await _until(lambda: len(client.gates) == 2)
@@ -156,10 +162,7 @@ def test_at_the_trajectorys_end_its_waiting_turns_are_asked_for_beside_the_call_
     teacher, puts = _publisher(client, max_attempts=1)
 
     async def loop():
-        tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
-        await _until(lambda: len(client.gates) == 1)
-        tasks += [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
-                  for j, end, start in TURNS3[1:]]
+        tasks = await _three_turns(teacher, client)
         flush = asyncio.create_task(teacher.flush("u_0_0"))  # the loop ended: turns 1 and 2 must not wait for turn 0
         await _until(lambda: len(client.gates) == 2)  # asked for while turn 0's call is still unanswered
         client.gates[1].set()
@@ -178,10 +181,7 @@ def test_a_cancelled_turn_is_not_published_and_the_turns_its_call_carried_are_sc
     teacher, puts = _publisher(client, max_attempts=1)
 
     async def loop():
-        tasks = [asyncio.create_task(teacher.score_and_publish("u_0_0", 0, PROMPT3, RESPONSE9[:2], 0))]
-        await _until(lambda: len(client.gates) == 1)
-        tasks += [asyncio.create_task(teacher.score_and_publish("u_0_0", j, PROMPT3, RESPONSE9[:end], start))
-                  for j, end, start in TURNS3[1:]]
+        tasks = await _three_turns(teacher, client)
         await asyncio.sleep(0)
         client.gates[0].set()
         await _until(lambda: len(client.gates) == 2)  # turn 1's task asked for turns 1 and 2 in one call
