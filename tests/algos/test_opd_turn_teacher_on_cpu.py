@@ -157,25 +157,6 @@ def test_turns_that_finish_while_their_trajectorys_call_is_in_flight_share_the_n
         assert torch.allclose(fields["teacher_log_probs"], whole, atol=1e-6)
 
 
-def test_at_the_trajectorys_end_its_waiting_turns_are_asked_for_beside_the_call_in_flight():
-    client = _GatedTeacher(_tiny_model(4))
-    teacher, puts = _publisher(client, max_attempts=1)
-
-    async def loop():
-        tasks = await _three_turns(teacher, client)
-        flush = asyncio.create_task(teacher.flush("u_0_0"))  # the loop ended: turns 1 and 2 must not wait for turn 0
-        await _until(lambda: len(client.gates) == 2)  # asked for while turn 0's call is still unanswered
-        client.gates[1].set()
-        await flush
-        assert sorted(key for key, _, _ in puts) == ["u_0_0_t1", "u_0_0_t2"]  # published before turn 0's answer
-        client.gates[0].set()
-        return await asyncio.gather(*tasks)
-
-    assert asyncio.run(loop()) == [None] * 3
-    assert sorted(key for key, _, _ in puts) == ["u_0_0_t0", "u_0_0_t1", "u_0_0_t2"] and not teacher._lanes
-    assert asyncio.run(teacher.flush("u_0_0")) is None  # nothing waits: nothing asked
-
-
 def test_a_cancelled_turn_is_not_published_and_the_turns_its_call_carried_are_scored_next():
     client = _GatedTeacher(_tiny_model(4))
     teacher, puts = _publisher(client, max_attempts=1)

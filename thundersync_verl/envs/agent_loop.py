@@ -121,7 +121,6 @@ class ThunderSyncToolAgentLoop(va.agent_loop_base()):
             response_mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
         if scoring:
-            await self.turn_teacher.flush(trajectory_key(kwargs.get("uid"), kwargs.get("session_id")))
             await _settle(scoring)  # turns are published before the trajectory lands
         record = {"t_submit": t_submit, "t_done": time.time(), "turns": turns, "response_tokens": len(response_ids),
                   "prompt_tokens": len(prompt_ids), "policy_version": min(versions) if versions else 0,

@@ -19,8 +19,7 @@ Why:
    finishes while its trajectory's previous call is in flight (the teacher is behind) waits for it; every
    turn waiting then shares ONE call on the latest prefix, each published with its own slice. A teacher
    that keeps up sees one call per turn; one that falls behind gets fewer, longer calls. A failed call fails
-   each turn it carried, as a failure record of its own. When the trajectory ends, the agent loop's ``flush``
-   asks for its waiting turns at once, beside the call in flight: the last turn never waits for that call.
+   each turn it carried, as a failure record of its own.
 """
 
 from __future__ import annotations
@@ -212,20 +211,6 @@ class AgentTurnTeacher:
                 self._lanes.pop(traj_key, None)
         if mine.error is not None:
             raise mine.error
-
-    async def flush(self, traj_key: str) -> None:
-        """The trajectory has ended: its waiting turns are asked for now, in one call beside the one in flight, so
-        its last turn does not wait for that call to return before its own starts (point 4). Failures are each
-        turn's, raised by its own ``score_and_publish``."""
-        await asyncio.sleep(0)  # turns whose tasks were just created join their trajectory's waiting turns first
-        lane = self._lanes.get(traj_key)
-        if lane is None or not lane.pending or not lane.lock.locked():
-            return  # nothing waits behind a call in flight
-        taken, lane.pending = lane.pending, []
-        try:
-            await self._score_together(traj_key, taken)
-        finally:  # cancelled: the turns wait again for their own tasks
-            lane.pending[:0] = [t for t in taken if not t.done]
 
     async def _score_together(self, traj_key: str, turns: list["_PendingTurn"]) -> None:
         """One teacher call on the latest turn's prefix for ``turns`` (its earlier turns' prefixes are prefixes of

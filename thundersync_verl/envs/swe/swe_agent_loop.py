@@ -173,7 +173,6 @@ class SWEAgentLoop(va.agent_loop_base()):
     async def _output(self, ep: Episode, verdict: verifier.TestVerdict, workspace: Workspace, t_submit: float,
                       key: str, kwargs):
         if ep.scoring:
-            await self.turn_teacher.flush(key)  # its waiting turns now, beside a call in flight
             await _settle(ep.scoring)  # turns are published before the trajectory lands
         n = self.response_length
         record = {"t_submit": t_submit, "t_done": time.time(), "turns": ep.turns, "response_tokens": len(ep.response_ids),
