@@ -209,10 +209,11 @@ def test_max_batch_bounds_rows_per_forward_without_starving_anyone(engine):
     assert max(rows) == 3
 
 
-def test_concurrent_scoring_calls_share_one_forward_and_match_a_solo_forward(engine):
+def test_concurrent_scoring_calls_run_unpadded_one_by_one_in_order_and_equal_a_solo_forward(engine):
     seqs = [_prompt(engine), _prompt(engine)[:9], list(range(4, 60))]
-    calls = []
-    hook = engine.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    shapes = []  # each forward's input: no padding to the longest
+    hook = engine.model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape),
+                                                  with_kwargs=True)
     try:
         async def together():
             return await asyncio.gather(*[engine.score(s) for s in seqs])
@@ -220,10 +221,10 @@ def test_concurrent_scoring_calls_share_one_forward_and_match_a_solo_forward(eng
         rows = asyncio.run(together())
     finally:
         hook.remove()
-    assert len(calls) == 1
+    assert shapes == [torch.Size([1, len(s)]) for s in seqs]  # first come, first served
     with torch.no_grad():
         for seq, row in zip(seqs, rows):
-            ref = engine.model(torch.tensor([seq])).logits[0].float()  # [L, V]
-            assert row.shape == ref.shape and torch.allclose(row, ref, atol=1e-4, rtol=0), (row - ref).abs().max()
+            ref = engine.model(input_ids=torch.tensor([seq])).logits[0].float()  # [L, V]
+            assert row.shape == ref.shape and torch.equal(row, ref)
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(engine.score(list(range(300))))

@@ -203,10 +203,11 @@ class HFGenerationEngine:
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
 
     async def score(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of ``prompt_ids`` ([L, V]), from a forward batched with other scoring calls.
+        """Logits at every position of ``prompt_ids`` ([L, V]), from its own unpadded forward.
 
-        Teacher scoring (verl's ``prompt_logprobs``) needs the whole sequence, not a generation: the
-        calls that are pending at a scheduler step share one padded forward.
+        Teacher scoring (verl's ``prompt_logprobs``) needs the whole sequence, not a generation. Pending calls are
+        scored one per scheduler step, first come first served, so each reply leaves as soon as it is computed;
+        a padded batch of them would cost more than the rows alone (``kv_batch`` point 4).
         """
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"sequence of {len(prompt_ids)} tokens exceeds max_model_len={self.max_model_len}; "
@@ -218,11 +219,9 @@ class HFGenerationEngine:
         return await done
 
     def _score_pending(self) -> None:
-        batch, self._scoring = self._scoring[: self.max_batch], self._scoring[self.max_batch :]
-        rows = kv_batch.all_logits(self.model, [ids for ids, _ in batch], self.pad_token_id)
-        for (_, done), row in zip(batch, rows):
-            if not done.done():
-                done.set_result(row)
+        ids, done = self._scoring.pop(0)
+        if not done.done():  # its caller gave up (cancelled): nothing to compute
+            done.set_result(kv_batch.all_logits(self.model, [ids])[0])
 
     async def _schedule(self) -> None:
         """Score pending sequences, prefill new requests, decode running ones; until nothing is left."""

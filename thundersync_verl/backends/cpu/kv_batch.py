@@ -11,6 +11,11 @@ Why:
    unbatched logits up to floating-point summation order (tests check 1e-5).
 3. Prefill batches prompts the same way (left padding, positions from the mask). Only the
    last position's logits are returned: that is all sampling needs.
+4. Scoring (every position's logits, ``all_logits``) is the exception: a long sequence's forward is compute, not
+   overhead, and a left-padded batch pays for its padding and takes the attention's masked path. The tiny
+   teacher (4 layers, hidden 192) scored prefixes of 300 / 700 / 1200 / 1800 tokens in 0.78 CPU-s as one padded
+   batch and in 0.21 s one by one; four of 1000 tokens cost the same either way (0.19 s). So each sequence is
+   scored alone, unpadded, as a serving engine's varlen batch would (vLLM pads nothing).
 """
 
 from __future__ import annotations
@@ -62,11 +67,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[t
 
 
 @torch.no_grad()
-def all_logits(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> list[torch.Tensor]:
-    """Every position's logits of each prompt ([L_i, V] per row) from one left-padded forward (no cache)."""
-    ids, mask, positions = _left_padded(prompts, pad_id)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.float()  # [B, W, V]
-    return [logits[i, ids.shape[1] - len(p) :] for i, p in enumerate(prompts)]
+def all_logits(model, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Every position's logits of each prompt ([L_i, V] per row), each from its own unpadded forward (point 4)."""
+    return [model(input_ids=torch.tensor([list(p)], dtype=torch.long), use_cache=False).logits[0].float()  # [L_i, V]
+            for p in prompts]
 
 
 @torch.no_grad()
