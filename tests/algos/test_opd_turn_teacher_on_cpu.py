@@ -214,6 +214,41 @@ def test_failing_teacher_publishes_a_failure_and_raises(hang):
     assert "v_0_0_t0" in source.foreign  # another batch's (or validation's) turn is not this batch's failure
 
 
+@pytest.mark.parametrize("with_rollout_lp", [True, False])
+def test_turn_source_reads_a_batch_of_turns_from_jagged_fields(with_rollout_lp):
+    # The TransferQueue hands per-token fields back as jagged nested tensors, split in one pass per field.
+    from thundersync_verl.algos.opd.opd_trainer_step import TurnSource
+
+    def jagged(rows, dtype):
+        return torch.nested.nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
+
+    listing = {"u_0_0_t1": {"traj": "u_0_0", "turn": 1, "status": "success", "prompt_len": 2, "action_start": 3,
+                            "rollout_lp": with_rollout_lp},
+               "u_0_0_t0": {"traj": "u_0_0", "turn": 0, "status": "success", "prompt_len": 2, "action_start": 0,
+                            "rollout_lp": True},
+               "u_0_0_t2": None}  # listed before its tag is written: read at a later poll
+    asked = []
+
+    def batch_get(keys, partition_id, select_fields):
+        asked.append((keys, select_fields))
+        prefixes = {"u_0_0_t1": [4, 7, 20, 21, 9, 22], "u_0_0_t0": [4, 7, 20, 21]}
+        teacher = {"u_0_0_t1": [-0.5, -0.25], "u_0_0_t0": [-1.0, -2.0]}
+        out = {"prefix_ids": jagged([prefixes[k] for k in keys], torch.long),
+               "teacher_log_probs": jagged([teacher[k] for k in keys], torch.float32)}
+        if "rollout_log_probs" in select_fields:
+            out["rollout_log_probs"] = jagged([[x - 0.5 for x in teacher[k]] for k in keys], torch.float32)
+        return out
+
+    source = TurnSource(lambda part: {part: listing}, batch_get, {"u_0_0"})
+    turns = {turn.turn: turn for turn, _ in source.poll()}
+    (keys, fields), = asked
+    assert keys == ["u_0_0_t1", "u_0_0_t0"] and ("rollout_log_probs" in fields) == with_rollout_lp
+    assert (turns[1].prompt, turns[1].response, turns[1].action_start) == ((4, 7), (20, 21, 9, 22), 3)
+    assert turns[1].teacher_log_probs == (-0.5, -0.25) and turns[0].response == (20, 21)
+    assert turns[1].rollout_log_probs == ((-1.0, -0.75) if with_rollout_lp else ())
+    assert source.poll() == [] and len(asked) == 1  # nothing new: no read
+
+
 def test_a_failed_agent_loop_drops_the_teacher_reply_it_kept():
     # The last scored turn's reply is kept for verl's whole-trajectory question, which a failed loop never asks.
     from thundersync_verl.config import EnvConfig

@@ -52,6 +52,7 @@ from thundersync_verl.algos.opd.opd_stream import (OPDTurn, OPDTurnPlanner, Turn
 from thundersync_verl.algos.opd.opd_task import OPDTaskPlanner
 from thundersync_verl.step.contracts import AlgorithmDefaults, TrainerAlgorithmDefaults
 from thundersync_verl.step.grpo_algorithm import steps_per_batch
+from thundersync_verl.step.stream_exec import row_lists
 from thundersync_verl.step.stream_plan import settings_from_verl_config
 
 logger = logging.getLogger(__name__)
@@ -158,12 +159,13 @@ class TurnSource:
         with_lp = all(tag.get("rollout_lp", False) for _, tag in new)
         data = self.kv_batch_get(keys=[k for k, _ in new], partition_id=TURN_PARTITION,
                                  select_fields=["prefix_ids", "teacher_log_probs"] + (["rollout_log_probs"] if with_lp else []))
+        prefixes, teacher = row_lists(data["prefix_ids"]), row_lists(data["teacher_log_probs"])  # one pass per field
+        rollout = row_lists(data["rollout_log_probs"]) if with_lp else None
         out = []
         for i, (key, tag) in enumerate(new):
-            prefix, p = data["prefix_ids"][i].tolist(), int(tag["prompt_len"])
+            prefix, p = prefixes[i], int(tag["prompt_len"])
             turn = OPDTurn(tag["traj"], int(tag["turn"]), prefix[:p], prefix[p:], int(tag["action_start"]),
-                           data["teacher_log_probs"][i].tolist(),
-                           data["rollout_log_probs"][i].tolist() if with_lp else ())
+                           teacher[i], rollout[i] if with_lp else ())
             self.seen[key] = tag
             out.append((turn, tag))
         return out
