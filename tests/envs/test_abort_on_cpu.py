@@ -4,10 +4,11 @@ watch, and a call in flight cut when its group is aborted."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from thundersync_verl.envs.abort import AbortCheck, AbortWatch, GroupAborted, start_registry
+from thundersync_verl.envs.abort import WATCH_TIMEOUT_S, AbortCheck, AbortWatch, GroupAborted, start_registry
 
 CALL_BOUND_S = 60.0  # a call that is never cut would hang: fail instead
 
@@ -149,5 +150,7 @@ def test_a_finished_event_loop_leaves_no_watch_behind(registry):
     before = len(AbortWatch._by_loop)
     asyncio.run(scenario())
     asyncio.run(scenario())
-    gc.collect()
+    t0 = time.time()  # the cancelled long polls' replies release the loops: a round trip, not WATCH_TIMEOUT_S
+    while gc.collect() >= 0 and len(AbortWatch._by_loop) > before and time.time() - t0 < WATCH_TIMEOUT_S / 3:
+        time.sleep(0.05)
     assert len(AbortWatch._by_loop) <= before

@@ -133,7 +133,12 @@ class AbortWatch:
             import ray
 
             self._registry = ray.get_actor(REGISTRY_NAME)
-        return await self._registry.watch.remote(epoch, timeout_s)
+        ref = self._registry.watch.remote(epoch, timeout_s)
+        try:
+            return await ref
+        except asyncio.CancelledError:  # its loop is closing: Ray would keep the loop until the reply (_cancel_poll)
+            _cancel_poll(ref)
+            raise
 
     async def _follow(self) -> None:
         try:
@@ -181,6 +186,18 @@ class AbortWatch:
             waiting.discard(fut)
             if not waiting:
                 del self._waiters[uid]
+
+
+def _cancel_poll(ref) -> None:
+    """Cancel a long poll whose caller was cancelled: Ray keeps the awaiting loop in the call's completion callback
+    until the reply comes, which an unchanged registry sends only after ``WATCH_TIMEOUT_S``; cancelled, it comes at
+    once, so a closed loop and its watch are collected within a round trip."""
+    import ray
+
+    try:
+        ray.cancel(ref)
+    except Exception as exc:  # noqa: BLE001 - Ray shutting down: nothing left to hold the loop
+        logger.debug("abort watch: cancelling the long poll failed: %s", exc)
 
 
 class AbortCheck:
