@@ -28,7 +28,7 @@ BAD = {  # key -> a value it must refuse
     "env.tool_latency": "fast", "env.verifier_latency": None,
     **{f"env.tool_latency.{k}": v for k, v in LATENCY_BAD.items()},
     **{f"env.verifier_latency.{k}": v for k, v in LATENCY_BAD.items()},
-    "opd": [1], "opd.granularity": "group", "opd.teacher_max_attempts": 0, "opd.teacher_timeout_s": 0.0,
+    "opd": [1], "opd.granularity": "group", "opd.teacher_calls": "prefix", "opd.teacher_max_attempts": 0, "opd.teacher_timeout_s": 0.0,
     "opd.teacher_backoff_s": -0.5,
     "tail": "on", "tail.eta": 0.8, "tail.max_deferrals": -1, "tail.rounds": "sometimes",
 }

@@ -37,6 +37,7 @@ from thundersync_verl.envs.latency import KINDS, LatencyModel
 MODES = ("sync", "async", "fully_async", "thundersync")
 LEARNER_FORWARDS = ("fused", "separate")
 GRANULARITIES = ("turn", "trajectory")
+TEACHER_CALLS = ("turn", "trajectory")
 
 
 class _Refused(Exception):
@@ -232,6 +233,8 @@ class OPDConfig(_Section, va.base_config_cls()):
     granularity: str = _key("turn", _choice(*GRANULARITIES), "turn: each scored turn backpropagates at once (prefix "
                             "recompute; turns that land while the learner is busy share a row); trajectory: one row "
                             "per trajectory once its last turn is scored")
+    teacher_calls: str = _key("turn", _choice(*TEACHER_CALLS), "turn: the agent loop scores each finished turn while "
+                              "the next tool runs; trajectory: verl scores each whole trajectory when its loop ends")
     teacher_max_attempts: int = _key(3, _integer(1), "teacher calls per turn before the step fails loudly (1: no retry)")
     teacher_timeout_s: float | None = _key(120.0, _optional(_number(above=0), "no timeout"),
                                            "seconds one teacher attempt may take; a slower reply is a failed attempt")

@@ -44,6 +44,12 @@ def test_a_trajectory_splits_into_prefix_rows_that_score_one_turn_each():
     assert sum(t.num_tokens for t in turns) == sum(MASK)
     as_lists = OPDTurn("a", 1, list(PROMPT), list(RESPONSE[:7]), 5, list(TEACHER[5:7]))
     assert as_lists == turns[1] and as_lists.prompt == PROMPT  # stored as tuples: compared by value
+    assert all(t.rollout_log_probs == () for t in turns)  # none given: none carried
+    behaviour = tuple(-1.0 - 0.01 * i for i in range(len(RESPONSE)))
+    with_lp = turns_of_trajectory("a", PROMPT, RESPONSE, MASK, TEACHER, behaviour)
+    assert [t.rollout_log_probs for t in with_lp] == [behaviour[0:3], behaviour[5:7], behaviour[8:9]]
+    with pytest.raises(StreamingInputError, match="one entry per response token"):
+        turns_of_trajectory("a", PROMPT, RESPONSE, MASK, TEACHER, behaviour[:-1])
 
 
 def _planner_with(turns, mode="token-mean"):

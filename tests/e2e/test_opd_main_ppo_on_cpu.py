@@ -320,34 +320,41 @@ VERL_SHIPPED = tuple(f"distillation.distillation_loss.{k}" for k in (  # verl's 
     "loss_mode=k3", "use_policy_gradient=false", "use_task_rewards=true"))
 
 
+WHOLE_TRAJECTORY = ("thundersync.opd.teacher_calls=trajectory", "thundersync.opd.granularity=trajectory")
+
+
 @pytest.mark.slow  # launches verl's main_ppo
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("distill", [(), VERL_SHIPPED], ids=["recipe_k1_policy_gradient", "verl_shipped_k3_task_rewards"])
+@pytest.mark.parametrize("distill", [(), VERL_SHIPPED, WHOLE_TRAJECTORY],
+                         ids=["recipe_k1_policy_gradient", "verl_shipped_k3_task_rewards", "whole_trajectory_rows"])
 def test_thundersync_opd_streams_scored_turns_with_zero_staleness(tmp_path, tool_happy_student, tiny_random_teacher,
                                                                   distill):
     steps = _run_opd(tmp_path, tool_happy_student, tiny_random_teacher, "thundersync", more=distill)
+    whole = distill is WHOLE_TRAJECTORY  # verl's teacher call per whole trajectory, one row each (opd_trainer_step 7)
     assert len(steps) == 2
     for r in steps:
         assert r["training/off_policy/trajectory_staleness/max"] == 0
         assert r["training/rollout_logprob_diff_max"] < 1e-5
         assert r["thundersync/opd/turns"] >= 4 * 2  # every trajectory has at least one turn, all backpropagated
-        assert r["thundersync/opd/turns_from_trajectory_end"] == 0  # all scored by the agent loop, at the turn
+        # per-turn calls: all scored by the agent loop, at the turn; whole-trajectory calls: split when it lands
+        assert r["thundersync/opd/turns_from_trajectory_end"] == (r["thundersync/opd/turns"] if whole else 0)
         assert r["thundersync/opd/teacher_prefix_gap_max"] < 1e-4  # per-turn scores == verl's whole-trajectory ones
-        assert 0 <= r["thundersync/opd/whole_teacher_call_reused"] <= 1
+        assert 0 <= r["thundersync/opd/whole_teacher_call_reused"] <= (0 if whole else 1)
         assert math.isfinite(r["thundersync/opd/reverse_kl"]) and r["thundersync/opd/reverse_kl"] > 0
         assert r["thundersync/chunks"] >= 1 and r["actor/grad_norm"] > 0
     events = [json.loads(x) for x in (tmp_path / "run" / "opd_thundersync.jsonl").read_text().splitlines()]
     trajs = [e for e in events if e["kind"] == "trajectory"]
     # verl's whole-trajectory teacher call is replaced exactly when the last turn's prefix is the trajectory:
     # it ended on an action (no tool call after it), not on a tool observation
-    assert all(e["teacher_reused"] == (e["turns"][-1]["tool_s"] == 0.0) for e in trajs)
+    assert all(e.get("teacher_reused", False) == (not whole and e["turns"][-1]["tool_s"] == 0.0) for e in trajs)
     turns_per_traj = [len(e["turns"]) for e in events if e["kind"] == "trajectory"]
     assert len(turns_per_traj) == 2 * 4 * 2 and any(n > 1 for n in turns_per_traj)  # multi-turn agent trajectories
     for s, r in enumerate(steps, start=1):  # each turn in one row (ready turns of a trajectory may share one);
         # with task rewards each trajectory's task row once
         rows = sum(e["rows"] for e in events if e["kind"] == "learner" and e.get("step") == s and e["op"] == "backward")
-        assert rows == r["thundersync/opd/rows"] + (4 * 2 if distill else 0)
+        assert rows == r["thundersync/opd/rows"] + (4 * 2 if distill is VERL_SHIPPED else 0)
         assert 4 * 2 <= r["thundersync/opd/rows"] <= r["thundersync/opd/turns"]
+        assert r["thundersync/opd/rows"] == 4 * 2 or not whole  # one row per trajectory
 
 
 @pytest.mark.slow  # launches verl's main_ppo

@@ -366,15 +366,18 @@ def merge_ready_turns(ready: Sequence[OPDTurn | TrajectoryRow]) -> list[OPDTurn 
 
 
 def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequence[int], response_mask: Sequence[int],
-                        teacher_log_probs: Sequence[float] | None = None) -> list[OPDTurn]:
+                        teacher_log_probs: Sequence[float] | None = None,
+                        rollout_log_probs: Sequence[float] | None = None) -> list[OPDTurn]:
     """Split a trajectory into its turns (maximal runs of mask-1 tokens), e.g. to replay it.
 
     ``teacher_log_probs`` is aligned with ``response`` (values off the mask are ignored); without
     it the turns carry no teacher values yet (the teacher's scores of each turn fill them).
+    ``rollout_log_probs`` (aligned the same way) gives each turn the rollout's log-probs of its action tokens.
     """
     teacher = [0.0] * len(response) if teacher_log_probs is None else list(teacher_log_probs)
-    if not (len(response) == len(response_mask) == len(teacher)):
-        fail("response, response_mask and teacher_log_probs must have one entry per response token",
+    rollout = teacher if rollout_log_probs is None else list(rollout_log_probs)
+    if not (len(response) == len(response_mask) == len(teacher) == len(rollout)):
+        fail("response, response_mask, teacher_log_probs and rollout_log_probs must have one entry per response token",
               "turns are the runs of scored tokens", "pass the trajectory's aligned per-token lists")
     turns, j, t = [], 0, 0
     while t < len(response):
@@ -385,7 +388,8 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
         while end < len(response) and response_mask[end]:
             end += 1
         values = () if teacher_log_probs is None else tuple(teacher[t:end])
-        turns.append(OPDTurn(traj_id, j, tuple(prompt), tuple(response[:end]), t, values))
+        behaviour = () if rollout_log_probs is None else tuple(rollout[t:end])
+        turns.append(OPDTurn(traj_id, j, tuple(prompt), tuple(response[:end]), t, values, behaviour))
         j, t = j + 1, end
     return turns
 

@@ -28,6 +28,11 @@ Why:
    go to its turn planner as above, and each landed trajectory ALSO arrives in its GRPO planner with its reward and
    its mask-1 token count (group = the trajectory key's uid, as ``GRPOArrivals``), whose backward chunks and folds
    the step runs like GRPO's (``stream_exec``: rows from the landed trajectories).
+7. ``thundersync.opd.teacher_calls: trajectory``: the agent loops get no teacher clients, so verl's agent-loop worker
+   asks the teacher once per whole trajectory when its loop ends, as in Sync, and every trajectory lands unscored
+   turn by turn and is split as in point 3. With ``granularity: trajectory`` this is OPD streamed like GRPO: each
+   trajectory backpropagated once, as it lands, with Sync's teacher and learner work. Per-turn scoring hides the
+   teacher's latency behind the tools, at one whole-prefix teacher call per turn.
 """
 
 from __future__ import annotations
@@ -121,6 +126,8 @@ class OPDAlgorithm(TrainerAlgorithmDefaults):
                 "set algorithm.rollout_correction.rollout_is=null, or run OPD with mode=sync"))
 
     def llm_client(self, client, trainer):
+        if trainer.ts.opd.teacher_calls == "trajectory":  # point 7: verl's agent-loop worker scores whole trajectories
+            return client
         return attach_teacher_clients(client, trainer.get_teacher_client())  # the agent loops score each turn
 
     def planner(self, config, ts, bucket_bytes: Callable[[], int]) -> OPDTurnPlanner | OPDTaskPlanner:
@@ -246,7 +253,7 @@ class OPDArrivals(AlgorithmDefaults):
         count = row["extra"].get(TURN_COUNT_KEY)
         if count is None:
             teacher = self._teacher_response_rows([key], {key: row})[key]
-            turns = turns_of_trajectory(key, row["prompt"], row["response"], row["mask"], teacher)
+            turns = turns_of_trajectory(key, row["prompt"], row["response"], row["mask"], teacher, row.get("rollout_lp"))
             for turn in turns:
                 self.admit_turn(turn, {}, state, t_seen)
             self.book.from_trajectory_end += len(turns)
