@@ -461,7 +461,7 @@ def _algo(algo: str) -> str:
 def _suffix(args) -> str:
     """Result and trace names: paired repeats, quick runs and the tail pair never overwrite the single full run's."""
     tail = "_tail" if emulated_tail.TAIL_MODE in (args.modes or "").split(",") else ""
-    return tail + ("_repeats" if args.repeats > 1 else "") + ("_quick" if args.quick else "")
+    return modes.opd_suffix(args) + tail + ("_repeats" if args.repeats > 1 else "") + ("_quick" if args.quick else "")
 
 
 def _g4(value):

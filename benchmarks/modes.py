@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"tool and verifier latency scale (default: the calibrated {LATENCY_SCALE})")
     ap.add_argument("--opd-granularity", default=None, choices=["turn", "trajectory"],
                     help="OPD ThunderSync row unit (thundersync.opd.granularity; default: the recipe's)")
+    ap.add_argument("--opd-teacher-calls", default=None, choices=["turn", "trajectory"],
+                    help="OPD ThunderSync teacher calls (thundersync.opd.teacher_calls; default: the recipe's): each "
+                         "finished turn, or verl's one call per whole trajectory")
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra hydra override for every mode (repeatable), e.g. thundersync.chunk_size=4")
     ap.add_argument("--calibrate", default=None, metavar="S1,S2,...",
@@ -272,6 +275,9 @@ def main(argv=None) -> dict:
     ap = build_parser()
     args = ap.parse_args(argv)
     results_dir = find_results_dir(args.results_dir)  # refuse before the runs, not after
+    if (args.opd_granularity or args.opd_teacher_calls) and args.algo != "opd":
+        ap.error("--opd-granularity and --opd-teacher-calls need --algo opd")
+    args.override = opd_overrides(args) + list(args.override)
     if args.workload is None:
         args.workload = "paper" if args.algo == "opd" else "recorded"
     if args.rollout == "emulated" and args.algo == "opd" and args.workload != "paper":
@@ -304,9 +310,7 @@ def main(argv=None) -> dict:
     runs, rows = {}, {}
     traces = results_dir / "traces"
     for mode in modes:
-        runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale,
-                              extra=([f"thundersync.opd.granularity={args.opd_granularity}"] if args.opd_granularity else [])
-                              + list(args.override))
+        runs[mode] = run_mode(mode, steps, inputs, work, args.algo, latency_scale=scale, extra=list(args.override))
         rows[mode] = summarise(mode, runs[mode])
         if mode != "thundersync":
             write_sim_trace(mode, runs[mode], traces / f"{args.algo}_{mode}.jsonl", args.algo)
@@ -321,9 +325,22 @@ def main(argv=None) -> dict:
         result["overrides"] = list(args.override)
     if args.algo == "opd":
         result["opd_granularity"] = args.opd_granularity or "turn"
+        result["opd_teacher_calls"] = args.opd_teacher_calls or "turn"
     name = "modes" if args.algo == "grpo" else "modes_opd"
-    write_result(name + (f"_{args.opd_granularity}" if args.opd_granularity else ""), result, results_dir)
+    write_result(name + opd_suffix(args), result, results_dir)
     return result
+
+
+def opd_overrides(args) -> list[str]:
+    """``--opd-granularity`` / ``--opd-teacher-calls`` as hydra overrides (every mode; Sync ignores them)."""
+    return ([f"thundersync.opd.granularity={args.opd_granularity}"] if args.opd_granularity else []) + (
+        [f"thundersync.opd.teacher_calls={args.opd_teacher_calls}"] if args.opd_teacher_calls else [])
+
+
+def opd_suffix(args) -> str:
+    """Result names: an OPD run with a non-default row unit or teacher calls never overwrites the default's."""
+    return ((f"_{args.opd_granularity}" if args.opd_granularity else "")
+            + ("_whole_teacher" if args.opd_teacher_calls == "trajectory" else ""))
 
 
 if __name__ == "__main__":

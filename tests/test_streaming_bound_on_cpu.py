@@ -162,6 +162,18 @@ def test_emulated_opd_runs_the_paper_workload_and_refuses_the_self_distilling_on
     assert args.workload is None  # main() resolves it: paper for OPD, recorded for GRPO
 
 
+def test_opd_row_unit_and_teacher_calls_reach_every_mode_and_name_the_result(bench, tmp_path, capsys):
+    modes = bench.modes
+    args = modes.build_parser().parse_args(["--algo", "opd", "--opd-granularity", "trajectory",
+                                            "--opd-teacher-calls", "trajectory", "--repeats", "3", "--quick"])
+    assert modes.opd_overrides(args) == ["thundersync.opd.granularity=trajectory", "thundersync.opd.teacher_calls=trajectory"]
+    assert bench._suffix(args) == "_trajectory_whole_teacher_repeats_quick"  # never the per-turn run's file
+    assert bench._suffix(modes.build_parser().parse_args(["--algo", "opd"])) == ""
+    with pytest.raises(SystemExit) as stop:  # GRPO has no OPD settings: refused, not silently ignored
+        modes.main(["--opd-teacher-calls", "trajectory", "--work-dir", str(tmp_path), "--results-dir", str(tmp_path)])
+    assert stop.value.code == 2 and "need --algo opd" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
 def test_a_step1_batch_without_an_advantage_is_refused_not_reported_as_nan(exact):
     import torch
 
