@@ -205,6 +205,7 @@ def test_opd_step_backpropagates_every_turn_once_then_steps(publish):
     assert learner.steps == [pytest.approx(1 / tokens)]  # one step, token-mean normaliser
     assert metrics["thundersync/opd/turns"] == 8 and metrics["thundersync/opd/teacher_prefix_gap_max"] < 1e-6
     assert metrics["thundersync/opd/turns_from_trajectory_end"] == (0 if publish else 8)
+    assert publish or metrics["thundersync/opd/rows"] == 4  # a split trajectory's turns are ready at once: one row
     if publish:  # every turn was backpropagated before its trajectory landed (trajectories appear at poll 3)
         assert all(c["polls"] < 3 for c in chunks)
         assert metrics["thundersync/opd/turns_backpropagated_before_trajectory_end"] == 1.0
