@@ -375,8 +375,8 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
     ``rollout_log_probs`` (aligned the same way) gives each turn the rollout's log-probs of its action tokens.
     """
     teacher = [0.0] * len(response) if teacher_log_probs is None else list(teacher_log_probs)
-    rollout = teacher if rollout_log_probs is None else list(rollout_log_probs)
-    if not (len(response) == len(response_mask) == len(teacher) == len(rollout)):
+    rollout = None if rollout_log_probs is None else list(rollout_log_probs)
+    if any(len(x) != len(response) for x in (response_mask, teacher, rollout) if x is not None):
         fail("response, response_mask, teacher_log_probs and rollout_log_probs must have one entry per response token",
               "turns are the runs of scored tokens", "pass the trajectory's aligned per-token lists")
     turns, j, t = [], 0, 0
@@ -388,7 +388,7 @@ def turns_of_trajectory(traj_id: Hashable, prompt: Sequence[int], response: Sequ
         while end < len(response) and response_mask[end]:
             end += 1
         values = () if teacher_log_probs is None else tuple(teacher[t:end])
-        behaviour = () if rollout_log_probs is None else tuple(rollout[t:end])
+        behaviour = () if rollout is None else tuple(rollout[t:end])
         turns.append(OPDTurn(traj_id, j, tuple(prompt), tuple(response[:end]), t, values, behaviour))
         j, t = j + 1, end
     return turns

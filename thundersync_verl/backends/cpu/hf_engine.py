@@ -221,7 +221,7 @@ class HFGenerationEngine:
     def _score_pending(self) -> None:
         ids, done = self._scoring.pop(0)
         if not done.done():  # its caller gave up (cancelled): nothing to compute
-            done.set_result(kv_batch.all_logits(self.model, [ids])[0])
+            done.set_result(kv_batch.all_logits(self.model, ids))
 
     async def _schedule(self) -> None:
         """Score pending sequences, prefill new requests, decode running ones; until nothing is left."""

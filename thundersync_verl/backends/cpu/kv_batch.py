@@ -67,10 +67,9 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[t
 
 
 @torch.no_grad()
-def all_logits(model, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Every position's logits of each prompt ([L_i, V] per row), each from its own unpadded forward (point 4)."""
-    return [model(input_ids=torch.tensor([list(p)], dtype=torch.long), use_cache=False).logits[0].float()  # [L_i, V]
-            for p in prompts]
+def all_logits(model, prompt: Sequence[int]) -> torch.Tensor:
+    """Every position's logits of ``prompt`` ([L, V]), from its own unpadded forward (point 4)."""
+    return model(input_ids=torch.tensor([list(prompt)], dtype=torch.long), use_cache=False).logits[0].float()
 
 
 @torch.no_grad()
