@@ -13,7 +13,11 @@ Why:
 3. Figures: generated tokens per second for each, the speedup, and the mean seconds per token
    of one request (what a trajectory's turn waits for). Rounds alternate so machine noise hits
    both sides alike.
-Run: python benchmarks/rollout_engine.py [--quick]
+4. ``--prompts turns``: the prompts of a multi-turn run, where a turn's prompt carries the trajectory's history
+   (request i has i % 4 earlier turns of ``TURN_TOKENS`` each: 60 to 700 tokens). A third engine prefills each
+   step's new requests as ONE padded batch (``prefill_pad_share=None``, the engine before ``kv_batch`` point 3)
+   beside the default's forwards of similar lengths: ``prefill_speedup`` is its prefill CPU over the default's.
+Run: python benchmarks/rollout_engine.py [--quick] [--prompts first|turns]
 """
 
 from __future__ import annotations
@@ -39,6 +43,33 @@ def prompts_of_task(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
+TURN_TOKENS = 200  # one earlier turn in ``--prompts turns``: a response and its tool reply
+
+
+def with_history(prompts: list[list[int]]) -> list[list[int]]:
+    """Request i: its task prompt after i % 4 earlier turns (point 4; other prompts' tokens stand in for them)."""
+    pool = [t for p in prompts for t in p]
+    out = []
+    for i, p in enumerate(prompts):
+        k = (i % 4) * TURN_TOKENS
+        out.append(p + [pool[(i * 37 + j) % len(pool)] for j in range(k)])
+    return out
+
+
+class PrefillClock:
+    """CPU seconds an engine spends in its prefill forwards (wraps ``_prefill``)."""
+
+    def __init__(self, engine: HFGenerationEngine):
+        self.seconds, inner = 0.0, engine._prefill
+
+        def timed(reqs):
+            t0 = time.process_time()
+            inner(reqs)
+            self.seconds += time.process_time() - t0
+
+        engine._prefill = timed
+
+
 async def one_round(engine: HFGenerationEngine, prompts: list[list[int]], max_tokens: int, seed: int) -> tuple[int, float, list[float]]:
     t0 = time.perf_counter()
     outs = await asyncio.gather(*[
@@ -53,6 +84,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 6")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (verl: batch x rollout.n)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts", choices=("first", "turns"), default="first",
+                        help="first turns only, or turns with 0-3 turns of history (point 4)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -60,10 +93,16 @@ def main() -> None:
 
     model, tokenizer = load_hf_model(str(ensure_tiny_models(variants=("student",))["student"]))
     prompts = prompts_of_task(tokenizer, args.concurrency)
+    if args.prompts == "turns":
+        prompts = with_history(prompts)
+    eos = eos_ids_of(model, tokenizer)
     engines = {
-        "serial": HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer), max_batch=1),
-        "batched": HFGenerationEngine(model, tokenizer, eos_token_ids=eos_ids_of(model, tokenizer)),
+        "serial": HFGenerationEngine(model, tokenizer, eos_token_ids=eos, max_batch=1),
+        "batched": HFGenerationEngine(model, tokenizer, eos_token_ids=eos),
     }
+    if args.prompts == "turns":
+        engines["padded"] = HFGenerationEngine(model, tokenizer, eos_token_ids=eos, prefill_pad_share=None)
+    clocks = {name: PrefillClock(engine) for name, engine in engines.items()}
     tps: dict[str, list[float]] = {k: [] for k in engines}
     s_per_token: dict[str, list[float]] = {k: [] for k in engines}
     rounds = 2 if args.quick else 6
@@ -75,6 +114,7 @@ def main() -> None:
             print(f"round {r + 1}/{rounds} {name:8s} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tok/s",
                   flush=True)
     result = {
+        "prompts": args.prompts,
         "concurrency": args.concurrency,
         "tokens_per_s_serial": round(statistics.median(tps["serial"]), 1),
         "tokens_per_s_batched": round(statistics.median(tps["batched"]), 1),
@@ -82,7 +122,13 @@ def main() -> None:
         "request_s_per_token_serial": round(statistics.mean(s_per_token["serial"]), 5),
         "request_s_per_token_batched": round(statistics.mean(s_per_token["batched"]), 5),
     }
-    write_result(Path(__file__).stem, result, args.results_dir)
+    if "padded" in engines:
+        result["tokens_per_s_padded_prefill"] = round(statistics.median(tps["padded"]), 1)
+        result["prefill_cpu_s_padded"] = round(clocks["padded"].seconds / rounds, 3)
+        result["prefill_cpu_s_grouped"] = round(clocks["batched"].seconds / rounds, 3)
+        result["prefill_speedup"] = round(clocks["padded"].seconds / clocks["batched"].seconds, 2)
+        result["speedup_over_padded_prefill"] = round(statistics.median(tps["batched"]) / statistics.median(tps["padded"]), 2)
+    write_result(Path(__file__).stem + ("_turns" if args.prompts == "turns" else ""), result, args.results_dir)
 
 
 if __name__ == "__main__":

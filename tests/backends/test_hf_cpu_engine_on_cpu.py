@@ -227,3 +227,59 @@ def test_concurrent_scoring_calls_run_unpadded_one_by_one_in_order_and_equal_a_s
             assert row.shape == ref.shape and torch.equal(row, ref)
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(engine.score(list(range(300))))
+
+
+@pytest.mark.parametrize("lengths, groups", [
+    ([300, 300, 300, 300], [[0, 1, 2, 3]]),  # equal lengths: one forward
+    ([60, 200, 400, 700], [[3], [2], [1], [0]]),  # a multi-turn mix: each alone, longest first
+    ([20, 100, 19, 95, 98], [[1, 4, 3], [0, 2]]),  # two length classes
+    ([5], [[0]]),
+])
+def test_prefill_groups_prompts_of_similar_length(lengths, groups):
+    from thundersync_verl.backends.cpu import kv_batch
+
+    assert kv_batch.length_groups(lengths) == groups
+    assert kv_batch.length_groups(lengths, None) == [list(range(len(lengths)))]  # the old single padded batch
+
+
+def test_prefill_groups_cover_every_prompt_once_and_pad_no_row_beyond_the_share():
+    import random
+
+    from thundersync_verl.backends.cpu import kv_batch
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 800) for _ in range(rng.randint(1, 40))]
+        share = rng.choice([0.0, 0.1, 0.25, 0.5])
+        groups = kv_batch.length_groups(lengths, share)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            width = max(lengths[i] for i in g)
+            assert all(width - lengths[i] <= share * width for i in g)
+    with pytest.raises(ValueError, match="pad_share"):
+        kv_batch.length_groups([3, 4], 1.0)
+
+
+def test_concurrent_prompts_of_mixed_lengths_prefill_in_groups_and_match_solo_greedy(engine):
+    from thundersync_verl.backends.cpu import kv_batch
+
+    base = _prompt(engine)
+    prompts = [base, base + list(range(4, 120)), base[:12], base + list(range(4, 118))]
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    solo = [asyncio.run(engine.generate(p, greedy)).token_ids for p in prompts]
+    widths = []  # each prefill forward's [rows, width]
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape))
+        if kwargs.get("past_key_values") is None and kwargs["input_ids"].shape[1] > 1 and "attention_mask" in kwargs
+        else None, with_kwargs=True)
+    try:
+        async def together():
+            return await asyncio.gather(*[engine.generate(p, greedy) for p in prompts])
+
+        outs = asyncio.run(together())
+    finally:
+        hook.remove()
+    assert [o.token_ids for o in outs] == solo
+    lengths = [len(p) for p in prompts]
+    expected = [(len(g), max(lengths[i] for i in g)) for g in kv_batch.length_groups(lengths)]
+    assert widths == expected == [(2, len(prompts[1])), (2, len(prompts[0]))]  # no short row padded to the long ones

@@ -121,8 +121,9 @@ class HFGenerationEngine:
     """Holds one HF causal LM and serves concurrent ``generate`` calls."""
 
     def __init__(self, model, tokenizer=None, *, eos_token_ids: Iterable[int] = (), max_model_len: int = 2048,
-                 rescore: bool = True, max_batch: int = 64):
+                 rescore: bool = True, max_batch: int = 64, prefill_pad_share: float | None = kv_batch.PAD_SHARE):
         self.rescore = rescore
+        self.prefill_pad_share = prefill_pad_share  # kv_batch point 3; None: one padded prefill per step
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
@@ -259,10 +260,15 @@ class HFGenerationEngine:
                 self._finish(req, "aborted")
 
     def _prefill(self, reqs: list["_Request"]) -> None:
-        logits, caches = kv_batch.prefill(self.model, [r.prompt_ids for r in reqs], self.pad_token_id)
-        for req, row, cache in zip(reqs, logits, caches):
-            req.cache = cache
-            self._advance(req, row)
+        """Prefill ``reqs`` in forwards of similar prompt lengths (``kv_batch.length_groups``), in arrival order
+        afterwards: each request samples its first token from its own row, whichever forward computed it."""
+        rows: dict[int, tuple] = {}
+        for group in kv_batch.length_groups([len(r.prompt_ids) for r in reqs], self.prefill_pad_share):
+            logits, caches = kv_batch.prefill(self.model, [reqs[i].prompt_ids for i in group], self.pad_token_id)
+            rows.update((i, (row, cache)) for i, row, cache in zip(group, logits, caches))
+        for i, req in enumerate(reqs):
+            req.cache = rows[i][1]
+            self._advance(req, rows[i][0])
 
     def _decode_step(self) -> None:
         reqs = self._running[: self.max_batch]

@@ -10,7 +10,12 @@ Why:
    length. Masked keys get exactly zero attention weight, so a row's logits equal its
    unbatched logits up to floating-point summation order (tests check 1e-5).
 3. Prefill batches prompts the same way (left padding, positions from the mask). Only the
-   last position's logits are returned: that is all sampling needs.
+   last position's logits are returned: that is all sampling needs. A padded batch pays for the
+   longest prompt in every row, so prompts of very different lengths (a multi-turn run's turns:
+   the task prompt alone beside three turns of history) go in separate forwards of similar lengths
+   (``length_groups``): on the tiny student, prompts of 60 / 200 / 400 / 700 tokens took 0.040 CPU-s
+   as one padded batch and 0.017 one by one, while equal lengths batch better (4 x 300: 0.012
+   against 0.015; 8 x 100: 0.007 against 0.013).
 4. Scoring (every position's logits, ``all_logits``) is the exception: a long sequence's forward is compute, not
    overhead, and a left-padded batch pays for its padding and takes the attention's masked path. The tiny
    teacher (4 layers, hidden 192) scored prefixes of 300 / 700 / 1200 / 1800 tokens in 0.78 CPU-s as one padded
@@ -56,6 +61,26 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int):
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+PAD_SHARE = 0.25  # no row of a prefill forward is padded by more than this share of its width (point 3)
+
+
+def length_groups(lengths: Sequence[int], pad_share: float | None = PAD_SHARE) -> list[list[int]]:
+    """Indices of ``lengths`` in groups to prefill together, longest first: a prompt joins the group of the next
+    longer ones while its padding to their width is at most ``pad_share`` of it (point 3); ``None``: everything
+    in one group, in the given order."""
+    if pad_share is None or len(lengths) <= 1:
+        return [list(range(len(lengths)))]
+    if not 0.0 <= pad_share < 1.0:
+        raise ValueError(f"pad_share must be in [0, 1) or None, got {pad_share!r}")
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        if groups and lengths[groups[-1][0]] - lengths[i] <= pad_share * lengths[groups[-1][0]]:
+            groups[-1].append(i)  # the group's first is its longest: its width
+        else:
+            groups.append([i])
+    return groups
 
 
 @torch.no_grad()
