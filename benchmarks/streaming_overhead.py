@@ -24,6 +24,11 @@ Why:
    learner time; whenever the learner is free it gets one call with what has landed. At load 1 a learner that
    lost nothing to streaming would finish with the last landing. ``tail`` is the learner's work left after the
    last landing, over one batched backward (the batched learner's tail is 1).
+7. The ratio is set by a call's fixed cost (framework dispatch: the HF forward's Python, autograd) against a
+   row's work. ``call_fixed_ms`` and ``row_ms`` are a least-squares line through one-call backwards of 1, 2, 4, 8
+   and 16 rows; ``fixed_cost_rows`` is their quotient. ``--hidden/--layers/--response-len`` size the model and
+   rows (results named after them): the default tiny model's row is about one fixed cost, where a GPU learner's
+   row of thousands of tokens is many.
 """
 
 from __future__ import annotations
@@ -241,6 +246,27 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
     return {"learner": learner.cpu_s, "planner": planner_s, "calls": learner.calls, "tail": max(0.0, clock - span_s)}
 
 
+def call_costs(model, spec, trajs, repeats: int) -> dict[str, float]:
+    """(point 7) The learner's fixed cost per call and work per row: one batched backward of the first k rows,
+    k = 1, 2, 4, 8, 16, each the median of ``repeats`` CPU times, and the least-squares line through them."""
+    sizes = [k for k in (1, 2, 4, 8, 16) if k <= len(trajs)]
+    seconds = []
+    for k in sizes:
+        rows = trajs[:k]
+        batched(model, spec, rows)  # warm-up at this shape
+        seconds.append(statistics.median(_timed(lambda: batched(model, spec, rows))["learner"] for _ in range(repeats)))
+    return cost_line(sizes, seconds)
+
+
+def cost_line(rows: list[int], seconds: list[float]) -> dict[str, float]:
+    """The least-squares line ``seconds = fixed + row x rows`` in ms, and the fixed cost in rows of work."""
+    mx, my = statistics.mean(rows), statistics.mean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(rows, seconds)) / sum((x - mx) ** 2 for x in rows)
+    fixed = my - slope * mx
+    return {"call_fixed_ms": 1e3 * fixed, "row_ms": 1e3 * slope,
+            "fixed_cost_rows": fixed / slope if slope > 0 else float("inf")}
+
+
 def _timed(fn) -> dict[str, float]:
     """CPU seconds of this process (stable when other jobs share the cores; one thread): the learner's, and
     the planner's where ``fn`` separates them (the driver's work in a run)."""
@@ -299,26 +325,43 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (point 7)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's layers (point 7)")
+    parser.add_argument("--response-len", type=int, default=64,
+                        help="equal-length responses' tokens; the variable ones span 1/4 to 7/4 of it (point 7)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
+    for name in ("hidden", "layers", "response_len"):
+        if getattr(args, name) < (8 if name == "hidden" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {8 if name == 'hidden' else 1}")
+    if args.hidden % 8:
+        parser.error("--hidden must be a multiple of 8 (4 attention heads of an even size)")
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 9
-    model = C.tiny_qwen2(0, torch.float32, hidden=64, layers=2, vocab=128)
+    model = C.tiny_qwen2(0, torch.float32, hidden=args.hidden, layers=args.layers, vocab=128)
     spec = C.LossSpec(estimator="grpo", loss_agg_mode="token-mean")
-    print(f"tiny Qwen2: hidden 64, 2 layers, vocab 128, {sum(p.numel() for p in model.parameters())} parameters")
-    equal = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(64, 64))
-    varied = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(16, 112))
-    ratios = run_setting(model, spec, equal, repeats, "equal-length responses (64 tokens)")
-    run_setting(model, spec, varied, repeats, "variable-length responses (16-112 tokens, batched pads)")
+    print(f"Qwen2: hidden {args.hidden}, {args.layers} layers, vocab 128, "
+          f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
+    n = args.response_len
+    equal = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(n, n))
+    varied = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(max(1, n // 4), n * 7 // 4))
+    costs = call_costs(model, spec, equal, repeats)
+    print("one call: {call_fixed_ms:.2f} ms fixed + {row_ms:.2f} ms a row ({fixed_cost_rows:.2f} rows)".format(**costs))
+    ratios = run_setting(model, spec, equal, repeats, f"equal-length responses ({n} tokens)")
+    run_setting(model, spec, varied, repeats, f"variable-length responses ({max(1, n // 4)}-{n * 7 // 4} tokens, batched pads)")
     print(f"\nheadline: '{HEADLINE}' on equal-length responses")
-    result = {"throughput_ratio": round(ratios[HEADLINE]["ratio"], 3),
+    result = {"hidden": args.hidden, "layers": args.layers, "response_len": n,
+              **{k: round(v, 3) for k, v in costs.items()},
+              "throughput_ratio": round(ratios[HEADLINE]["ratio"], 3),
               "throughput_ratio_worker_k8": round(ratios["worker k=8"]["ratio"], 3)}
     for load in LOADS:
         row = ratios[f"coalescing load {load}"]
         result[f"throughput_ratio_coalescing_load_{load}"] = round(row["ratio"], 3)
         result[f"tail_over_batched_load_{load}"] = round(row["tail"], 3)
     result["planner_share_load_1"] = round(ratios["coalescing load 1"]["planner_share"], 3)
-    write_result("streaming_overhead", result, args.results_dir)
+    default = (args.hidden, args.layers, args.response_len) == (64, 2, 64)
+    name = "streaming_overhead" + ("" if default else f"_h{args.hidden}_l{args.layers}_r{args.response_len}")
+    write_result(name, result, args.results_dir)
 
 
 if __name__ == "__main__":

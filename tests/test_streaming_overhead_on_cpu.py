@@ -45,3 +45,24 @@ def test_a_busy_learner_coalesces_and_an_idle_one_streams(setting):
     spread = S.coalescing_stream(model, spec, trajs, fractions, 1e6, 8)  # landings far apart: a call each
     assert _grad_error(model, reference) <= 1e-5
     assert spread["calls"] > at_once["calls"] and spread["tail"] < at_once["tail"]
+
+
+def test_the_call_cost_line_is_fitted_on_one_call_backwards(setting):
+    line = S.cost_line([1, 2, 4, 8, 16], [0.002 + 0.0005 * k for k in (1, 2, 4, 8, 16)])
+    assert line == pytest.approx({"call_fixed_ms": 2.0, "row_ms": 0.5, "fixed_cost_rows": 4.0})
+    assert S.cost_line([1, 2], [0.003, 0.003])["fixed_cost_rows"] == float("inf")  # no row cost seen
+    model, spec, trajs, _ = setting
+    costs = S.call_costs(model, spec, trajs, repeats=1)  # the real calls: shape only (timings are not asserted)
+    assert set(costs) == {"call_fixed_ms", "row_ms", "fixed_cost_rows"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden", "12"], "multiple of 8"),
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--response-len", "0"], "--response-len must be at least 1"),
+])
+def test_bad_model_sizes_get_a_usage_line(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["streaming_overhead.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        S.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
