@@ -258,6 +258,22 @@ def by_version(traj_path: Path) -> dict[int, list[dict]]:
     return versions
 
 
+def rollout_makespan(run: dict) -> dict[str, float] | None:
+    """The rollout side's own pace, over the versions after the first (median): seconds from a version's first
+    submit to its last agent loop's end, and the tool seconds its agent loops recorded. A mode whose learner or
+    driver slows the rollout side's core (the emulated device shares the host: ``core_contention.py``) shows a
+    longer makespan for the same replayed work; ``streaming_bound`` assumes Sync's."""
+    if not run["traj_path"].is_file():
+        return None
+    versions = by_version(run["traj_path"])
+    timed = [versions[v] for v in sorted(versions)[1:]] or list(versions.values())
+    if not timed:
+        return None
+    span = [max(t["t_done"] for t in ts) - min(t["t_submit"] for t in ts) for ts in timed]
+    tools = [sum(turn.get("tool_s", 0.0) for t in ts for turn in (t.get("turns") or [])) for ts in timed]
+    return {"makespan_s": statistics.median(span), "tool_s": statistics.median(tools)}
+
+
 def host_cpu(run: dict) -> dict | None:
     """CPU seconds per step on each side of the pinned run (``cpu_pin.CoreLoad``), over the steps after the first:
     from the first submit of the second version's trajectories to the first submit of the last version's; and the
@@ -384,6 +400,13 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str
                 ts / modes.thundersync_lower_bound(runs["thundersync"], learner_work=True), 3)
         if out.get("sync_streaming_bound_speedup"):
             out["share_of_streaming_bound"] = round(out["speedup_vs_sync"] / out["sync_streaming_bound_speedup"], 3)
+        paces = {m: rollout_makespan(runs[m]) for m in (out["sync_reference"], "thundersync")}
+        if all(paces.values()):  # the same replayed work: how much slower the rollout side ran beside the stream
+            sync_pace, ts_pace = paces[out["sync_reference"]], paces["thundersync"]
+            out["rollout_makespan_s"] = {m: round(p["makespan_s"], 3) for m, p in paces.items()}
+            out["rollout_slowdown"] = round(ts_pace["makespan_s"] / sync_pace["makespan_s"], 3)
+            if sync_pace["tool_s"] > 0:
+                out["tool_time_slowdown"] = round(ts_pace["tool_s"] / sync_pace["tool_s"], 3)
         out["reporting"] = reporting_cost(runs["thundersync"])
         if algo == "grpo":  # OPD trains on the teacher's scores, not the verifier's reward
             out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)
@@ -440,7 +463,7 @@ def main(args, inputs: dict, work: Path, results_dir) -> dict:
         print(f"[emulated] repeat {r + 1}/{args.repeats}: " + json.dumps({k: repeats[-1].get(k) for k in (
             "speedup_vs_sync", "sync_learner_wait_share", "thundersync_over_lower_bound",
             "thundersync_over_schedule_bound", "sync_streaming_bound_speedup", "share_of_streaming_bound",
-            "tail_speedup_vs_thundersync", "tail_speedup_predicted") if k in repeats[-1]}), flush=True)
+            "rollout_slowdown", "tool_time_slowdown", "tail_speedup_vs_thundersync", "tail_speedup_predicted") if k in repeats[-1]}), flush=True)
     result = {"rollout": "emulated", "algo": algo, "workload": workload, "steps": steps, "time_scale": time_scale,
               "tool_verifier_latency_scale": env_scale(workload, time_scale), "repeats": len(repeats),
               "learner_pinned": PIN["learner"], "recording": str(rec), "policy_model": str(inputs["student"]),

@@ -192,3 +192,18 @@ def test_opd_runs_report_learner_rows_and_teacher_calls_per_scored_turn(bench):
     assert "opd_rows_per_turn" not in bench.modes.summarise("sync_bypass", {"per_step": per_step})
     grpo = {s: {"timing_s/step": 10.0} for s in (1, 2)}
     assert "opd_rows_per_turn" not in bench.modes.summarise("thundersync", {"per_step": grpo})
+
+
+def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(bench, tmp_path):
+    def run_of(name, spans):  # version -> [(submit, done, tool seconds)]
+        lines = [{"policy_version": v, "t_submit": s, "t_done": d, "turns": [{"gen_s": 0.1, "tool_s": tool}]}
+                 for v, rows in spans.items() for s, d, tool in rows]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return {"traj_path": path}
+
+    sync = run_of("sync", {0: [(0.0, 50.0, 9.0)], 1: [(100.0, 104.0, 1.0), (100.5, 106.0, 2.0)],
+                           2: [(200.0, 204.0, 3.0)], 3: [(300.0, 308.0, 1.0)]})
+    # medians over versions 1-3 (version 0, the first step, is left out): makespans 6, 4, 8 s; tools 3, 3, 1 s
+    assert bench.rollout_makespan(sync) == pytest.approx({"makespan_s": 6.0, "tool_s": 3.0})
+    assert bench.rollout_makespan({"traj_path": tmp_path / "missing.jsonl"}) is None
