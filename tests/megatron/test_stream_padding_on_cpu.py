@@ -18,7 +18,7 @@ import torch
 
 from thundersync_verl import verl_adapter as va
 from thundersync_verl.step import stream_exec
-from thundersync_verl.step.chunk_layout import COEF_KEY
+from thundersync_verl.step.chunk_layout import COEF_KEY, on_arrival
 from thundersync_verl.step.stream_plan import BackwardOp
 
 ROWS = {f"t{i}": {"prompt": [11, 12 + i], "response": [20 + i] * (2 + i), "mask": [1] * (2 + i)} for i in range(5)}
@@ -115,7 +115,8 @@ def test_the_streaming_dispatch_gives_each_data_parallel_rank_verls_part(n_rows)
     verls = _whole_split(group, n_rows)
     assert len(args) == 2 and all(a is p for a, p in zip(args, parts))  # sent as built: no split, no copy
     assert all(torch.equal(a[COEF_KEY], v[COEF_KEY]) for a, v in zip(args, verls))  # the rows verl's split gives
-    for a, v in zip(args, verls):  # and the same tokens and positions, row by row
+    for a, v in zip(args, verls):  # and the same tokens and positions, row by row, as the learner reads them
+        a, v = on_arrival(a.copy()), on_arrival(v.copy())  # both travel padded (chunk_layout point 5)
         assert [r.tolist() for r in a["input_ids"].unbind()] == [r.tolist() for r in v["input_ids"].unbind()]
         assert [r.tolist() for r in a["position_ids"].unbind()] == [r.tolist() for r in v["position_ids"].unbind()]
 
@@ -130,3 +131,29 @@ def test_the_streaming_dispatch_puts_a_shared_part_once_for_its_tensor_parallel_
     assert len(puts) == 2  # one object per data-parallel part, not per worker
     assert args == [("ref", 0), ("ref", 0), ("ref", 1), ("ref", 1)]
     assert sorted(float(c) for p in puts for c in p[COEF_KEY] if c != 0) == [0.5, 1.5, 2.5]
+
+
+def test_a_chunk_sent_padded_reaches_the_learner_in_verls_no_padding_layout():
+    from thundersync_verl.step.chunk_layout import PADDED_KEY, build_stream_chunk
+
+    prompts, responses = [[3, 4, 5], [6], [7, 8]], [[9, 10], [11, 12, 13, 14], [15]]
+    args = dict(dp_size=2, pad_token_id=0, temperature=0.7, response_masks=[[1, 1], [1, 0, 1, 1], [1]],
+                rollout_log_probs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6], [-0.7]])
+    nested = build_stream_chunk(prompts, responses, [0.5, -1.0, 2.0], "g=1|r=1.0", **args)
+    padded = build_stream_chunk(prompts, responses, [0.5, -1.0, 2.0], "g=1|r=1.0", padded=True, **args)
+    assert not padded["input_ids"].is_nested and va.non_tensor(padded, PADDED_KEY) is True
+    arrived = on_arrival(padded)
+    assert va.non_tensor(arrived, PADDED_KEY) is False
+    assert sorted(k for k in arrived.keys() if k != PADDED_KEY) == sorted(nested.keys())
+    for key in nested.keys(include_nested=False, leaves_only=True):
+        a, b = arrived[key], nested[key]
+        if not isinstance(b, torch.Tensor):
+            continue  # non-tensor data: compared below
+        if getattr(b, "is_nested", False):
+            assert [x.tolist() for x in a.unbind()] == [x.tolist() for x in b.unbind()], key
+        else:
+            assert torch.equal(a, b), key
+    for key in ("max_seq_len", "max_response_len", "temperature", "ts_dest"):
+        assert va.non_tensor(arrived, key) == va.non_tensor(nested, key), key
+    assert torch.equal(va.non_tensor(arrived, "indices"), va.non_tensor(nested, "indices"))
+    assert on_arrival(nested) is nested  # a chunk built in the no-padding layout passes as it is

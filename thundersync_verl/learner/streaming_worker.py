@@ -62,7 +62,7 @@ from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.learner.forward_clock import ForwardClock
 from thundersync_verl.learner.engines import StreamLearner, make_learner
 from thundersync_verl.core.errors import rule_message
-from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY, IndependentTerms, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, REF_LP_KEY, SEQ_KEY, TEACHER_KEY, TOKEN_COEF_KEY
+from thundersync_verl.step.chunk_layout import exact_micro_batch_size, COEF_KEY, IndependentTerms, KL_SUM_METRIC, KL_TOKENS_METRIC, LP_DIFF_METRIC, REF_LP_KEY, SEQ_KEY, on_arrival, TEACHER_KEY, TOKEN_COEF_KEY
 from thundersync_verl.learner.stream_loss import NO_IS, RolloutIS, make_stream_loss, make_token_stream_loss, set_chunk_part
 from thundersync_verl.learner.minibatch_loss import ppo_chunk_loss
 from thundersync_verl.algos.sao.sao_streaming import MASKED_METRIC, SCORED_METRIC
@@ -227,7 +227,7 @@ class StreamingActorWorker(_Base):
         Returns a one-row TensorDict per data-parallel rank: ``ts_loss``, ``ts_rows``.
         """
         with self._exclusive("stream_backward"):
-            return self._stream_backward(chunk, loss_fn=ppo_chunk_loss(self.config.actor, chunk))
+            return self._row_chunk_backward(chunk)
 
     @register(dispatch_mode=ACTOR_MESH)
     def stream_token_backward(self, chunk):
@@ -244,7 +244,13 @@ class StreamingActorWorker(_Base):
     async def stream_backward_queued(self, chunk):
         """``stream_backward`` the caller does not wait for; runs after ticket ``chunk["ts_seq"] - 1``."""
         return await self._queued(va.non_tensor(chunk, SEQ_KEY), "stream_backward",
-                                  lambda: self._stream_backward(chunk, loss_fn=ppo_chunk_loss(self.config.actor, chunk)))
+                                  lambda: self._row_chunk_backward(chunk))
+
+    def _row_chunk_backward(self, chunk):
+        """A row chunk's backward, in verl's no-padding layout (a chunk sent padded is converted here:
+        ``chunk_layout`` point 5)."""
+        chunk = on_arrival(chunk)
+        return self._stream_backward(chunk, loss_fn=ppo_chunk_loss(self.config.actor, chunk))
 
     @register(dispatch_mode=ACTOR_MESH, blocking=False)
     async def stream_token_backward_queued(self, chunk):

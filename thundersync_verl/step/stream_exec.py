@@ -120,12 +120,13 @@ def _ppo_chunk(op, rows, **layout):  # a later mini-batch: verl's PPO loss again
 
 
 def _grpo_chunk(op, rows, *, parts: bool = False, **layout):
-    """The op's chunk; ``parts``: one chunk per data-parallel rank (``build_stream_parts``)."""
+    """The op's chunk, sent padded (``chunk_layout`` point 5); ``parts``: one chunk per data-parallel rank
+    (``build_stream_parts``)."""
     chunk_rows = [rows[traj_id] for _, traj_id in op.items]
     return (build_stream_parts if parts else build_stream_chunk)([r["prompt"] for r in chunk_rows], [r["response"] for r in chunk_rows], op.coefs,
                               op.dest, response_masks=[r["mask"] for r in chunk_rows],
                               rollout_log_probs=_row_field(chunk_rows, "rollout_lp"),
-                              ref_log_probs=_row_field(chunk_rows, "ref_lp"), **layout)
+                              ref_log_probs=_row_field(chunk_rows, "ref_lp"), padded=True, **layout)
 
 
 def _opd_tokens(op) -> int:  # OPD: each row is a turn's prefix (or merged turns' latest prefix), held by the op
