@@ -133,14 +133,27 @@ def test_the_streaming_dispatch_puts_a_shared_part_once_for_its_tensor_parallel_
     assert sorted(float(c) for p in puts for c in p[COEF_KEY] if c != 0) == [0.5, 1.5, 2.5]
 
 
-def test_a_chunk_sent_padded_reaches_the_learner_in_verls_no_padding_layout():
-    from thundersync_verl.step.chunk_layout import PADDED_KEY, build_stream_chunk
+def _row_chunk(padded: bool):
+    from thundersync_verl.step.chunk_layout import build_stream_chunk
 
-    prompts, responses = [[3, 4, 5], [6], [7, 8]], [[9, 10], [11, 12, 13, 14], [15]]
-    args = dict(dp_size=2, pad_token_id=0, temperature=0.7, response_masks=[[1, 1], [1, 0, 1, 1], [1]],
-                rollout_log_probs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6], [-0.7]])
-    nested = build_stream_chunk(prompts, responses, [0.5, -1.0, 2.0], "g=1|r=1.0", **args)
-    padded = build_stream_chunk(prompts, responses, [0.5, -1.0, 2.0], "g=1|r=1.0", padded=True, **args)
+    return build_stream_chunk([[3, 4, 5], [6], [7, 8]], [[9, 10], [11, 12, 13, 14], [15]], [0.5, -1.0, 2.0], "g=1|r=1.0",
+                              dp_size=2, pad_token_id=0, temperature=0.7, response_masks=[[1, 1], [1, 0, 1, 1], [1]],
+                              rollout_log_probs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6], [-0.7]], padded=padded)
+
+
+def _token_chunk(padded: bool):  # an OPD turn chunk
+    from thundersync_verl.step.chunk_layout import build_token_chunk
+
+    return build_token_chunk([[3, 4, 5], [6]], [[9, 10, 11], [12, 13]], [[0, 1, 1], [1, 0]], dp_size=1, pad_token_id=0,
+                             teacher_log_probs=[[0.0, -0.5, -0.6], [-0.2, 0.0]], temperature=0.7,
+                             rollout_log_probs=[[-0.1, -0.2, -0.3], [-0.4, -0.5]], distill_loss="k3", padded=padded)
+
+
+@pytest.mark.parametrize("build", [_row_chunk, _token_chunk])
+def test_a_chunk_sent_padded_reaches_the_learner_in_verls_no_padding_layout(build):
+    from thundersync_verl.step.chunk_layout import PADDED_KEY
+
+    nested, padded = build(False), build(True)
     assert not padded["input_ids"].is_nested and va.non_tensor(padded, PADDED_KEY) is True
     arrived = on_arrival(padded)
     assert va.non_tensor(arrived, PADDED_KEY) is False

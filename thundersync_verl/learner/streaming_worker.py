@@ -264,6 +264,7 @@ class StreamingActorWorker(_Base):
         return await self._queued(seq, "stream_fold", lambda: self._stream_fold(folds))
 
     def _stream_token_backward(self, chunk):
+        chunk = on_arrival(chunk)  # a chunk sent padded (chunk_layout point 5)
         check_token_chunk(chunk)
         keys = [k for k in (TOKEN_COEF_KEY, TEACHER_KEY) if k in chunk.keys()]
         finite = all(bool(torch.isfinite(chunk[k]).all()) for k in keys)

@@ -180,6 +180,11 @@ def build_stream_chunk(
         tensors[REF_LP_KEY] = _rows_to_tensor([list(r)[:width] for r in ref_log_probs], width, torch.float32, n_pad)
     td = TensorDict(tensors, batch_size=[len(prompts)])
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest})
+    return _to_layout(td, padded)
+
+
+def _to_layout(td, padded: bool):
+    """The chunk as it travels: marked padded (point 5), or in verl's no-padding layout."""
     if padded:
         va.assign_non_tensor(td, **{PADDED_KEY: True})
         return td
@@ -271,8 +276,10 @@ def build_token_chunk(
     distill_loss: str | None = None,
     supervised: bool = False,
     coef: float = 1.0,
+    padded: bool = False,
 ):
-    """A per-token chunk for ``stream_token_backward``, padded to a multiple of ``dp_size`` rows.
+    """A per-token chunk for ``stream_token_backward``, padded to a multiple of ``dp_size`` rows; ``padded`` as in
+    ``build_stream_chunk`` (point 5).
 
     Row i scores the response tokens whose ``token_coefs[i]`` entry is non-zero (its
     ``response_mask``, from which verl counts tokens, is 1 exactly there). ``teacher_log_probs``
@@ -313,7 +320,7 @@ def build_token_chunk(
     if supervised:
         extra[SUPERVISED_KEY] = True
     va.assign_non_tensor(td, temperature=float(temperature), **{DEST_KEY: dest}, **extra)
-    return va.to_no_padding(td)
+    return _to_layout(td, padded)
 
 
 def _rows_to_tensor(rows: Sequence[Sequence[float]], width: int, dtype=torch.float64, n_pad: int = 0) -> torch.Tensor:

@@ -433,7 +433,8 @@ class OPDStreamClient:
         self.wg.stream_begin_batch(meta)
 
     def chunk(self, op: TurnBackwardOp):
-        """The per-token chunk of one op (prefix rows, turn j's tokens scored)."""
+        """The per-token chunk of one op (prefix rows, turn j's tokens scored); with one data-parallel rank it travels
+        padded, for the learner to convert (``chunk_layout`` point 5), as a row chunk's parts do."""
         turns = op.turns
         rollout = [t.rollout_row() for t in turns]
         return build_token_chunk([t.prompt for t in turns], [t.response for t in turns],
@@ -441,7 +442,8 @@ class OPDStreamClient:
                                  teacher_log_probs=[t.teacher_row() for t in turns], opd_clamp=op.opd_clamp,
                                  temperature=self.temperature,
                                  rollout_log_probs=None if any(r is None for r in rollout) else rollout,
-                                 distill_loss=op.loss.estimator, supervised=op.loss.supervised, coef=op.loss.coef)
+                                 distill_loss=op.loss.estimator, supervised=op.loss.supervised, coef=op.loss.coef,
+                                 padded=self.dp_size == 1)
 
     def run(self, ops: Sequence[TurnBackwardOp]) -> list:
         """One ``stream_token_backward`` per op, each waited for; returns their results."""
