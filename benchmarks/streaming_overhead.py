@@ -49,6 +49,7 @@ from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 HEADLINE = "chunks k=8 min4"
 LOADS = (0.5, 1, 2, 4)  # arrivals over 1/load of one batched backward's learner time
+MODEL_SIZE_MINIMUMS = {"hidden": 8, "layers": 1, "response_len": 1}  # point 7's flags (hidden: 4 heads of an even size)
 
 
 def arrival_order(trajs, seed: int) -> list[int]:
@@ -331,9 +332,9 @@ def main() -> None:
                         help="equal-length responses' tokens; the variable ones span 1/4 to 7/4 of it (point 7)")
     add_results_dir_argument(parser)
     args = parser.parse_args()
-    for name in ("hidden", "layers", "response_len"):
-        if getattr(args, name) < (8 if name == "hidden" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be at least {8 if name == 'hidden' else 1}")
+    for name, least in MODEL_SIZE_MINIMUMS.items():
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}")
     if args.hidden % 8:
         parser.error("--hidden must be a multiple of 8 (4 attention heads of an even size)")
     torch.set_num_threads(1)
@@ -359,7 +360,7 @@ def main() -> None:
         result[f"throughput_ratio_coalescing_load_{load}"] = round(row["ratio"], 3)
         result[f"tail_over_batched_load_{load}"] = round(row["tail"], 3)
     result["planner_share_load_1"] = round(ratios["coalescing load 1"]["planner_share"], 3)
-    default = (args.hidden, args.layers, args.response_len) == (64, 2, 64)
+    default = all(getattr(args, name) == parser.get_default(name) for name in MODEL_SIZE_MINIMUMS)
     name = "streaming_overhead" + ("" if default else f"_h{args.hidden}_l{args.layers}_r{args.response_len}")
     write_result(name, result, args.results_dir)
 
