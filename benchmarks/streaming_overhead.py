@@ -44,7 +44,7 @@ import torch
 from thundersync_harness import tiny_lm as C
 from thundersync_verl.core import BufferPool, GradLayout, GRPOEstimator, token_weights
 from thundersync_verl.core.buffers import axpy_, copy_into_
-from thundersync_verl.step.stream_plan import FinalizeOp, FoldOp, StreamPlanner
+from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner
 from thundersync_verl.run.results import add_results_dir_argument, write_result
 
 HEADLINE = "chunks k=8 min4"
@@ -125,6 +125,7 @@ class WorkerLearner:
         self.buckets: dict[str, list[torch.Tensor]] = {}
         self.cpu_s = 0.0
         self.calls = 0  # backward calls
+        self.rows = 0  # rows backpropagated
 
     def run(self, ops) -> None:
         t0 = time.process_time()
@@ -136,6 +137,7 @@ class WorkerLearner:
             else:
                 self._backward(op)
                 self.calls += 1
+                self.rows += len(op.items)
         self.cpu_s += time.process_time() - t0
 
     def _backward(self, op) -> None:
@@ -223,7 +225,7 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
     planner, learner = _open_batch(model, spec, trajs, max_chunk)
     order = sorted(range(len(trajs)), key=lambda k: fractions[k])
     planner_s = time.process_time() - t0
-    clock, landed = 0.0, 0
+    clock, landed, rows_before_last = 0.0, 0, 0
     while True:
         t0 = time.process_time()
         while landed < len(order) and fractions[order[landed]] * span_s <= clock:
@@ -239,12 +241,15 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
             clock = fractions[order[landed]] * span_s  # idle until the next landing
             continue
         before = learner.cpu_s
+        if landed < len(order):
+            rows_before_last = learner.rows + sum(len(op.items) for op in ops if isinstance(op, BackwardOp))
         learner.run(ops)
         clock += learner.cpu_s - before
         if done:
             break
     assert not learner.buckets and learner.pool.reserved_bytes == 0
-    return {"learner": learner.cpu_s, "planner": planner_s, "calls": learner.calls, "tail": max(0.0, clock - span_s)}
+    return {"learner": learner.cpu_s, "planner": planner_s, "calls": learner.calls, "tail": max(0.0, clock - span_s),
+            "rows_after_last_landing": learner.rows - rows_before_last}
 
 
 def call_costs(model, spec, trajs, repeats: int) -> dict[str, float]:
