@@ -80,7 +80,7 @@ def _mean_after_first(times) -> float:
 
 def host_model(trace_path: Path, host_cpu: dict | None, cores: int):
     """The rollout hosts' CPU cost per turn (``sim/host.py``, point 4 above) from the plain run: its rollout side's
-    CPU-seconds a step over the turns a step its trace shows, over the same steps (``emulated_rollout.host_cpu``:
+    CPU-seconds a step over the turns a step its trace shows, over the same steps (``emulated_trace.host_cpu``:
     the versions after the first, the last excluded). None without the per-core accounting."""
     from thundersync_verl.sim.host import HostCpu
     from thundersync_verl.sim.trace import load_trace

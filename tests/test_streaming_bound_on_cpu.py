@@ -1,4 +1,4 @@
-"""benchmarks/emulated_rollout.py: ``streaming_bound`` (the shortest streamed step a Sync run's own timings allow) and the
+"""benchmarks/emulated_trace.py: ``streaming_bound`` (the shortest streamed step a Sync run's own timings allow) and the
 step-1 update figures (``update_gaps``), with no Ray."""
 
 from __future__ import annotations
@@ -14,6 +14,12 @@ from thundersync_harness.benchmarks import load_benchmark
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("emulated_rollout")  # it imports its sibling ``modes``
+
+
+@pytest.fixture(scope="module")
+def trace():
+    """What a finished run's traces say (the benchmark's reader module)."""
+    return load_benchmark("emulated_trace")
 
 
 @pytest.fixture(scope="module")
@@ -34,28 +40,28 @@ def sync_run(tmp_path: Path, steps: dict[int, tuple[list[float], float, float]])
     return {"per_step": per_step, "traj_path": path}
 
 
-def test_rewards_that_land_together_leave_nothing_to_overlap(bench, tmp_path):
+def test_rewards_that_land_together_leave_nothing_to_overlap(trace, tmp_path):
     run = sync_run(tmp_path, {2: ([2.0] * 4, 2.5, 4.0)})  # every reward at gen's end: the whole update after it
-    assert bench.streaming_bound(run) == pytest.approx(2.5 + 4.0)
+    assert trace.streaming_bound(run) == pytest.approx(2.5 + 4.0)
 
 
-def test_spread_rewards_hide_the_update_behind_the_rollout_up_to_the_last_row(bench, tmp_path):
+def test_spread_rewards_hide_the_update_behind_the_rollout_up_to_the_last_row(trace, tmp_path):
     # rewards land at 1, 2, 3, 4 s (gen's end is the last one: no verifier shift), 0.5 s of update per row
     run = sync_run(tmp_path, {2: ([1.0, 2.0, 3.0, 4.0], 4.0, 2.0)})
-    assert bench.streaming_bound(run) == pytest.approx(4.5)
+    assert trace.streaming_bound(run) == pytest.approx(4.5)
     # a slower learner: the first row's start plus the whole update (1 + 4 x 1.5) beats the last landing
     slow = sync_run(tmp_path, {2: ([1.0, 2.0, 3.0, 4.0], 4.0, 6.0)})
-    assert bench.streaming_bound(slow) == pytest.approx(7.0)
+    assert trace.streaming_bound(slow) == pytest.approx(7.0)
 
 
-def test_the_verifier_shift_and_the_median_over_steps(bench, tmp_path):
+def test_the_verifier_shift_and_the_median_over_steps(trace, tmp_path):
     # the agent loops end at 1 and 2 s, gen ends at 2.5 s: both rewards land 0.5 s later
     run = sync_run(tmp_path, {2: ([1.0, 2.0], 2.5, 0.2), 3: ([1.0, 1.0], 1.0, 4.0), 4: ([0.5, 3.0], 3.0, 1.0)})
-    assert bench.streaming_bound(run) == pytest.approx(3.5)  # median of 2.6, 5.0, 3.5
-    assert bench.streaming_bound({"per_step": {1: {}}, "traj_path": run["traj_path"]}) is None
+    assert trace.streaming_bound(run) == pytest.approx(3.5)  # median of 2.6, 5.0, 3.5
+    assert trace.streaming_bound({"per_step": {1: {}}, "traj_path": run["traj_path"]}) is None
 
 
-def test_opd_rows_are_turns_landing_when_their_generation_ends(bench, tmp_path):
+def test_opd_rows_are_turns_landing_when_their_generation_ends(trace, tmp_path):
     # one trajectory of two turns: generation 1 s, a 2 s tool call, generation 1 s (ends at 4 s = gen's end); a
     # second one of one 3 s turn. Rows land at 1, 3 and 4 s; Sync's 3 s update is 1 s a row
     lines = [{"policy_version": 1, "t_submit": 2000.0, "t_done": 2004.0,
@@ -64,10 +70,10 @@ def test_opd_rows_are_turns_landing_when_their_generation_ends(bench, tmp_path):
     path = tmp_path / "trajectories.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = {"per_step": {1: {}, 2: {"timing_s/gen": 4.0, "timing_s/update_actor": 3.0}}, "traj_path": path}
-    assert bench.streaming_bound(run, "opd") == pytest.approx(max(1 + 3, 3 + 2, 4 + 1))
+    assert trace.streaming_bound(run, "opd") == pytest.approx(max(1 + 3, 3 + 2, 4 + 1))
     # per trajectory (GRPO's rows) the same run lands at 3 and 4 s, 1.5 s a row
-    assert bench.streaming_bound(run) == pytest.approx(max(3 + 3, 4 + 1.5))
-    assert bench.turn_ends({"t_submit": 0.0, "t_done": 2.5}) == [2.5]  # no turns recorded: the trajectory's end
+    assert trace.streaming_bound(run) == pytest.approx(max(3 + 3, 4 + 1.5))
+    assert trace.turn_ends({"t_submit": 0.0, "t_done": 2.5}) == [2.5]  # no turns recorded: the trajectory's end
 
 
 def thundersync_run(tmp_path: Path, landed: list[float], chunks: list[tuple[float, int]]) -> dict:
@@ -134,7 +140,7 @@ def test_the_step1_floor_is_the_widest_pair_of_verls_sync_runs(exact):
     assert directions["thundersync"] == pytest.approx(float((step - (step @ unit) * unit).norm()) / norm, rel=1e-3)
 
 
-def test_host_cpu_splits_each_side_and_each_process_per_step(bench, tmp_path):
+def test_host_cpu_splits_each_side_and_each_process_per_step(trace, tmp_path):
     from thundersync_harness.cpu_pin import CoreLoad
 
     run = sync_run(tmp_path, {2: ([1.0], 2.0, 1.0), 3: ([1.0], 2.0, 1.0), 4: ([1.0], 2.0, 1.0), 5: ([1.0], 2.0, 1.0)})
@@ -145,7 +151,7 @@ def test_host_cpu_splits_each_side_and_each_process_per_step(bench, tmp_path):
                             (5000.0, {7: ("ray::WorkerDict", 5 * hz), 8: ("ray::AgentLoopWorkerTQ", 2 * hz),
                                       9: ("python -c", hz)})]  # 9 started inside the window: counted from zero
     run.update(core_load=load, pin={"rollout_side_cpus": [0], "learner_cpus": [1]})
-    cpu = bench.host_cpu(run)
+    cpu = trace.host_cpu(run)
     assert cpu["rollout_side"] == 3.0 and cpu["learner_side"] == 2.0 and cpu["step_s"] == 1000.0, cpu
     assert cpu["by_process"] == {"ray::WorkerDict": 2.0, "ray::AgentLoopWorkerTQ": 1.0, "python -c": 0.5}, cpu
 
@@ -194,7 +200,7 @@ def test_opd_runs_report_learner_rows_and_teacher_calls_per_scored_turn(bench):
     assert "opd_rows_per_turn" not in bench.modes.summarise("thundersync", {"per_step": grpo})
 
 
-def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(bench, tmp_path):
+def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(trace, tmp_path):
     def run_of(name, spans):  # version -> [(submit, done, tool seconds)]
         lines = [{"policy_version": v, "t_submit": s, "t_done": d, "turns": [{"gen_s": 0.1, "tool_s": tool}]}
                  for v, rows in spans.items() for s, d, tool in rows]
@@ -205,5 +211,5 @@ def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(benc
     sync = run_of("sync", {0: [(0.0, 50.0, 9.0)], 1: [(100.0, 104.0, 1.0), (100.5, 106.0, 2.0)],
                            2: [(200.0, 204.0, 3.0)], 3: [(300.0, 308.0, 1.0)]})
     # medians over versions 1-3 (version 0, the first step, is left out): makespans 6, 4, 8 s; tools 3, 3, 1 s
-    assert bench.rollout_makespan(sync) == pytest.approx({"makespan_s": 6.0, "tool_s": 3.0})
-    assert bench.rollout_makespan({"traj_path": tmp_path / "missing.jsonl"}) is None
+    assert trace.rollout_makespan(sync) == pytest.approx({"makespan_s": 6.0, "tool_s": 3.0})
+    assert trace.rollout_makespan({"traj_path": tmp_path / "missing.jsonl"}) is None

@@ -15,7 +15,7 @@ Why this module exists:
    shorter, the round's rollout timeline is stretched by the ratio, uniformly (processor sharing slows every
    host activity alike), which keeps the order of starts and landings: the same groups complete first.
 3. `HostCpu.fit` takes the constant from a measured run: the rollout side's CPU-seconds a step (per-core
-   accounting, `benchmarks/emulated_rollout.host_cpu`) over the turns that run's trace shows a step. The
+   accounting, `benchmarks/emulated_trace.host_cpu`) over the turns that run's trace shows a step. The
    recorded run itself then stays as the slot model replays it, apart from its busiest rounds.
 4. Applied in the barrier schedules (sync, thundersync) and the tail policy (`tail.py`); the other
    schedules refuse it (`SimConfig.validate`).
