@@ -98,3 +98,19 @@ def test_closed_groups_go_first_and_budget_blocks_new_groups():
     run2 = run_lane(work2, LanePolicy(budget_groups=1, min_chunk=1), 0.0)
     assert run2.idle[IDLE_BUDGET] > 4.0  # group 1 waited for group 0 to close
     assert run2.peak_open_groups == 1
+
+
+def test_recomputed_turns_of_one_trajectory_in_one_chunk_run_as_its_latest_prefix():
+    """Lane point 6: turns 0 and 1 of trajectory 7 and turn 0 of trajectory 8 are ready together: two rows, trajectory 7's
+    at its latest prefix (100 tokens, 1 s); turn 2 of trajectory 7, ready later, is a row of its own (150 tokens)."""
+    ready = np.array([0.0, 0.0, 0.0, 5.0])
+    row, prefix = np.array([7, 7, 8, 7]), np.array([60, 100, 40, 150])
+    cost = prefix / 100.0  # a prefix recomputed: cost follows its length
+    none = np.full(4, -1)
+    work = LaneWork(ready, none, np.zeros(0), cost, np.array([60, 40, 40, 50]), row=row, computed=prefix)
+    run = run_lane(work, LanePolicy(min_chunk=1), 0.0)
+    assert [c[2] for c in run.chunks] == [3, 1]  # every turn trained, in two chunks
+    assert run.chunks[0][1] == pytest.approx(1.0 + 0.4) and run.tokens == 190  # trajectory 7's turn 0 rides in turn 1's row
+    assert run.computed_tokens == 100 + 40 + 150
+    alone = run_lane(LaneWork(ready, none, np.zeros(0), cost, np.array([60, 40, 40, 50])), LanePolicy(min_chunk=1), 0.0)
+    assert alone.chunks[0][1] == pytest.approx(0.6 + 1.0 + 0.4) and alone.computed_tokens is None  # no rows: one per unit

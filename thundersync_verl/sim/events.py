@@ -84,14 +84,20 @@ def lane_work(batch: Batch, place: Placement, algo: str, gran: str, costs: Learn
         cost = costs.sequence_cost(lo, hi)  # [M]
         computed = int((hi - (0 if costs.prefix_recompute else lo)).sum())
         tokens = batch.turn_hi - batch.turn_lo
+        # recomputed prefixes: ready turns of one trajectory in one chunk share a row (lane.py point 6)
+        row, own = (traj, batch.turn_hi.astype(np.int64)) if costs.prefix_recompute else (None, None)
         if costs.forward_s_per_token or costs.forward_overhead_s:  # log-probs of each landed trajectory
             ready = np.concatenate([ready, land])
             cost = np.concatenate([cost, costs.forward_s_per_token * batch.seq_tokens])
             forward = np.concatenate([np.zeros(len(tokens), dtype=bool), np.ones(batch.size, dtype=bool)])
             tokens = np.concatenate([tokens, np.zeros(batch.size, dtype=np.int64)])
+            if row is not None:  # a forward is a row of its own
+                row = np.concatenate([row, -1 - np.arange(batch.size)])
+                own = np.concatenate([own, np.zeros(batch.size, dtype=np.int64)])
             return LaneWork(ready, np.full(len(ready), -1, dtype=np.int64), np.zeros(0), cost, tokens,
-                            forward), computed
-        return LaneWork(ready, np.full(len(ready), -1, dtype=np.int64), np.zeros(0), cost, tokens), computed
+                            forward, row=row, computed=own), computed
+        return LaneWork(ready, np.full(len(ready), -1, dtype=np.int64), np.zeros(0), cost, tokens,
+                        row=row, computed=own), computed
     seq = batch.seq_tokens.astype(np.float64)
     cost = costs.sequence_cost(0.0 * seq, seq)  # [N]
     if gran == "batch":
@@ -200,4 +206,4 @@ def one_step_off(cfg: SimConfig, source, costs: LearnerCosts, first_rollout, ove
 def count_tokens(rec: Recorder, batch: Batch, run: LaneRun, computed: int) -> None:
     rec.tokens["generated"] += int(batch.seq_tokens.sum())
     rec.tokens["trained"] += int(run.tokens)
-    rec.tokens["compute"] += computed
+    rec.tokens["compute"] += computed if run.computed_tokens is None else run.computed_tokens  # lane.py point 6

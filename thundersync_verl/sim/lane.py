@@ -17,6 +17,10 @@ Why this module exists:
 5. A group may be aborted (the tail policy, tail.py: launched but not in the batch): from its
    `drop_at` time its untrained units are dropped and its buffers freed; units of it trained
    before then were speculative and are booked as wasted learner work.
+6. OPD turns with their prefix recomputed (``LaneWork.row``): ready turns of one trajectory that go in one chunk
+   run as ONE row, the latest turn's prefix, which trains the earlier turns' tokens too (the product's planner,
+   ``algos/opd/opd_stream.py`` point 7). A busy learner thus finds several turns of a trajectory ready and pays
+   for one prefix; ``LaneRun.computed_tokens`` counts the rows' prefixes.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class LaneWork:
     tokens: np.ndarray  # [U] sequence tokens the unit trains
     forward: np.ndarray | None = None  # [U] True for a trajectory's separate forward pass (OPD turn streaming)
     drop_at: np.ndarray | None = None  # [G] when each group is aborted (inf: never); point 5
+    # point 6: OPD turns whose prefix the learner recomputes. ``row``: [U] the trajectory each turn belongs to
+    # (distinct negative values never share); ``computed``: [U] the tokens the turn's own row computes (its prefix)
+    row: np.ndarray | None = None
+    computed: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -72,6 +80,7 @@ class LaneRun:
     wasted_units: int = 0  # units of aborted groups trained before the abort
     wasted_tokens: int = 0
     wasted_s: float = 0.0  # their share of the lane's compute (cost / dp each)
+    computed_tokens: int | None = None  # the rows' tokens where turns merge (point 6), else None
 
 
 class PendingUnits:
@@ -169,7 +178,7 @@ def run_lane(work: LaneWork, policy: LanePolicy, t_free: float, record: bool = F
     """
     n_groups = len(work.close)
     budget = policy.budget_groups if (policy.budget_groups is not None and policy.budget_groups < n_groups) else None
-    if fast and budget is None and policy.max_chunk is None and work.drop_at is None:
+    if fast and budget is None and policy.max_chunk is None and work.drop_at is None and work.row is None:
         return _run_unbounded(work, policy, t_free, record)
     return _run_general(work, policy, t_free, budget, record)
 
@@ -206,6 +215,9 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
     min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
     run = LaneRun(start=t_free, finish=t_free)
     drops = _Drops(work.drop_at, len(close))
+    merge = _MergedTurns(work) if work.row is not None else None
+    if merge is not None:
+        run.computed_tokens = 0
     t, i, j, done = t_free, 0, 0, 0
     while done < n:
         while i < n and ready[i] <= t:
@@ -240,13 +252,32 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
             continue
         chunk = pend.take(budget, policy.max_chunk)
         run.peak_open_groups = max(run.peak_open_groups, pend.open_count)
-        t = _chunk(run, policy, t, sum(cost[u] for u in chunk), max(cost[u] for u in chunk), len(chunk),
+        rows = chunk if merge is None else merge.rows(chunk, cost, run)
+        t = _chunk(run, policy, t, sum(cost[u] for u in rows), max(cost[u] for u in rows), len(chunk),
                    sum(tokens[u] for u in chunk), any(fwd[u] for u in chunk))
         drops.trained(chunk, groups, cost, tokens, policy.dp)
         done += len(chunk)
     drops.advance(np.inf, pend, run)  # groups aborted after the lane's last chunk: their trained units are waste
     run.units, run.finish = done - run.dropped_units, t
     return run
+
+
+class _MergedTurns:
+    """Point 6: the rows a chunk's units run as, one per trajectory (its latest turn: the largest cost)."""
+
+    def __init__(self, work: LaneWork):
+        self.row = work.row.tolist()
+        self.computed = work.computed.tolist() if work.computed is not None else [0] * work.size
+
+    def rows(self, chunk: list, cost: list, run: LaneRun) -> list:
+        latest: dict = {}
+        for u in chunk:
+            r = self.row[u]
+            if r not in latest or cost[u] > cost[latest[r]]:
+                latest[r] = u
+        rows = list(latest.values())
+        run.computed_tokens += int(sum(self.computed[u] for u in rows))
+        return rows
 
 
 class _Drops:

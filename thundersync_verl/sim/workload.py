@@ -60,6 +60,15 @@ class RolloutSpec:
     prefill_s_per_token: float = 5e-5
     teacher_fixed_s: float = 0.5  # OPD: per-turn teacher scoring latency
     teacher_s_per_token: float = 2e-5
+    # OPD: a teacher call is charged for its turn's new tokens only (a prefix-cached scorer: the published
+    # system's assumption), or for the whole prefix it scores (a serving engine that skips its prefix cache for
+    # prompt log-probs, as vLLM does; verl's whole-trajectory call is then the last turn's)
+    teacher_prefix: bool = False
+
+    def teacher_score_s(self, new_tokens, prefix_tokens):
+        """Latency of the teacher's call for a turn with ``new_tokens`` of its own after a prefix ending at
+        ``prefix_tokens`` (arrays or numbers)."""
+        return self.teacher_fixed_s + self.teacher_s_per_token * (prefix_tokens if self.teacher_prefix else new_tokens)
 
 
 @dataclass
@@ -190,7 +199,7 @@ class SyntheticSource:
         tool[ptr[1:] - 1] = 0.0  # the last turn ends the episode: no tool call
         gen_tok[ptr[:-1]] = np.minimum(gen_tok[ptr[:-1]], np.maximum(w.max_context - prompt, 1))
         gen_s = new_tok * r.prefill_s_per_token + gen_tok * r.decode_s_per_token  # [M]
-        score = r.teacher_fixed_s + r.teacher_s_per_token * (new_tok + gen_tok)  # [M]
+        score = r.teacher_score_s(new_tok + gen_tok, segment_cumsum((new_tok + gen_tok).astype(np.float64), ptr))  # [M]
         batch = batch_from_turns(group, len(group) // w.group_size, turns, gen_s, tool, new_tok, gen_tok,
                                  score, reward)
         batch.prompt_tokens = prompt
@@ -209,7 +218,7 @@ class SyntheticSource:
         seq = np.minimum(prompt + gen_tok + obs_tok, w.max_context)
         dur = (prompt + obs_tok) * r.prefill_s_per_token + gen_tok * r.decode_s_per_token + tool
         last_tok = w.gen_tokens.mean() + w.obs_tokens.mean()
-        last_score = np.full(n, r.teacher_fixed_s + r.teacher_s_per_token * last_tok)
+        last_score = r.teacher_score_s(np.full(n, last_tok), seq)  # [N]
         return Batch(n_groups=n // w.group_size, group=group, dur_s=dur, reward_s=w.reward_s.sample(rng, n) * env,
                      seq_tokens=np.rint(seq).astype(np.int64), n_turns=turns, last_score_s=last_score,
                      prompt_tokens=np.minimum(prompt, w.max_context).astype(np.int64))
