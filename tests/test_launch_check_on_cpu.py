@@ -96,6 +96,24 @@ def test_tail_batching_refuses_what_it_cannot_keep_whole(overrides, recipe, clas
     assert_names(message, clash, "set thundersync.tail.eta=1")
 
 
+def test_settings_refused_by_several_rules_are_named_in_one_error():
+    """launch_check point 6: tail batching outside thundersync mode and a LoRA adapter verl's push would drop are two
+    rules' refusals; one launch names both, each with its key and fix."""
+    config = compose("thundersync.tail.eta=1.5", "actor_rollout_ref.model.lora_rank=8", mode="async")
+    message = refusal(config)
+    head, *rest = message.split("\n")
+    assert head.startswith("2 settings are refused")
+    first = "\n".join(line[4:] for line in rest[:3])  # "[1] " / four spaces: each refusal's own three lines
+    second = "\n".join(line[4:] for line in rest[3:])
+    assert_names(first, "actor_rollout_ref.rollout.name=hf_cpu", "mode=sync or mode=thundersync")
+    assert_names(second, "thundersync.tail.eta=1.5", "use mode=thundersync, or set thundersync.tail.eta=1")
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.recipes.rules import _thundersync
+
+    assert len(_thundersync(OmegaConf.to_container(config, resolve=True), {})) == 2  # the recipe check lists both
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rollout", ["hf_cpu", "replay"])
 def test_lora_on_a_cpu_rollout_runs_where_the_adapter_is_pushed_and_is_refused_where_verl_drops_it(mode, rollout):

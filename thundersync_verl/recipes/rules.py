@@ -400,10 +400,9 @@ def _thundersync(raw: dict, facts: dict) -> list[str]:
         return [problem("thundersync.mode", f"= {ts.mode} but trainer.v1.trainer_mode = {trainer_mode}", "the reports and "
                         "trainers read thundersync.mode", f"select the mode with mode={ts.mode} (it sets both)")]
     try:
-        launch_check.check_run_config(raw)
+        return [one_line(err) for err in launch_check.run_config_errors(raw)]
     except Exception as err:
         return [one_line(err)]
-    return []
 
 
 def _learner(raw: dict, facts: dict) -> list[str]:

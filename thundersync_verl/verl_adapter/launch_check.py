@@ -8,8 +8,8 @@ Why:
 2. ``check_run_config`` runs the same rules those places run (nothing is restated here): the sections'
    own classes (``ThunderSyncConfig``, ``SWEConfig``: types, ranges, unknown keys), the
    ``reward_in_agent_loop`` refusal of patch 8, and in ``trainer.v1.trainer_mode=thundersync`` the
-   trainer's ``validate_thundersync_config`` (the streaming, SAO and OPD rules). The first refusal is
-   raised as one ``StreamingConfigError`` in rule / why / fix form, naming the key.
+   trainer's ``validate_thundersync_config`` (the streaming, SAO and OPD rules). Each refusal is a
+   ``StreamingConfigError`` in rule / why / fix form, naming the key (several: point 6).
 3. It runs on the driver through ``verl_patches.patch_launch_config_check`` (verl's ``validate_config``,
    which ``main_ppo`` calls right before ``ray.init``); ``recipes.rules`` (``thundersync recipes check``)
    runs the same function on every shipped recipe.
@@ -22,6 +22,9 @@ Why:
    verl's merged push (``model.lora.merge=true``).
 5. In thundersync mode the learner's planned bucket peak is checked too (``bucket_check.py``): above
    ``thundersync.memory_budget_bytes`` or above the host memory, the run is refused before it starts.
+6. A config refused by several rules is refused once, naming every refusal (``run_config_errors``), so a user fixes
+   them in one pass instead of meeting them launch after launch. A rule that refuses several settings of its own
+   still names its first: the project's sections are read by their classes, and the other rules read them.
 """
 
 from __future__ import annotations
@@ -113,19 +116,40 @@ def tail_batching(config: Any) -> None:
             "use mode=thundersync, or set thundersync.tail.eta=1"))
 
 
-def check_run_config(config: Any) -> None:
-    """Every rule of this plugin on a run's config (hydra ``DictConfig`` or plain mapping), in the order the
-    run would meet them; raises the first refusal, a ``StreamingConfigError`` naming the key and the fix."""
+def run_config_errors(config: Any) -> list[StreamingConfigError]:
+    """Every refusal of this plugin's rules on a run's config, in the order the run would meet them (point 6):
+    the project's sections first (each rule below reads them, so a refused section stops here), then each rule on
+    its own."""
     errors = own_section_errors(config)
     if errors:
-        raise errors[0]
-    reward_in_agent_loop(config)
-    cpu_rollout_lora(config)
-    tail_batching(config)
+        return errors
+    rules = [reward_in_agent_loop, cpu_rollout_lora, tail_batching]
     if streams(config):
-        from omegaconf import OmegaConf
+        rules += [_trainer_rules, check_bucket_memory]  # planned bucket peak vs the budget and host memory
+    for rule in rules:
+        try:
+            rule(config)
+        except StreamingConfigError as err:
+            errors.append(err)
+    return errors
 
-        from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
 
-        validate_thundersync_config(config if OmegaConf.is_config(config) else OmegaConf.create(config))
-        check_bucket_memory(config)  # planned bucket peak vs thundersync.memory_budget_bytes and host memory
+def check_run_config(config: Any) -> None:
+    """Every rule of this plugin on a run's config (hydra ``DictConfig`` or plain mapping); raises a
+    ``StreamingConfigError`` naming the key and the fix: the one refusal as it is, several as one error listing
+    each (point 6)."""
+    errors = run_config_errors(config)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise StreamingConfigError(f"{len(errors)} settings are refused; each names its key and fix:\n" + "\n".join(
+            f"[{i}] " + str(err).replace("\n", "\n    ") for i, err in enumerate(errors, 1)))
+
+
+def _trainer_rules(config: Any) -> None:
+    """The streaming trainer's own rules (streaming, SAO, OPD), on the config as the trainer reads it."""
+    from omegaconf import OmegaConf
+
+    from thundersync_verl.step.thundersync_trainer import validate_thundersync_config
+
+    validate_thundersync_config(config if OmegaConf.is_config(config) else OmegaConf.create(config))
