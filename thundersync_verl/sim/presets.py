@@ -141,7 +141,7 @@ def _paper_table(w: WorkloadSpec, c: LearnerCosts) -> tuple:
         Param("OPD teacher latency per turn", f"{r.teacher_fixed_s} + {r.teacher_s_per_token}/token", "s", ASSUMED,
               "teacher server scores each turn's new tokens"),
         Param("OPD per-turn backward", "keeps the prefix graph (no recompute)", "", ASSUMED,
-              "linear cost; prefix recompute would be quadratic in turns"),
+              "the published system's; this project recomputes prefixes (simulate_opd_rows.py)"),
         Param("fully-async pipeline", "threshold 1, mini-batch 64, optimizer per mini-batch", "", ASSUMED,
               "verl fully_async style: one PPO update per mini-batch, weights pushed per 256"),
         Param("steps simulated", PAPER_STEPS, "steps", ASSUMED, "averages the heavy tail; the paper ran ~80"),
