@@ -22,8 +22,9 @@ def test_recomputed_turn_rows_cost_the_learner_more_and_lose_to_one_row_per_traj
         assert rows["turn_kept_graph"]["learner_work_over_sync"] == pytest.approx(1.0, abs=0.01)
         assert rows["trajectory"]["learner_work_over_sync"] == pytest.approx(1.0, abs=0.01)
         assert rows["turn_recompute"]["learner_work_over_sync"] > 1.2  # merged rows: far below one prefix a turn
-        assert rows["turn_kept_graph"]["speedup_vs_sync"] >= rows["trajectory"]["speedup_vs_sync"] \
-            > rows["turn_recompute"]["speedup_vs_sync"] > 1.0
+        # simulated step times of one synthetic workload (no clock is read)
+        assert rows["turn_kept_graph"]["step_s"] <= rows["trajectory"]["step_s"] < rows["turn_recompute"]["step_s"] \
+            < rows["sync"]["step_s"]
     assert study["teacher_work_over_whole"] > 10  # ~30 turns a trajectory: a prefix per turn is many trajectories
 
 
