@@ -18,6 +18,9 @@ Why:
    step over one whole-trajectory call each (``teacher_work_over_whole``; per-turn calls on the ``prefix``
    model). The simulator gives the teacher latency, not a teacher fleet's capacity: ``teacher_work_over_whole``
    says how much larger that fleet must be for per-turn calls to keep the modelled latency.
+4. ``turns_sweep``: the same comparison (``prefix`` teacher) with the median turns per trajectory set to each of
+   ``TURN_MEDIANS`` (the paper's is 30; the spread and every other parameter kept): how the per-turn rows'
+   extra work grows with the agent's horizon.
 Run: python benchmarks/simulate_opd_rows.py [--quick]
 """
 
@@ -30,12 +33,14 @@ import numpy as np
 
 from thundersync_verl.run.results import add_results_dir_argument, write_result
 from thundersync_verl.sim import presets
+from thundersync_verl.sim.dists import lognormal
 from thundersync_verl.sim.metrics import format_table
 from thundersync_verl.sim.sim_engine import simulate
 from thundersync_verl.sim.workload import SyntheticSource
 
 SCRIPT = "simulate_opd_rows"
 TEACHERS = {"cached": False, "prefix": True}  # RolloutSpec.teacher_prefix
+TURN_MEDIANS = (3, 10, 30)
 SETTINGS = {  # name -> (granularity, prefix recomputed by the learner)
     "turn_kept_graph": ("turn", False),
     "turn_recompute": ("turn", True),
@@ -54,10 +59,12 @@ def teacher_tokens(source: SyntheticSource, steps: int) -> tuple[float, float]:
     return float(np.mean(per_turn)), float(np.mean(whole))
 
 
-def run(steps: int, seed: int) -> dict:
-    setting = presets.paper_setting()
+def run(steps: int, seed: int, teachers=tuple(TEACHERS), turns_median: float | None = None) -> dict:
+    setting = presets.paper_setting(**({} if turns_median is None else
+                                       {"turns": lognormal(turns_median, presets.PAPER_WORKLOAD.turns.sigma)}))
     out = {}
-    for teacher, prefix in TEACHERS.items():
+    for teacher in teachers:
+        prefix = TEACHERS[teacher]
         source = SyntheticSource(setting.workload, replace(setting.rollout, teacher_prefix=prefix), seed=seed)
         sync = simulate(setting.sim_config("sync", "opd", steps), source, setting.costs)
         rows = {"sync": {"step_s": round(sync.step_time_s, 1), "learner_util": round(sync.learner_util, 3)}}
@@ -90,10 +97,19 @@ def main(argv=None) -> int:
                                "learner_util"]))
     print(f"per-turn teacher calls on the whole prefix score {res['teacher_work_over_whole']}x the tokens of one "
           "whole-trajectory call per trajectory")
+    sweep = {}
+    for median in TURN_MEDIANS:
+        rows = run(steps, args.seed, teachers=("prefix",), turns_median=median)["prefix"]
+        sweep[str(median)] = {name: {k: rows[name][k] for k in ("speedup_vs_sync", "learner_work_over_sync")}
+                              for name in ("turn_recompute", "trajectory")}
+        print(f"median {median:>2} turns: per-turn rows {rows['turn_recompute']['speedup_vs_sync']:.3f}x Sync "
+              f"(learner work {rows['turn_recompute']['learner_work_over_sync']:.2f}x), one row per trajectory "
+              f"{rows['trajectory']['speedup_vs_sync']:.3f}x", flush=True)
     head = {"steps": steps, "seed": args.seed, **{f"{t}_{n}_speedup_vs_sync": res[t][n]["speedup_vs_sync"]
                                                   for t in TEACHERS for n in SETTINGS},
             "turn_recompute_learner_work_over_sync": res["prefix"]["turn_recompute"]["learner_work_over_sync"],
-            "teacher_work_over_whole": res["teacher_work_over_whole"], "by_teacher": {t: res[t] for t in TEACHERS}}
+            "teacher_work_over_whole": res["teacher_work_over_whole"], "by_teacher": {t: res[t] for t in TEACHERS},
+            "turns_sweep": sweep}
     write_result(SCRIPT + ("_quick" if args.quick else ""), head, args.results_dir)
     return 0
 

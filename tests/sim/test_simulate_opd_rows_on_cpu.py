@@ -36,3 +36,9 @@ def test_the_prefix_teacher_charges_whole_prefixes(study):
     assert (cached.turn_hi == prefix.turn_hi).all()  # the same draws
     assert prefix.turn_score_s == pytest.approx(r.teacher_fixed_s + r.teacher_s_per_token * prefix.turn_hi)
     assert (prefix.turn_score_s >= cached.turn_score_s).all() and (prefix.last_score_s > cached.last_score_s).all()
+
+
+def test_a_short_horizon_changes_the_order_of_nothing():
+    rows = load_benchmark("simulate_opd_rows").run(steps=30, seed=0, teachers=("prefix",), turns_median=3)["prefix"]
+    assert rows["trajectory"]["step_s"] < rows["turn_recompute"]["step_s"] < rows["sync"]["step_s"]
+    assert rows["turn_recompute"]["learner_work_over_sync"] > 1.2
