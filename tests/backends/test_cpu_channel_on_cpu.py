@@ -72,3 +72,26 @@ def test_a_push_cut_half_way_is_never_loaded_and_the_repeated_push_completes_the
         assert [f["fault"] for f in faults.read_log(tmp_path / "faults.jsonl")] == ["push_fail"]
     finally:
         faults.reload("")
+
+
+def test_the_mailbox_is_the_jobs_own_and_every_actor_of_the_job_finds_it(ray_cluster):
+    """``backends/mailbox.py``: the name carries the job's id (two jobs in one namespace never share a mailbox), and an
+    actor the job starts (a rollout server) reaches the driver's mailbox by it."""
+    import ray
+
+    from thundersync_verl.backends.cpu.cpu_channel import CHANNEL_NAME
+    from thundersync_verl.backends.mailbox import job_scoped
+
+    job = ray.get_runtime_context().get_job_id()
+    assert job_scoped(CHANNEL_NAME) == f"{CHANNEL_NAME}@{job}"
+    ray.get(channel_handle().put.remote("v-mailbox", [ray.put([("w", torch.ones(2))])], 1))
+
+    @ray.remote(num_cpus=0)
+    def from_an_actor_of_the_job():
+        box = ray.get(channel_handle().get.remote("v-mailbox", 5.0))
+        return ray.get_runtime_context().get_job_id(), ray.get(box[0])[0][0]
+
+    assert ray.get(from_an_actor_of_the_job.remote()) == (job, "w")
+    assert ray.get_actor(job_scoped(CHANNEL_NAME)) is not None
+    with pytest.raises(ValueError):
+        ray.get_actor(CHANNEL_NAME)  # no unscoped mailbox a second job could share

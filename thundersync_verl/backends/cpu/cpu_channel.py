@@ -24,6 +24,7 @@ from typing import Any, AsyncGenerator
 
 import ray
 
+from thundersync_verl.backends.mailbox import mailbox
 from thundersync_verl.run import faults
 from thundersync_verl.core.errors import rule_message
 
@@ -81,7 +82,7 @@ class WeightChannel:
 
 
 def channel_handle():
-    return WeightChannel.options(name=CHANNEL_NAME, get_if_exists=True, lifetime="detached").remote()
+    return mailbox(WeightChannel, CHANNEL_NAME)
 
 
 def make_engine_class():

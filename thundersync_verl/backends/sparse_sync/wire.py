@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from thundersync_verl.backends.mailbox import mailbox
 from thundersync_verl.backends.sparse_sync import codec
 
 CHANNEL_NAME = "thundersync_sparse_sync_channel"
@@ -88,7 +89,7 @@ class SparseChannel:
 
 
 def channel_handle(name: str = CHANNEL_NAME):
-    return SparseChannel.options(name=name, get_if_exists=True, lifetime="detached").remote()
+    return mailbox(SparseChannel, name)
 
 
 class ChannelWire:
