@@ -57,6 +57,7 @@ Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -177,6 +178,12 @@ def forward_check(fit, trace, settings: RunSettings, scale: float) -> dict | Non
 
     return {"priced_by": source, "measured_s_per_step": round(sum(r["t1"] - r["t0"] for r in recs) / steps, 3),
             "predicted_s_per_step": per_step(fwd), "timed_forwards_s_per_step": per_step(timed) if timed else None}
+
+
+def trace_digest(path: Path) -> str:
+    """The replayed trace's content digest (sha256, 16 hex digits), kept beside its figures: a result file whose
+    traces were re-recorded since no longer matches them (``tests/sim/test_out_of_sample_on_cpu.py``)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _short(path) -> str:
@@ -507,7 +514,8 @@ def main(argv=None) -> int:
                "measured_s": round(r["measured_s"], 4), "simulated_s": round(r["simulated_s"], 4),
                "rel_err": round(r["rel_err"], 4), "replayed_as": r["sim_mode"], "calibration": r["calibration"],
                "measured_split_s": {k: round(v, 3) for k, v in r["measured_split"].items()},
-               "simulated_split_s": {k: round(v, 3) for k, v in r["simulated_split"].items()}} for r in rows}}
+               "simulated_split_s": {k: round(v, 3) for k, v in r["simulated_split"].items()},
+               "trace_sha256": trace_digest(path)} for r, path in zip(rows, files)}}
     if tmp is not None:
         print(json.dumps(out))
         tmp.cleanup()

@@ -155,3 +155,17 @@ def test_a_fit_on_a_slower_machine_is_brought_back_to_the_targets_speed_by_the_p
     assert out["max_abs_rel_err_at_machine_speed"] < 0.02 < out["max_abs_rel_err_out_of_sample"]
     entry = out["per_target"][validate["_short"](targets[0])]
     assert entry["machine_speed_ratio"] == pytest.approx(1 / 1.3, abs=1e-4)
+
+
+def test_the_committed_in_sample_result_was_made_from_the_committed_traces():
+    """``simulate_validate.json`` (cited on docs/results.md) keeps each replayed trace's digest: traces re-recorded
+    since (``modes.py`` writes them to ``benchmarks/results/traces``) need the script re-run and the page updated."""
+    import json
+
+    validate = runpy.run_path(str(SCRIPT))
+    results = SCRIPT.parent / "results"
+    per_mode = json.loads((results / "simulate_validate.json").read_text())["per_mode"]
+    stale = {stem: entry.get("trace_sha256") for stem, entry in per_mode.items()
+             if entry.get("trace_sha256") != validate["trace_digest"](results / "traces" / f"{stem}.jsonl")}
+    assert not stale, (f"re-run `python benchmarks/simulate_validate.py` (and update its docs/results.md row): "
+                       f"these traces changed since its result file was made: {sorted(stale)}")
