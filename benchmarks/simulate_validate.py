@@ -381,7 +381,8 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
                           "predicted_through_unmeasured_terms": {_short(r["file"]): sorted(r["unmeasured"])
                                                                  for r in rows if r["unmeasured"]},
                           "beyond_10_percent": {_short(r["file"]): _largest_gap(r) for r in rows
-                                                if abs(r["rel_err"]) > 0.10}}
+                                                if abs(r["rel_err"]) > 0.10},
+                          "trace_sha256": {str(p.relative_to(results)): trace_digest(p) for p in sorted({*files, other})}}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
         if families[name]["identical_work_drift"] is not None:
             print(f"  {name}: Sync and Sync (bypass), the same learner work, cost "

@@ -157,15 +157,20 @@ def test_a_fit_on_a_slower_machine_is_brought_back_to_the_targets_speed_by_the_p
     assert entry["machine_speed_ratio"] == pytest.approx(1 / 1.3, abs=1e-4)
 
 
-def test_the_committed_in_sample_result_was_made_from_the_committed_traces():
-    """``simulate_validate.json`` (cited on docs/results.md) keeps each replayed trace's digest: traces re-recorded
-    since (``modes.py`` writes them to ``benchmarks/results/traces``) need the script re-run and the page updated."""
+def test_the_committed_results_were_made_from_the_committed_traces():
+    """``simulate_validate.json`` and ``simulate_validate_out_of_sample.json`` (cited on docs/results.md) keep each
+    replayed trace's digest: traces re-recorded since (``modes.py`` writes them under ``benchmarks/results``) need
+    the script re-run and the page updated."""
     import json
 
     validate = runpy.run_path(str(SCRIPT))
     results = SCRIPT.parent / "results"
     per_mode = json.loads((results / "simulate_validate.json").read_text())["per_mode"]
-    stale = {stem: entry.get("trace_sha256") for stem, entry in per_mode.items()
-             if entry.get("trace_sha256") != validate["trace_digest"](results / "traces" / f"{stem}.jsonl")}
-    assert not stale, (f"re-run `python benchmarks/simulate_validate.py` (and update its docs/results.md row): "
-                       f"these traces changed since its result file was made: {sorted(stale)}")
+    recorded = {f"traces/{stem}.jsonl": entry.get("trace_sha256") for stem, entry in per_mode.items()}
+    families = json.loads((results / "simulate_validate_out_of_sample.json").read_text())["fit_per_family"]
+    for_families = {path: digest for family in families.values() for path, digest in family["trace_sha256"].items()}
+    for command, digests in (("", recorded), (" --out-of-sample", for_families)):
+        assert digests, command
+        stale = sorted(path for path, digest in digests.items() if digest != validate["trace_digest"](results / path))
+        assert not stale, (f"re-run `python benchmarks/simulate_validate.py{command}` (and update its docs/results.md "
+                           f"row): these traces changed since its result file was made: {stale}")
