@@ -215,9 +215,7 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
     min_chunk = max(policy.min_chunk if policy.min_chunk is not None else policy.dp, 1)
     run = LaneRun(start=t_free, finish=t_free)
     drops = _Drops(work.drop_at, len(close))
-    merge = _MergedTurns(work) if work.row is not None else None
-    if merge is not None:
-        run.computed_tokens = 0
+    merge = _MergedTurns(work, run) if work.row is not None else None
     t, i, j, done = t_free, 0, 0, 0
     while done < n:
         while i < n and ready[i] <= t:
@@ -265,9 +263,11 @@ def _run_general(work: LaneWork, policy: LanePolicy, t_free: float, budget, reco
 class _MergedTurns:
     """Point 6: the rows a chunk's units run as, one per trajectory (its latest turn: the largest cost)."""
 
-    def __init__(self, work: LaneWork):
-        self.row = work.row.tolist()
-        self.computed = work.computed.tolist() if work.computed is not None else [0] * work.size
+    def __init__(self, work: LaneWork, run: LaneRun):
+        if work.computed is None:
+            raise ValueError("LaneWork.row needs LaneWork.computed: the tokens each turn's own row computes")
+        self.row, self.computed = work.row.tolist(), work.computed.tolist()
+        run.computed_tokens = 0
 
     def rows(self, chunk: list, cost: list, run: LaneRun) -> list:
         latest: dict = {}
