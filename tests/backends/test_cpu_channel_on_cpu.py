@@ -92,6 +92,15 @@ def test_the_mailbox_is_the_jobs_own_and_every_actor_of_the_job_finds_it(ray_clu
         return ray.get_runtime_context().get_job_id(), ray.get(box[0])[0][0]
 
     assert ray.get(from_an_actor_of_the_job.remote()) == (job, "w")
+
+    @ray.remote(num_cpus=0)
+    def manager_process():  # verl's manager computes the topology before every push, and holds the mailbox
+        from thundersync_verl.backends import mailbox
+
+        make_engine_class().build_topology(1, 1, [{}, {}])
+        return job_scoped(CHANNEL_NAME) in mailbox._claimed
+
+    assert ray.get(manager_process.remote())
     assert ray.get_actor(job_scoped(CHANNEL_NAME)) is not None
     with pytest.raises(ValueError):
         ray.get_actor(CHANNEL_NAME)  # no unscoped mailbox a second job could share

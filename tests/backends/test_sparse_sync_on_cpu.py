@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -313,6 +314,37 @@ def test_payload_corrupted_on_the_wire_is_refused_counted_and_resent_full(ray_cl
     _assert_mirror_equals(receiver.mirror, w)
 
 
+@pytest.mark.slow  # starts a Ray cluster
+def test_the_mailbox_ends_with_the_process_of_verls_manager_and_its_workers_find_it(ray_cluster):
+    import ray
+
+    from thundersync_verl.backends.mailbox import job_scoped
+    from thundersync_verl.backends.sparse_sync import wire
+
+    @ray.remote(num_cpus=0)
+    class ManagerProcess:  # where verl's CheckpointEngineManager runs build_topology before every push
+        def topology(self) -> str:
+            cores = [SparseSyncCore(channel_name="lifetime"), SparseSyncCore(channel_name="lifetime")]
+            SparseSyncCore.build_topology(1, 1, [c.prepare() for c in cores])
+            return wire.claim_channel("lifetime")._actor_id.hex()
+
+    manager = ManagerProcess.remote()
+    claimed = ray.get(manager.topology.remote())
+    worker_view = wire.channel_handle("lifetime")  # a learner rank or rollout server asking by name
+    assert worker_view._actor_id.hex() == claimed
+    ray.get(worker_view.offer.remote(0, 1, 0, "token", []))  # a live mailbox
+    ray.kill(manager)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(job_scoped("lifetime"))
+        except ValueError:
+            break  # gone with the process that held it
+        time.sleep(0.2)
+    else:
+        pytest.fail("the claimed mailbox outlived the process of verl's manager")
+
+
 def _learner_weights(worker) -> dict:
     import ray
 
@@ -372,6 +404,10 @@ def test_verl_manager_pushes_a_real_learner_to_a_real_rollout_replica(ray_cluste
 
     first = manager.update_weights(global_steps=0)
     assert first[f"{prefix}/full_push"] == 1.0
+    from thundersync_verl.backends import mailbox
+    from thundersync_verl.backends.sparse_sync import wire
+
+    assert mailbox.job_scoped(wire.CHANNEL_NAME) in mailbox._claimed  # held by the manager's process (the driver)
     _assert_rollout_equals_learner(wg.workers[0], torch.bfloat16)
 
     trajs, _arrival = setup.make_trajectories(seed=0, groups=2, vocab=vocab)

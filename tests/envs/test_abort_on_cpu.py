@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from thundersync_verl.envs.abort import WATCH_TIMEOUT_S, AbortCheck, AbortWatch, GroupAborted, start_registry
+from thundersync_verl.envs.abort import REGISTRY_NAME, WATCH_TIMEOUT_S, AbortCheck, AbortWatch, GroupAborted, start_registry
 
 CALL_BOUND_S = 60.0  # a call that is never cut would hang: fail instead
 
@@ -118,6 +118,16 @@ def test_the_cpu_engine_stops_an_aborted_groups_call_and_only_when_named(registr
     assert AbortCheck(True, "vllm").server_kwargs("s1") == {}  # vLLM's server takes no such argument
     assert AbortCheck(False, "hf_cpu").server_kwargs("s1") == {} == AbortCheck(True, "hf_cpu").server_kwargs(None)
     _clear(registry, "s1")
+
+
+def test_the_registry_is_the_jobs_own(registry):
+    import ray
+
+    from thundersync_verl.backends.mailbox import job_scoped
+
+    assert ray.get_actor(job_scoped(REGISTRY_NAME))._actor_id == registry._actor_id
+    with pytest.raises(ValueError):
+        ray.get_actor(REGISTRY_NAME)  # no unscoped registry that a second job in the namespace would share
 
 
 def test_the_watch_finds_a_restarted_registry(registry):

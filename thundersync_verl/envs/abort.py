@@ -85,10 +85,13 @@ class AbortRegistry:
 
 
 def start_registry():
-    """The run's registry actor (get-or-create by name: one per run, whatever restarts the trainer)."""
+    """The run's registry actor (get-or-create by name: one per run, whatever restarts the trainer). Its name
+    carries the job's id (``backends/mailbox.job_scoped``): jobs sharing a Ray namespace keep their own."""
     import ray
 
-    return ray.remote(num_cpus=0)(AbortRegistry).options(name=REGISTRY_NAME, get_if_exists=True).remote()
+    from thundersync_verl.backends.mailbox import job_scoped
+
+    return ray.remote(num_cpus=0)(AbortRegistry).options(name=job_scoped(REGISTRY_NAME), get_if_exists=True).remote()
 
 
 class AbortWatch:
@@ -132,7 +135,9 @@ class AbortWatch:
         if self._registry is None:
             import ray
 
-            self._registry = ray.get_actor(REGISTRY_NAME)
+            from thundersync_verl.backends.mailbox import job_scoped
+
+            self._registry = ray.get_actor(job_scoped(REGISTRY_NAME))
         ref = self._registry.watch.remote(epoch, timeout_s)
         try:
             return await ref

@@ -24,7 +24,7 @@ from typing import Any, AsyncGenerator
 
 import ray
 
-from thundersync_verl.backends.mailbox import mailbox
+from thundersync_verl.backends.mailbox import claim, mailbox
 from thundersync_verl.run import faults
 from thundersync_verl.core.errors import rule_message
 
@@ -85,6 +85,11 @@ def channel_handle():
     return mailbox(WeightChannel, CHANNEL_NAME)
 
 
+def claim_channel():
+    """The job's mailbox, held by the process of verl's manager so that it ends with the job (``mailbox.py``)."""
+    return claim(WeightChannel, CHANNEL_NAME)
+
+
 def make_engine_class():
     from verl.checkpoint_engine.base import CheckpointEngine
 
@@ -98,6 +103,7 @@ def make_engine_class():
 
         @classmethod
         def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+            claim_channel()  # verl's manager's process, before any push: the mailbox ends with the job
             actor = {"rank": list(range(actor_wg_world_size)), "is_sender": [True] * actor_wg_world_size}
             rollout = {"rank": list(range(rollout_world_size)), "is_sender": [False] * rollout_world_size}
             return actor, rollout

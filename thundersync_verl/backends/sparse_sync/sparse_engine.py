@@ -81,11 +81,13 @@ class SparseSyncCore:
     def prepare(self) -> dict[str, Any]:
         return {"sender_token": self.encoder.token if self.encoder is not None else None,
                 "sender_shards": self.encoder.n_shards if self.encoder is not None else None,
-                "receiver_tokens": dict(self.mirror.tokens)}
+                "receiver_tokens": dict(self.mirror.tokens), "channel_name": self.channel_name}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
         senders, receivers = metadata[:actor_wg_world_size], metadata[actor_wg_world_size:]
+        for name in sorted({m.get("channel_name", wires.CHANNEL_NAME) for m in metadata}):
+            wires.claim_channel(name)  # verl's manager's process, before any push: the mailbox ends with the job
         tokens = [m["sender_token"] for m in senders]
         stale = any(m["sender_shards"] not in (None, actor_wg_world_size) for m in senders)
         force = stale or any(r["receiver_tokens"].get(s) != tokens[s] for r in receivers for s in range(len(tokens)))

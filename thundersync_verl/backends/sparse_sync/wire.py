@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from thundersync_verl.backends.mailbox import mailbox
+from thundersync_verl.backends.mailbox import claim, mailbox
 from thundersync_verl.backends.sparse_sync import codec
 
 CHANNEL_NAME = "thundersync_sparse_sync_channel"
@@ -90,6 +90,11 @@ class SparseChannel:
 
 def channel_handle(name: str = CHANNEL_NAME):
     return mailbox(SparseChannel, name)
+
+
+def claim_channel(name: str = CHANNEL_NAME):
+    """The job's mailbox, held by the process of verl's manager so that it ends with the job (``mailbox.py``)."""
+    return claim(SparseChannel, name)
 
 
 class ChannelWire:
