@@ -52,6 +52,7 @@ Why:
    nothing of the target's mode, workload or timings; the raw ``max_abs_rel_err_out_of_sample`` stays the headline.
 Run: python benchmarks/simulate_validate.py [--trace-dir DIR] [--quick] [--self-test]
      python benchmarks/simulate_validate.py --out-of-sample [--fit TRACE ...] [--targets DIR ...] [--paired DIR ...]
+         [--family NAME=DIR ...] [--save-as NAME]   (each cited file's own command: docs/results.md)
 """
 
 from __future__ import annotations
@@ -184,6 +185,16 @@ def trace_digest(path: Path) -> str:
     """The replayed trace's content digest (sha256, 16 hex digits), kept beside its figures: a result file whose
     traces were re-recorded since no longer matches them (``tests/sim/test_out_of_sample_on_cpu.py``)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def trace_digests(paths) -> dict[str, str]:
+    """``trace_digest`` of each trace, keyed by its path in the repository (symlinks resolved) where it lies there,
+    so that the guard test finds every replayed trace whatever folder the command named."""
+    repo = Path(__file__).resolve().parents[1]
+    out = {}
+    for p in sorted({Path(q).resolve() for q in paths}):
+        out[str(p.relative_to(repo)) if p.is_relative_to(repo) else str(p)] = trace_digest(p)
+    return out
 
 
 def _short(path) -> str:
@@ -336,7 +347,8 @@ def fit_to_fit(fits: list[Path], target_dirs: list[Path], settings: RunSettings)
     return {"fits": [str(f) for f in fits], "targets": [str(t) for t in targets],
             "per_fit": {f: {"max_abs_rel_err_out_of_sample": o["max_abs_rel_err_out_of_sample"],
                             "fit_costs": o["fit_costs"], "per_target": o["per_target"]} for f, o in per_fit.items()},
-            "fit_to_fit_spread": spread, "max_fit_to_fit_spread": max(spread.values())}
+            "fit_to_fit_spread": spread, "max_fit_to_fit_spread": max(spread.values()),
+            "trace_sha256": trace_digests([*fits, *targets])}
 
 
 def paired(dirs: list[Path], settings: RunSettings) -> dict:
@@ -355,17 +367,22 @@ def paired(dirs: list[Path], settings: RunSettings) -> dict:
             rows += out_of_sample(syncs[0], [], settings, only=[ts])["rows"]
     return {"folders": [str(d) for d in dirs], "max_abs_rel_err_out_of_sample_paired": _max_err(rows),
             "max_abs_rel_err_measured_terms": _max_err(rows, measured_only=True),
-            "per_target": {_short(r["file"]) + " <- " + Path(r["fit"]).stem: _target_entry(r) for r in rows}}
+            "per_target": {_short(r["file"]) + " <- " + Path(r["fit"]).stem: _target_entry(r) for r in rows},
+            "trace_sha256": trace_digests(p for d in dirs for p in find_traces(d))}
 
 
-def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
-    """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5)."""
+def out_of_sample_families(results: Path, settings: RunSettings, folders: dict[str, Path] | None = None) -> dict:
+    """Every trace of every family predicted from a fit on another run of its family (module docstring, point 5).
+    ``folders`` (``--family NAME=DIR``): only these families, each read from its DIR."""
     families, per_target, fits = {}, {}, {}
     for name, (folder, pattern, fit, back) in FAMILIES.items():
-        files = sorted((results / folder).glob(pattern + ".jsonl"))
-        main, other = results / folder / f"{fit}.jsonl", results / back
+        if folders is not None and name not in folders:
+            continue
+        where = Path(folders[name]) if folders is not None else results / folder
+        files = sorted(where.glob(pattern + ".jsonl"))
+        main, other = where / f"{fit}.jsonl", where / Path(back).name
         if main not in files or not other.is_file():
-            print(f"note: family {name}: {main.name} or {other.name} missing in {results / folder}; not predicted")
+            print(f"note: family {name}: {main.name} or {other.name} missing in {where}; not predicted")
             continue
         print(f"\n== {name}")
         a = out_of_sample(main, [], settings, only=[p for p in files if p != main])
@@ -382,7 +399,7 @@ def out_of_sample_families(results: Path, settings: RunSettings) -> dict:
                                                                  for r in rows if r["unmeasured"]},
                           "beyond_10_percent": {_short(r["file"]): _largest_gap(r) for r in rows
                                                 if abs(r["rel_err"]) > 0.10},
-                          "trace_sha256": {str(p.relative_to(results)): trace_digest(p) for p in sorted({*files, other})}}
+                          "trace_sha256": trace_digests({*files, other})}
         per_target.update({_short(r["file"]): _target_entry(r) for r in rows})
         if families[name]["identical_work_drift"] is not None:
             print(f"  {name}: Sync and Sync (bypass), the same learner work, cost "
@@ -457,6 +474,10 @@ def main(argv=None) -> int:
                     "two-mode run each (a mode and thundersync, back to back); each predicted from the other (point 8)")
     ap.add_argument("--targets", nargs="*", default=None, help="--out-of-sample with --fit: folders of traces to "
                     "predict (default: the fit trace's folder)")
+    ap.add_argument("--family", action="append", default=None, metavar="NAME=DIR",
+                    help=f"--out-of-sample: only family NAME ({', '.join(FAMILIES)}), its traces read from DIR")
+    ap.add_argument("--save-as", default=None, metavar="NAME",
+                    help="the result file's name (NAME.json in the results folder) instead of the command's own")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="--out-of-sample: the runs' learner micro-batch "
                     "(benchmarks/modes.py trains one trajectory per micro-batch)")
     ap.add_argument("--fully-async-mini-batch", type=int, default=8, help="--out-of-sample: rows per Fully Async "
@@ -468,16 +489,27 @@ def main(argv=None) -> int:
         ap.error("--fit, --paired and --targets belong to --out-of-sample: add it")
     if args.paired and (args.fit or args.targets):
         ap.error("--paired predicts each folder's runs from each other: drop --fit and --targets, or --paired")
+    folders = None
+    if args.family:
+        if not args.out_of_sample or args.fit or args.paired:
+            ap.error("--family picks the families of --out-of-sample alone: drop --fit/--paired, or --family")
+        pairs = [f.partition("=") for f in args.family]
+        bad = [f for f, (name, eq, d) in zip(args.family, pairs)
+               if name not in FAMILIES or not eq or not Path(d).is_dir()]
+        if bad:
+            ap.error(f"--family {bad[0]}: give NAME=DIR with NAME one of {', '.join(FAMILIES)} and DIR a folder")
+        folders = {name: Path(d) for name, _, d in pairs}
+
+    def save(default: str, out: dict) -> None:
+        write_result(args.save_as or f"{SCRIPT}{default}", out, args.results_dir)
     if args.out_of_sample:
         results = find_results_dir(args.results_dir)
         settings = RunSettings(args.micro_batch_size, args.fully_async_mini_batch or None)
         if args.paired:
-            write_result(f"{SCRIPT}_out_of_sample_paired", paired([Path(d) for d in args.paired], settings),
-                         args.results_dir)
+            save("_out_of_sample_paired", paired([Path(d) for d in args.paired], settings))
             return 0
         if args.fit is None:
-            write_result(f"{SCRIPT}_out_of_sample", out_of_sample_families(results, settings),
-                         args.results_dir)
+            save("_out_of_sample", out_of_sample_families(results, settings, folders))
             return 0
         fits = [Path(f) for f in args.fit]
         missing = [str(f) for f in fits if not f.is_file()]
@@ -486,11 +518,11 @@ def main(argv=None) -> int:
             return 2
         dirs = [Path(d) for d in args.targets] if args.targets else [fits[0].parent]
         if len(fits) > 1:
-            write_result(f"{SCRIPT}_out_of_sample_fits", fit_to_fit(fits, dirs, settings), args.results_dir)
+            save("_out_of_sample_fits", fit_to_fit(fits, dirs, settings))
             return 0
         out = out_of_sample(fits[0], dirs, settings)
         out.pop("rows")
-        write_result(f"{SCRIPT}_out_of_sample", out, args.results_dir)
+        save("_out_of_sample", out)
         return 0
     tmp = None
     if args.self_test:
@@ -521,7 +553,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         tmp.cleanup()
         return 0
-    write_result(SCRIPT, out, args.results_dir)
+    write_result(args.save_as or SCRIPT, out, args.results_dir)
     return 0
 
 

@@ -157,20 +157,52 @@ def test_a_fit_on_a_slower_machine_is_brought_back_to_the_targets_speed_by_the_p
     assert entry["machine_speed_ratio"] == pytest.approx(1 / 1.3, abs=1e-4)
 
 
+def _digests(node) -> dict[str, str]:
+    """Every ``trace_sha256`` mapping in a result file, merged (path in the repository -> digest)."""
+    if isinstance(node, list):
+        return {k: v for item in node for k, v in _digests(item).items()}
+    if not isinstance(node, dict):
+        return {}
+    found = dict(node["trace_sha256"]) if isinstance(node.get("trace_sha256"), dict) else {}
+    for key, value in node.items():
+        if key != "trace_sha256":
+            found.update(_digests(value))
+    return found
+
+
 def test_the_committed_results_were_made_from_the_committed_traces():
-    """``simulate_validate.json`` and ``simulate_validate_out_of_sample.json`` (cited on docs/results.md) keep each
-    replayed trace's digest: traces re-recorded since (``modes.py`` writes them under ``benchmarks/results``) need
-    the script re-run and the page updated."""
+    """``simulate_validate.json`` and every ``simulate_validate_out_of_sample*.json`` (cited on docs/results.md) keep
+    each replayed trace's digest: traces re-recorded since (``modes.py`` writes them under ``benchmarks/results``)
+    need the script re-run with the command of its docs/results.md row, and the row updated."""
+    import json
+
+    validate = runpy.run_path(str(SCRIPT))
+    results, repo = SCRIPT.parent / "results", SCRIPT.parents[1]
+    per_mode = json.loads((results / "simulate_validate.json").read_text())["per_mode"]
+    checked = {"simulate_validate.json": {f"benchmarks/results/traces/{stem}.jsonl": entry.get("trace_sha256")
+                                          for stem, entry in per_mode.items()}}
+    for path in sorted(results.glob("simulate_validate_out_of_sample*.json")):
+        checked[path.name] = _digests(json.loads(path.read_text()))
+    assert len(checked) >= 6  # the validation and the five out-of-sample files cited
+    for name, digests in checked.items():
+        assert digests, f"{name} keeps no trace digest: re-run the command of its docs/results.md row"
+        stale = sorted(path for path, digest in digests.items()
+                       if not (repo / path).is_file() or digest != validate["trace_digest"](repo / path))
+        assert not stale, (f"{name}: re-run the command of its docs/results.md row (and update the row): these "
+                           f"traces changed or went since it was made: {stale}")
+
+def test_a_cited_file_is_made_again_by_its_own_command_and_a_wrong_family_is_a_usage_error(tmp_path, capsys):
+    """The ``driver-low`` row's command (``--family NAME=DIR --save-as NAME``) gives its committed figures again."""
     import json
 
     validate = runpy.run_path(str(SCRIPT))
     results = SCRIPT.parent / "results"
-    per_mode = json.loads((results / "simulate_validate.json").read_text())["per_mode"]
-    recorded = {f"traces/{stem}.jsonl": entry.get("trace_sha256") for stem, entry in per_mode.items()}
-    families = json.loads((results / "simulate_validate_out_of_sample.json").read_text())["fit_per_family"]
-    for_families = {path: digest for family in families.values() for path, digest in family["trace_sha256"].items()}
-    for command, digests in (("", recorded), (" --out-of-sample", for_families)):
-        assert digests, command
-        stale = sorted(path for path, digest in digests.items() if digest != validate["trace_digest"](results / path))
-        assert not stale, (f"re-run `python benchmarks/simulate_validate.py{command}` (and update its docs/results.md "
-                           f"row): these traces changed since its result file was made: {stale}")
+    name = "simulate_validate_out_of_sample_driver_low"
+    folder = results / "traces_emulated_recorded_driver_low" / "r0"
+    assert validate["main"](["--out-of-sample", "--family", f"emulated_recorded={folder}", "--save-as", name,
+                             "--results-dir", str(tmp_path)]) == 0
+    made, committed = (json.loads(p.read_text()) for p in (tmp_path / f"{name}.json", results / f"{name}.json"))
+    assert made == committed
+    with pytest.raises(SystemExit) as usage:
+        validate["main"](["--out-of-sample", "--family", f"no_such_family={folder}"])
+    assert usage.value.code == 2 and "--family no_such_family=" in capsys.readouterr().err
