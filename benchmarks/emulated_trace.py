@@ -30,6 +30,15 @@ def by_version(traj_path: Path) -> dict[int, list[dict]]:
     return versions
 
 
+def _makespan(trajs: list[dict]) -> float:
+    return max(t["t_done"] for t in trajs) - min(t["t_submit"] for t in trajs)
+
+
+def version_makespans(traj_path: Path) -> dict[int, float]:
+    """Seconds from each version's first submit to its last agent loop's end."""
+    return {v: _makespan(ts) for v, ts in by_version(traj_path).items()}
+
+
 def rollout_makespan(run: dict) -> dict[str, float] | None:
     """The rollout side's own pace, over the versions after the first (median): seconds from a version's first
     submit to its last agent loop's end, and the tool seconds its agent loops recorded. A mode whose learner or
@@ -41,7 +50,7 @@ def rollout_makespan(run: dict) -> dict[str, float] | None:
     timed = [versions[v] for v in sorted(versions)[1:]] or list(versions.values())
     if not timed:
         return None
-    span = [max(t["t_done"] for t in ts) - min(t["t_submit"] for t in ts) for ts in timed]
+    span = [_makespan(ts) for ts in timed]
     tools = [sum(turn.get("tool_s", 0.0) for t in ts for turn in (t.get("turns") or [])) for ts in timed]
     return {"makespan_s": statistics.median(span), "tool_s": statistics.median(tools)}
 

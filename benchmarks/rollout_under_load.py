@@ -29,7 +29,7 @@ from pathlib import Path
 
 import emulated_rollout as er
 import modes
-from emulated_trace import by_version
+from emulated_trace import version_makespans
 from thundersync_verl.run.results import add_results_dir_argument, find_results_dir, write_result
 
 LOAD_PERIOD_S = 0.2
@@ -51,11 +51,6 @@ while True:
 """
 
 
-def makespans(traj_path: Path) -> dict[int, float]:
-    """Seconds from each version's first submit to its last agent loop's end."""
-    return {v: max(t["t_done"] for t in ts) - min(t["t_submit"] for t in ts) for v, ts in by_version(traj_path).items()}
-
-
 def one_arm(loaded: bool, duty: float, steps: int, inputs: dict, rec: Path, arm_dir: Path) -> dict:
     core = sorted(os.sched_getaffinity(0))[-1]  # the learner's core (``cpu_pin.LearnerPin``)
     load = subprocess.Popen([sys.executable, "-c", LOAD_CODE, str(core), str(duty), str(RAY_WORKER_NICE),
@@ -67,7 +62,7 @@ def one_arm(loaded: bool, duty: float, steps: int, inputs: dict, rec: Path, arm_
         if load is not None:
             load.kill()
             load.wait()
-    spans = makespans(run["traj_path"])
+    spans = version_makespans(run["traj_path"])
     return {"makespan_s": {v: round(s, 3) for v, s in sorted(spans.items())}, "step_s": step_s}
 
 

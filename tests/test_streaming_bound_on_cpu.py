@@ -212,4 +212,6 @@ def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(trac
                            2: [(200.0, 204.0, 3.0)], 3: [(300.0, 308.0, 1.0)]})
     # medians over versions 1-3 (version 0, the first step, is left out): makespans 6, 4, 8 s; tools 3, 3, 1 s
     assert trace.rollout_makespan(sync) == pytest.approx({"makespan_s": 6.0, "tool_s": 3.0})
+    # per version, the first included (what ``rollout_under_load.py`` pairs version by version)
+    assert trace.version_makespans(sync["traj_path"]) == pytest.approx({0: 50.0, 1: 6.0, 2: 4.0, 3: 8.0})
     assert trace.rollout_makespan({"traj_path": tmp_path / "missing.jsonl"}) is None
