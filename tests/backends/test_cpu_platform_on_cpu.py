@@ -68,7 +68,7 @@ def test_gloo_process_group_initialises_with_verls_backend_string(tmp_path):
     code = (
         "import verl, os, torch.distributed as dist\n"
         "from verl.utils.distributed import initialize_global_process_group_ray\n"
-        f"os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='29533')\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='29533')\n"
         "initialize_global_process_group_ray()\n"
         "print(dist.get_backend())\n"
     )

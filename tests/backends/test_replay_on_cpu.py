@@ -265,7 +265,6 @@ def tool_happy_student(tiny_random_lm, tmp_path_factory):
 
 
 def _main_ppo(tmp_path, model_path, mode: str, rollout: list[str], reward: list[str], tag: str) -> list[dict]:
-    import os
     import shutil
     import subprocess
     import sys

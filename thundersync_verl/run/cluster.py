@@ -17,6 +17,10 @@ Why:
    (``/tmp/tsc_*``: Ray's socket paths must stay under 108 bytes).
 4. ``kill_node`` ends one node's raylet with SIGKILL (a lost machine as the head sees it); ``restart_node``
    starts a fresh raylet with the same resources (a replaced machine joining the cluster).
+5. A loaded machine can make ``ray start`` give up while its GCS or raylet is still coming up ("timed out during
+   startup", "Deadline Exceeded"), leaving some of its processes running. Such a start is retried, up to
+   ``START_ATTEMPTS`` in all, after ending what it left: the whole cluster for ``start``, the node for
+   ``restart_node``. Any other failure of ``ray start`` is raised at once with Ray's output.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ RESOURCE_PREFIX = "thundersync_"
 OBJECT_STORE_BYTES = 300 * 1024 * 1024  # per node: weights of a tiny model and a step's trajectories fit many times
 QUERY_TAG = "@@thundersync-query "  # marks a short-lived driver's answer among Ray's own stdout lines
 CPUS_PER_NODE = 8  # logical CPU slots: verl bundles take 2-3 CPUs each, helper actors 1
+START_ATTEMPTS = 3
+START_TIMEOUT_S = 180
+STARTUP_TIMEOUT_MARKS = ("timed out during startup", "Deadline Exceeded")  # Ray's words for a start that gave up
+
+
+class RayStartTimeout(RuntimeError):
+    """``ray start`` gave up while the node was still starting (point 5): worth another attempt."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,7 @@ def layout(name: str) -> list[NodeSpec]:
 class LocalCluster:
     """``with LocalCluster(layout("split"), env) as c: ... c.address ...``: started, then every process ended."""
 
-    def __init__(self, nodes: list[NodeSpec], env: dict[str, str] | None = None, *, log=None):
+    def __init__(self, nodes: list[NodeSpec], env: dict[str, str] | None = None, *, log=None, ray_cli: str = ""):
         if not nodes or nodes[0].gpus:
             raise ValueError("a local cluster needs a head node first, declaring no learner/rollout slot")
         self.specs = nodes
@@ -93,6 +104,7 @@ class LocalCluster:
         self.nodes: dict[str, Node] = {}
         self.names_by_id: dict[str, str] = {}  # Ray node id -> node name, for every node seen alive
         self.address = ""
+        self.ray_cli = ray_cli or _ray_cli()
         self.log = log or (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -109,6 +121,22 @@ class LocalCluster:
 
     def start(self) -> None:
         t0 = time.time()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start_all()
+                break
+            except RayStartTimeout as exc:
+                self._end_processes()
+                self.nodes.clear()
+                if attempt == START_ATTEMPTS:
+                    raise RuntimeError(f"the local cluster did not start in {START_ATTEMPTS} attempts; the last: "
+                                       f"{exc}") from exc
+                self.log(f"{str(exc).splitlines()[0]}: ended what it left, starting again "
+                         f"(attempt {attempt + 1}/{START_ATTEMPTS})")
+        self.log(f"{len(self.specs)} nodes up at {self.address} in {time.time() - t0:.1f}s "
+                 f"({', '.join(f'{s.name}: {s.gpus} slot(s)' for s in self.specs)})")
+
+    def _start_all(self) -> None:
         head = self.specs[0]
         gcs_port, client_port, dash_port = free_ports(3)
         self.address = f"127.0.0.1:{gcs_port}"
@@ -118,25 +146,37 @@ class LocalCluster:
         for spec in self.specs[1:]:
             self._start_node(spec, [f"--address={self.address}"])
         self.wait_for_nodes(len(self.specs))
-        self.log(f"{len(self.specs)} nodes up at {self.address} in {time.time() - t0:.1f}s "
-                 f"({', '.join(f'{s.name}: {s.gpus} slot(s)' for s in self.specs)})")
 
     def _start_node(self, spec: NodeSpec, extra: list[str]) -> None:
-        nm, om, agent_grpc, agent_http, runtime_env, metrics, wmin = free_ports(7)
-        cmd = [_ray_cli(), "start", "--node-ip-address=127.0.0.1", f"--num-cpus={spec.cpus}",
+        """One ``ray start``; raises ``RayStartTimeout`` when it gave up while starting (point 5)."""
+        nm, om, agent_grpc, agent_http, runtime_env, metrics = free_ports(6)
+        self.nodes[spec.name] = Node(spec, nm, [nm, om, agent_grpc, agent_http, runtime_env, metrics])
+        cmd = [self.ray_cli, "start", "--node-ip-address=127.0.0.1", f"--num-cpus={spec.cpus}",
                f"--num-gpus={spec.gpus}", f"--resources={json.dumps({RESOURCE_PREFIX + spec.name: 1})}",
                f"--object-store-memory={OBJECT_STORE_BYTES}", f"--node-manager-port={nm}",
                f"--object-manager-port={om}", f"--dashboard-agent-grpc-port={agent_grpc}",
                f"--dashboard-agent-listen-port={agent_http}", f"--runtime-env-agent-port={runtime_env}",
                f"--metrics-export-port={metrics}", "--disable-usage-stats", *extra]
-        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
+        try:
+            out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise RayStartTimeout(f"ray start of node {spec.name!r} still ran after {START_TIMEOUT_S}s") from exc
         if out.returncode != 0:
-            raise RuntimeError(f"ray start of node {spec.name!r} failed (exit {out.returncode}):\n"
-                               f"{(out.stdout + out.stderr)[-3000:]}")
-        self.nodes[spec.name] = Node(spec, nm, [nm, om, agent_grpc, agent_http, runtime_env, metrics])
+            said = (out.stdout + out.stderr)[-3000:]
+            if any(mark in said for mark in STARTUP_TIMEOUT_MARKS):
+                raise RayStartTimeout(f"ray start of node {spec.name!r} gave up while starting "
+                                      f"(exit {out.returncode}):\n{said}")
+            raise RuntimeError(f"ray start of node {spec.name!r} failed (exit {out.returncode}):\n{said}")
 
     def stop(self) -> int:
         """End every process of this cluster (SIGTERM, then SIGKILL after 10 s); returns how many were left after."""
+        pids, left = self._end_processes()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if pids:
+            self.log(f"stopped {len(pids)} processes; {left} left")
+        return left
+
+    def _end_processes(self) -> tuple[list[int], int]:
         pids = self.processes()
         for pid in pids:
             _signal(pid, signal.SIGTERM)
@@ -146,11 +186,7 @@ class LocalCluster:
         for pid in self.processes():
             _signal(pid, signal.SIGKILL)
         time.sleep(0.5)
-        left = len(self.processes())
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-        if pids:
-            self.log(f"stopped {len(pids)} processes; {left} left")
-        return left
+        return pids, len(self.processes())
 
     # -- what runs where ----------------------------------------------------------------------
     def processes(self) -> list[int]:
@@ -230,7 +266,16 @@ class LocalCluster:
             _signal(pid, signal.SIGKILL)  # whatever of the lost node still runs
         for pid in pids:
             _wait_gone(pid)  # its ports are free before the replacement binds them
-        self._start_node(self.nodes[name].spec, [f"--address={self.address}"])
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start_node(self.nodes[name].spec, [f"--address={self.address}"])
+                break
+            except RayStartTimeout as exc:
+                for pid in self.node_processes(name):
+                    _signal(pid, signal.SIGKILL)
+                if attempt == START_ATTEMPTS:
+                    raise RuntimeError(f"node {name!r} did not restart in {START_ATTEMPTS} attempts: {exc}") from exc
+                self.log(f"{str(exc).splitlines()[0]}: ended what it left, starting it again")
         self.wait_for_nodes(len(self.specs))
 
 
