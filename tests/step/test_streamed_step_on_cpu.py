@@ -273,12 +273,16 @@ def _clocked_step(knows_its_queue: bool):
 
 def test_the_next_call_is_queued_before_the_learner_goes_idle():
     """Rows landing faster than the learner computes: with the expected end of the queued calls known, the driver
-    plans each next call just before the learner finishes the last one; without it (no estimate yet), it plans
-    while the learner computes only to fill both slots of an idle learner. Same advantages either way."""
+    plans each next call just before the learner finishes the last one, and lists the TransferQueue only then;
+    without it (no estimate yet), it plans while the learner computes only to fill both slots of an idle learner.
+    Same advantages either way."""
     ahead, ahead_planned = _clocked_step(knows_its_queue=True)
     blind, blind_planned = _clocked_step(knows_its_queue=False)
     assert ahead.queued_ahead >= 4 and ahead_planned >= 4  # 6 calls while rows land (0.72 s at 0.12 s a row)
     assert blind_planned == 0 and blind.queued_ahead <= ahead.queued_ahead - 2
+    # while the learner is busy until a known plan moment, only that moment's listing is made (47 before, for 8
+    # calls: every landing restarted the short pause); without the estimate the pause schedule lists on
+    assert ahead.tq.polls <= ahead.backwards < blind.tq.polls
 
 
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():

@@ -339,17 +339,24 @@ class StreamedStep:
         listings a bounded share of the wait at large batch sizes (16k: one listing every ~1.5 s in a step of
         minutes). Batches under ``LISTING_SHARE_MIN_BATCH`` trajectories keep the schedule above whatever a listing
         took: on a loaded host a small batch's listing can take tens of ms, and a pause of 50x that would let the
-        whole batch land unseen (every row direct, nothing streamed while groups are open).
+        whole batch land unseen (every row direct, nothing streamed while groups are open). While the learner is
+        busy until a known plan moment, the driver makes no listing before that moment's own: nothing it could
+        plan earlier would reach the learner sooner, and the one listing takes every row landed by then (on the
+        emulated device, the step listed ~170 times for ~50 calls, each landing restarting the short pause, on
+        the core that runs the agent loops). It still wakes every ``POLL_CAP_S`` to see a learner done early.
         """
         while True:
             self.pipe.collect()
             if self.ctx.coalesce and self._plan_now():
                 return Arrivals()
             plan_at = self._plan_at() if self.pipe.in_flight else None
+            now = time.time()
             # the moment to plan ahead came and a slot is free: one listing first, so the call takes all that landed
-            just_in_time = (plan_at is not None and plan_at != self._listed_for and time.time() >= plan_at
+            just_in_time = (plan_at is not None and plan_at != self._listed_for and now >= plan_at
                             and self.pipe.in_flight < self.pipe.depth)
-            if (time.time() >= self._next_listing or just_in_time or self.source.done
+            # the learner is busy until a known plan moment: that moment's listing takes whatever lands before it
+            held = plan_at is not None and now < plan_at
+            if ((now >= self._next_listing and not held) or just_in_time or self.source.done
                     or isinstance(self.source.gate, BatchOrderGate)):
                 if just_in_time:
                     self._listed_for = plan_at
@@ -365,7 +372,7 @@ class StreamedStep:
                 if time.time() - self.state.t_start > self.ctx.timeout_s:
                     raise self.source.never_arrived()
                 self._watch_nodes()
-            wake = self._next_listing
+            wake = min(plan_at, now + POLL_CAP_S) if held else self._next_listing  # a learner done early: seen
             if plan_at is not None and (plan_at != self._listed_for or self.planner.ready_count > self._held):
                 wake = min(wake, max(plan_at, time.time() + self.ctx.poll_s))  # past it, the head call is late
             time.sleep(max(0.0, wake - time.time()))
