@@ -80,7 +80,7 @@ import time
 from pathlib import Path
 
 import emulated_tail  # the sibling module: the tail-batching mode and its prediction
-from emulated_trace import host_cpu, reporting_cost, rollout_makespan, streaming_bound  # sibling module
+from emulated_trace import host_cpu, last_landing, reporting_cost, rollout_makespan, streaming_bound  # sibling module
 import modes  # the sibling script: run_mode, summarise, thundersync_lower_bound (a second import is harmless)
 from thundersync_verl.backends.replay.synthesize import SHAPES
 from thundersync_verl.run.results import write_result
@@ -314,6 +314,11 @@ def headline(rows: dict, runs: dict, workload: str, time_scale: float, algo: str
             out["rollout_slowdown"] = round(ts_pace["makespan_s"] / sync_pace["makespan_s"], 3)
             if sync_pace["tool_s"] > 0:
                 out["tool_time_slowdown"] = round(ts_pace["tool_s"] / sync_pace["tool_s"], 3)
+        if algo == "grpo":  # the bound's step ends at Sync's last landing plus its last rows' update
+            ends = {m: last_landing(runs[m], m) for m in (out["sync_reference"], "thundersync")}
+            if all(ends.values()):
+                out["last_landing_s"] = {m: round(e["last_landing_s"], 3) for m, e in ends.items()}
+                out["after_last_landing_s"] = {m: round(e["after_s"], 3) for m, e in ends.items()}
         out["reporting"] = reporting_cost(runs["thundersync"])
         if algo == "grpo":  # OPD trains on the teacher's scores, not the verifier's reward
             out["reward_landing"] = reward_landing(runs["thundersync"], workload, time_scale)

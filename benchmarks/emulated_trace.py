@@ -102,6 +102,32 @@ def streaming_bound(run: dict, algo: str = "grpo") -> float | None:
     return statistics.median(bounds) if bounds else None
 
 
+def last_landing(run: dict, mode: str) -> dict[str, float] | None:
+    """Where a step's end lies against its last landing, median over the steps after the first: seconds from the
+    step's start to its last reward (``last_landing_s``) and from there to the step's end (``after_s``). A Sync
+    run's last landing is its ``gen``'s end, as ``streaming_bound`` places it; a ThunderSync run's is the last reward
+    its driver saw (its step record and trajectory records), so ``after_s`` is the stream's tail: the last rows'
+    backward, the optimizer step and the weight push, which the bound leaves out."""
+    steps = sorted(run["per_step"])[1:]
+    if mode != "thundersync":
+        gens = [run["per_step"][s]["timing_s/gen"] for s in steps if "timing_s/gen" in run["per_step"][s]]
+        ends = [run["per_step"][s]["timing_s/step"] for s in steps if "timing_s/gen" in run["per_step"][s]]
+        return {"last_landing_s": statistics.median(gens), "after_s": statistics.median(
+            e - g for e, g in zip(ends, gens))} if gens else None
+    path = run["run_dir"] / "grpo_thundersync.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(x) for x in open(path)]
+    landed, after = [], []
+    for step in steps:
+        st = next((r for r in records if r["kind"] == "step" and r["step"] == step and "t_end" in r), None)
+        rewards = [r["t_reward"] for r in records if r["kind"] == "trajectory" and r["step"] == step]
+        if st is not None and rewards:
+            landed.append(max(rewards) - st["t_start"])
+            after.append(st["t_end"] - max(rewards))
+    return {"last_landing_s": statistics.median(landed), "after_s": statistics.median(after)} if landed else None
+
+
 def turn_ends(traj: dict) -> list[float]:
     """When each agent turn's generation ended (an agent-loop trace record: its start, then per turn ``gen_s`` and
     the ``tool_s`` that followed it); the trajectory's end for a record without turns."""

@@ -215,3 +215,19 @@ def test_the_rollout_pace_is_each_later_version_s_makespan_and_tool_seconds(trac
     # per version, the first included (what ``rollout_under_load.py`` pairs version by version)
     assert trace.version_makespans(sync["traj_path"]) == pytest.approx({0: 50.0, 1: 6.0, 2: 4.0, 3: 8.0})
     assert trace.rollout_makespan({"traj_path": tmp_path / "missing.jsonl"}) is None
+
+
+def test_the_last_landing_and_what_follows_it_per_mode(trace, tmp_path):
+    # Sync: the last landing is gen's end (step 1 left out): gens 6 and 8 s of steps 9 and 10 s
+    per_step = {1: {"timing_s/gen": 1.0, "timing_s/step": 2.0}, 2: {"timing_s/gen": 6.0, "timing_s/step": 9.0},
+                3: {"timing_s/gen": 8.0, "timing_s/step": 10.0}}
+    assert trace.last_landing({"per_step": per_step, "run_dir": tmp_path}, "sync_bypass") == pytest.approx(
+        {"last_landing_s": 7.0, "after_s": 2.5})
+    # ThunderSync: the last reward its driver saw, from its step record's start, and the step's end after it
+    lines = [{"kind": "step", "step": s, "t_start": 100.0 * s, "t_end": 100.0 * s + end}
+             for s, end in ((1, 50.0), (2, 7.5), (3, 9.0))]
+    lines += [{"kind": "trajectory", "step": s, "t_reward": 100.0 * s + t}
+              for s, ts in ((1, (40.0,)), (2, (3.0, 7.0)), (3, (8.0, 2.0))) for t in ts]
+    (tmp_path / "grpo_thundersync.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ts = trace.last_landing({"per_step": {1: {}, 2: {}, 3: {}}, "run_dir": tmp_path}, "thundersync")
+    assert ts == pytest.approx({"last_landing_s": 7.5, "after_s": 0.75})  # medians of 7, 8 and of 0.5, 1.0

@@ -324,26 +324,19 @@ class StreamedStep:
     def _wait(self) -> Arrivals:
         """Poll until something new lands, the batch is complete, or (coalescing) a chunk should go.
 
-        Each empty poll doubles the pause, from ``poll_s`` up to ``max(poll_s, POLL_CAP_S)``: a listing is
-        an RPC to the TransferQueue controller, and at a fixed 10 ms the driver and the controller took a
-        quarter of a host core away from the agent loops and the verifier that produce the arrivals. Listings
-        keep that schedule across plans: only an arrival resets the pause, so a plan that a finished learner
-        call triggers adds no listing (with the deterministic gate every pass lists, as a listing is also when
-        the gate hands on its next block). The one listing added is at each moment to plan ahead (``_plan_at``),
-        so that the next call takes every row that landed until then. Waking the driver the moment a learner
-        call finished (``ray.wait`` on the call instead of the pause) showed no gain in paired runs on the
-        emulated device (within their noise), so the pause stays a plain sleep. A listing returns the whole
-        partition, so it costs more the larger the batch (about 30 ms at 16k trajectories, ``driver_throughput.py``;
-        at a fixed 10-80 ms pause a 16k step's driver would list for most of its wait): the pause is never
-        shorter than the last listing took over ``LISTING_SHARE`` once that exceeds ``POLL_CAP_S``, which keeps
-        listings a bounded share of the wait at large batch sizes (16k: one listing every ~1.5 s in a step of
-        minutes). Batches under ``LISTING_SHARE_MIN_BATCH`` trajectories keep the schedule above whatever a listing
-        took: on a loaded host a small batch's listing can take tens of ms, and a pause of 50x that would let the
-        whole batch land unseen (every row direct, nothing streamed while groups are open). While the learner is
-        busy until a known plan moment, the driver makes no listing before that moment's own: nothing it could
-        plan earlier would reach the learner sooner, and the one listing takes every row landed by then (on the
-        emulated device, the step listed ~170 times for ~50 calls, each landing restarting the short pause, on
-        the core that runs the agent loops). It still wakes every ``POLL_CAP_S`` to see a learner done early.
+        A listing is an RPC to the TransferQueue controller, on the host that runs the agent loops and verifier.
+        1. Each empty poll doubles the pause, ``poll_s`` up to ``max(poll_s, POLL_CAP_S)`` (a fixed 10 ms took a
+           quarter of a core); only an arrival resets it, so a plan after a finished call adds no listing (with
+           the deterministic gate every pass lists: a listing is when the gate hands on its next block).
+        2. While the learner is busy until a known plan moment (``_plan_at``), only that moment's own listing is
+           made: nothing planned earlier reaches the learner sooner, and it takes every row landed by then (the
+           emulated device listed ~170 times for ~50 calls before, each landing restarting the short pause). It
+           still wakes every ``POLL_CAP_S`` for a learner done early (waking on the call gained nothing in pairs).
+        3. A listing returns the whole partition (about 30 ms at 16k trajectories, ``driver_throughput.py``): from
+           ``LISTING_SHARE_MIN_BATCH`` trajectories the pause is at least the last listing's time over
+           ``LISTING_SHARE`` once that exceeds ``POLL_CAP_S`` (16k: one listing every ~1.5 s). Smaller batches keep
+           the plain schedule: on a loaded host their listing can take tens of ms, and 50x that would let the
+           whole batch land unseen.
         """
         while True:
             self.pipe.collect()
