@@ -120,19 +120,12 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> None:
+        def end_all() -> None:
+            self._end_processes()
+            self.nodes.clear()
+
         t0 = time.time()
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                self._start_all()
-                break
-            except RayStartTimeout as exc:
-                self._end_processes()
-                self.nodes.clear()
-                if attempt == START_ATTEMPTS:
-                    raise RuntimeError(f"the local cluster did not start in {START_ATTEMPTS} attempts; the last: "
-                                       f"{exc}") from exc
-                self.log(f"{str(exc).splitlines()[0]}: ended what it left, starting again "
-                         f"(attempt {attempt + 1}/{START_ATTEMPTS})")
+        self._retried(self._start_all, end_all, "the local cluster")
         self.log(f"{len(self.specs)} nodes up at {self.address} in {time.time() - t0:.1f}s "
                  f"({', '.join(f'{s.name}: {s.gpus} slot(s)' for s in self.specs)})")
 
@@ -266,17 +259,26 @@ class LocalCluster:
             _signal(pid, signal.SIGKILL)  # whatever of the lost node still runs
         for pid in pids:
             _wait_gone(pid)  # its ports are free before the replacement binds them
+        def end_node() -> None:
+            for pid in self.node_processes(name):
+                _signal(pid, signal.SIGKILL)
+
+        self._retried(lambda: self._start_node(self.nodes[name].spec, [f"--address={self.address}"]), end_node,
+                      f"node {name!r}")
+        self.wait_for_nodes(len(self.specs))
+
+    def _retried(self, start, clean_up, what: str) -> None:
+        """``start()`` up to ``START_ATTEMPTS`` times while it raises ``RayStartTimeout``, ``clean_up()`` after each
+        such failure (point 5)."""
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                self._start_node(self.nodes[name].spec, [f"--address={self.address}"])
-                break
+                return start()
             except RayStartTimeout as exc:
-                for pid in self.node_processes(name):
-                    _signal(pid, signal.SIGKILL)
+                clean_up()
                 if attempt == START_ATTEMPTS:
-                    raise RuntimeError(f"node {name!r} did not restart in {START_ATTEMPTS} attempts: {exc}") from exc
-                self.log(f"{str(exc).splitlines()[0]}: ended what it left, starting it again")
-        self.wait_for_nodes(len(self.specs))
+                    raise RuntimeError(f"{what} did not start in {START_ATTEMPTS} attempts; the last: {exc}") from exc
+                self.log(f"{str(exc).splitlines()[0]}: ended what it left, starting again "
+                         f"(attempt {attempt + 1}/{START_ATTEMPTS})")
 
 
 def _ray_cli() -> str:
