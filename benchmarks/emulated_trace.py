@@ -110,10 +110,9 @@ def last_landing(run: dict, mode: str) -> dict[str, float] | None:
     backward, the optimizer step and the weight push, which the bound leaves out."""
     steps = sorted(run["per_step"])[1:]
     if mode != "thundersync":
-        gens = [run["per_step"][s]["timing_s/gen"] for s in steps if "timing_s/gen" in run["per_step"][s]]
-        ends = [run["per_step"][s]["timing_s/step"] for s in steps if "timing_s/gen" in run["per_step"][s]]
-        return {"last_landing_s": statistics.median(gens), "after_s": statistics.median(
-            e - g for e, g in zip(ends, gens))} if gens else None
+        timed = [run["per_step"][s] for s in steps if "timing_s/gen" in run["per_step"][s]]
+        return {"last_landing_s": statistics.median(m["timing_s/gen"] for m in timed), "after_s": statistics.median(
+            m["timing_s/step"] - m["timing_s/gen"] for m in timed)} if timed else None
     path = run["run_dir"] / "grpo_thundersync.jsonl"
     if not path.is_file():
         return None
