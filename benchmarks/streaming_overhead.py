@@ -29,11 +29,22 @@ Why:
    and 16 rows; ``fixed_cost_rows`` is their quotient. ``--hidden/--layers/--response-len`` size the model and
    rows (results named after them): the default tiny model's row is about one fixed cost, where a GPU learner's
    row of thousands of tokens is many.
+8. ``product load L`` (the headline at load 1): the coalescing above with the product's chunk sizing from the
+   call-cost model (``core/call_cost.call_waits``, ``thundersync.call_efficiency`` 0.9 by default): an idle
+   learner's call waits for more rows while those still to land would make its fixed cost at most a tenth of it.
+   The model is the run's own: fitted on point 7's one-call backwards (a run's earlier steps) and fed every call's
+   measured time. Its chunks may hold the whole batch (``thundersync.chunk_size`` 64): the batched baseline shows
+   that one call can.
+9. CPU time includes the page faults of fresh allocations: glibc returns freed blocks above its mmap threshold to
+   the system, and whether the batched call's large tensors fault again depended on the process's history (the
+   batched baseline took 75 or 93 ms from one run to the next). The allocator keeps freed memory here
+   (``mallopt``), as an accelerator's caching allocator does, so every mode reuses its memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import random
 import statistics
@@ -43,12 +54,15 @@ import torch
 
 from thundersync_harness import tiny_lm as C
 from thundersync_verl.core import BufferPool, GradLayout, GRPOEstimator, token_weights
+from thundersync_verl.core.call_cost import CallCost, call_waits
 from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner
 from thundersync_verl.run.results import add_results_dir_argument, write_result
 
-HEADLINE = "chunks k=8 min4"
+HEADLINE = "product load 1"
+PRE_DECLARED = "chunks k=8 min4"  # the headline before the product's own chunk sizing (point 8)
 LOADS = (0.5, 1, 2, 4)  # arrivals over 1/load of one batched backward's learner time
+EFFICIENCY = 0.9  # thundersync.call_efficiency's default
 MODEL_SIZE_MINIMUMS = {"hidden": 8, "layers": 1, "response_len": 1}  # point 7's flags (hidden: 4 heads of an even size)
 
 
@@ -215,15 +229,20 @@ def arrival_fractions(trajs, seed: int) -> list[float]:
     return [(x - lo) / (hi - lo) if hi > lo else 0.0 for x in times]
 
 
-def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: int) -> dict[str, float]:
+def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: int, cost: CallCost | None = None,
+                      efficiency: float = 0.0) -> dict[str, float]:
     """The product's planning policy on a virtual clock: trajectory k lands at ``fractions[k] * span_s``; whenever
     the learner is free, the planner hands it ONE call (``next_ops(max_backwards=1)``: the queued folds and the
     best-ranked chunk of what has landed), and the clock advances by that call's learner CPU time. A learner that
     falls behind finds more rows landed at its next call, so its chunks grow (``core/call_cost.py`` plans the
-    next call just in time for the same effect in a run)."""
+    next call just in time for the same effect in a run). With ``cost`` and ``efficiency`` (point 8) a free learner's
+    call waits for more landings while ``call_waits`` says so, as the streamed step's does; ``cost`` learns from
+    every call."""
     t0 = time.process_time()
     planner, learner = _open_batch(model, spec, trajs, max_chunk)
+    row_tokens = statistics.mean(len(t.prompt) + len(t.response) for t in trajs)  # the step's landed-row mean
     order = sorted(range(len(trajs)), key=lambda k: fractions[k])
+    trajs_by_key = {(t.gid, t.tid): t for t in trajs}
     planner_s = time.process_time() - t0
     clock, landed, rows_before_last = 0.0, 0, 0
     while True:
@@ -232,7 +251,11 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
             t = trajs[order[landed]]
             planner.arrive(t.gid, t.tid, t.reward, len(t.response))
             landed += 1
-        ops = planner.next_ops(max_backwards=1) if planner.ready_count or planner.queued_folds else []
+        waits = cost is not None and call_waits(cost, chunk_tokens=planner.next_chunk_size() * row_tokens,
+                                                ready_tokens=planner.ready_count * row_tokens,
+                                                coming_tokens=(len(order) - landed) * row_tokens,
+                                                full_tokens=max_chunk * row_tokens, efficiency=efficiency)
+        ops = planner.next_ops(max_backwards=1) if (planner.ready_count or planner.queued_folds) and not waits else []
         done = landed == len(order) and not ops and not planner.ready_count
         if done:
             ops = [planner.finalize()]
@@ -241,10 +264,13 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
             clock = fractions[order[landed]] * span_s  # idle until the next landing
             continue
         before = learner.cpu_s
+        rows = [trajs_by_key[it] for op in ops if isinstance(op, BackwardOp) for it in op.items]
         if landed < len(order):
-            rows_before_last = learner.rows + sum(len(op.items) for op in ops if isinstance(op, BackwardOp))
+            rows_before_last = learner.rows + len(rows)
         learner.run(ops)
         clock += learner.cpu_s - before
+        if cost is not None and rows:
+            cost.observe("backward", sum(len(t.prompt) + len(t.response) for t in rows), learner.cpu_s - before)
         if done:
             break
     assert not learner.buckets and learner.pool.reserved_bytes == 0
@@ -261,7 +287,16 @@ def call_costs(model, spec, trajs, repeats: int) -> dict[str, float]:
         rows = trajs[:k]
         batched(model, spec, rows)  # warm-up at this shape
         seconds.append(statistics.median(_timed(lambda: batched(model, spec, rows))["learner"] for _ in range(repeats)))
-    return cost_line(sizes, seconds)
+    tokens = [sum(len(t.prompt) + len(t.response) for t in trajs[:k]) for k in sizes]
+    return {**cost_line(sizes, seconds), "samples": list(zip(tokens, seconds))}
+
+
+def fitted_cost(samples: list[tuple[int, float]]) -> CallCost:
+    """A run's call-cost model after its earlier steps' calls (point 8): fed the one-call backwards."""
+    cost = CallCost()
+    for tokens, seconds in samples:
+        cost.observe("backward", tokens, seconds)
+    return cost
 
 
 def cost_line(rows: list[int], seconds: list[float]) -> dict[str, float]:
@@ -282,7 +317,7 @@ def _timed(fn) -> dict[str, float]:
     return parts if parts is not None else {"learner": total, "planner": 0.0}
 
 
-def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[str, float]]:
+def run_setting(model, spec, trajs, repeats: int, label: str, samples: list) -> dict[str, dict[str, float]]:
     tokens = sum(len(t.prompt) + len(t.response) for t in trajs)
     order = arrival_order(trajs, seed=1)
     modes = {
@@ -302,6 +337,9 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[
     for load in LOADS:
         modes[f"coalescing load {load}"] = lambda load=load: coalescing_stream(
             model, spec, trajs, fractions, span_s / load, 16)
+    for load in LOADS:
+        modes[f"product load {load}"] = lambda load=load: coalescing_stream(
+            model, spec, trajs, fractions, span_s / load, len(trajs), fitted_cost(samples), EFFICIENCY)
     reference = [p.grad.clone() for p in model.parameters()]
     for m, fn in modes.items():
         fn()
@@ -321,11 +359,21 @@ def run_setting(model, spec, trajs, repeats: int, label: str) -> dict[str, dict[
         tail = statistics.median(t["tail"] for t in ts) / base if "tail" in ts[0] else None
         paired = statistics.median(b["learner"] / t["learner"] for b, t in zip(times["batched"], ts))
         out[m] = {"ratio": paired, "planner_share": planner / learner, "tail": tail}
-        shown = f"{planner:>12.4f}" if m.startswith(("worker", "coalescing")) else "(in learner)" if m != "batched" else ""
+        shown = f"{planner:>12.4f}" if m.startswith(("worker", "coalescing", "product")) else "(in learner)" if m != "batched" else ""
         calls = f"{statistics.median(t['calls'] for t in ts):>7.0f}" if "calls" in ts[0] else " " * 7
         print(f"{m:<22}{learner:>10.4f}{tokens / learner:>12.0f}{paired:>8.2f}{shown:>12}{calls}"
               + (f"{tail:>7.2f}" if tail is not None else ""))
     return out
+
+
+def keep_freed_memory() -> None:
+    """Point 9: glibc keeps freed blocks (no mmap for large ones, no trimming), so no mode pays fresh page faults."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator's own policy stands
+        return
+    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: blocks below 1 GiB come from the heap
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: freed heap memory stays with the process
 
 
 def main() -> None:
@@ -343,6 +391,7 @@ def main() -> None:
     if args.hidden % 8:
         parser.error("--hidden must be a multiple of 8 (4 attention heads of an even size)")
     torch.set_num_threads(1)
+    keep_freed_memory()
     repeats = 3 if args.quick else 9
     model = C.tiny_qwen2(0, torch.float32, hidden=args.hidden, layers=args.layers, vocab=128)
     spec = C.LossSpec(estimator="grpo", loss_agg_mode="token-mean")
@@ -352,18 +401,21 @@ def main() -> None:
     equal = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(n, n))
     varied = C.make_batch(0, [8] * 8, "binary", prompt_len=(16, 16), response_len=(max(1, n // 4), n * 7 // 4))
     costs = call_costs(model, spec, equal, repeats)
+    samples = costs.pop("samples")
     print("one call: {call_fixed_ms:.2f} ms fixed + {row_ms:.2f} ms a row ({fixed_cost_rows:.2f} rows)".format(**costs))
-    ratios = run_setting(model, spec, equal, repeats, f"equal-length responses ({n} tokens)")
-    run_setting(model, spec, varied, repeats, f"variable-length responses ({max(1, n // 4)}-{n * 7 // 4} tokens, batched pads)")
+    ratios = run_setting(model, spec, equal, repeats, f"equal-length responses ({n} tokens)", samples)
+    run_setting(model, spec, varied, repeats, samples=samples, label=f"variable-length responses ({max(1, n // 4)}-{n * 7 // 4} tokens, batched pads)")
     print(f"\nheadline: '{HEADLINE}' on equal-length responses")
     result = {"hidden": args.hidden, "layers": args.layers, "response_len": n,
               **{k: round(v, 3) for k, v in costs.items()},
               "throughput_ratio": round(ratios[HEADLINE]["ratio"], 3),
+              "throughput_ratio_chunks_k8_min4": round(ratios[PRE_DECLARED]["ratio"], 3),
               "throughput_ratio_worker_k8": round(ratios["worker k=8"]["ratio"], 3)}
     for load in LOADS:
-        row = ratios[f"coalescing load {load}"]
-        result[f"throughput_ratio_coalescing_load_{load}"] = round(row["ratio"], 3)
-        result[f"tail_over_batched_load_{load}"] = round(row["tail"], 3)
+        for policy, key in (("coalescing", "coalescing"), ("product", "product")):
+            row = ratios[f"{policy} load {load}"]
+            result[f"throughput_ratio_{key}_load_{load}"] = round(row["ratio"], 3)
+            result[f"tail_over_batched_{key}_load_{load}"] = round(row["tail"], 3)
     result["planner_share_load_1"] = round(ratios["coalescing load 1"]["planner_share"], 3)
     default = all(getattr(args, name) == parser.get_default(name) for name in MODEL_SIZE_MINIMUMS)
     name = "streaming_overhead" + ("" if default else f"_h{args.hidden}_l{args.layers}_r{args.response_len}")

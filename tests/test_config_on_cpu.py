@@ -22,7 +22,7 @@ LATENCY_BAD = {"kind": "gamma", "median_s": -0.1, "sigma": -1.0, "alpha": 0.0, "
                "max_s": -4.0, "scale": -1.0, "seed": 1.5}
 BAD = {  # key -> a value it must refuse
     "mode": "sometimes", "chunk_size": 0, "learner_forward": "twice", "poll_s": 0.0, "pipeline_depth": 1.5,
-    "coalesce": "yes", "trajectory_timeout_s": -1.0, "weight_push_retries": -1, "run_dir": "", "memory_budget_bytes": -1,
+    "coalesce": "yes", "call_efficiency": 1.0, "trajectory_timeout_s": -1.0, "weight_push_retries": -1, "run_dir": "", "memory_budget_bytes": -1,
     "bucket_device": "gpu", "deterministic": "always", "stop_file": "", "timeline_every": -1, "reward_in_agent_loop": "maybe",
     "env": 3, "env.max_tool_turns": -1, "env.tool_timeout_s": 0, "env.retry_prob": 1.2, "env.trace_path": 7,
     "env.tool_latency": "fast", "env.verifier_latency": None,
@@ -34,7 +34,7 @@ BAD = {  # key -> a value it must refuse
 }
 MORE_BAD = [  # other values a key must refuse: wrong types, non-integral, non-finite
     ("chunk_size", "2.5"), ("chunk_size", True), ("chunk_size", 2.5), ("pipeline_depth", "two"), ("poll_s", "soon"),
-    ("poll_s", float("inf")), ("coalesce", 1), ("memory_budget_bytes", 1e9 + 0.5), ("trajectory_timeout_s", None),
+    ("poll_s", float("inf")), ("coalesce", 1), ("call_efficiency", -0.1), ("memory_budget_bytes", 1e9 + 0.5), ("trajectory_timeout_s", None),
     ("env.retry_prob", float("nan")), ("opd.teacher_max_attempts", None), ("opd.teacher_backoff_s", None),
     ("timeline_every", 1.5), ("bucket_device", None), ("bucket_device", "cuda"),
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from thundersync_verl.core.call_cost import CallCost, queue_end
+from thundersync_verl.core.call_cost import CallCost, call_waits, queue_end
 
 
 def test_nothing_is_predicted_before_a_call_of_that_kind_was_seen():
@@ -79,3 +79,35 @@ def test_the_queue_ends_after_each_call_in_turn_and_no_call_starts_before_it_rea
 def test_a_decay_outside_0_1_is_refused(bad):
     with pytest.raises(ValueError, match="decay must be in"):
         CallCost(decay=bad)
+
+
+def _fitted(fixed: float, per_token: float) -> CallCost:
+    model = CallCost(decay=1.0)
+    for tokens in (80, 160, 320, 640):
+        model.observe("backward", tokens, fixed + per_token * tokens)
+    return model
+
+
+@pytest.mark.parametrize("chunk, ready, coming, full, waits", [
+    (80, 80, 10_000, 10_000, True),       # one row of 80 tokens: the call would be 0.8 s fixed, 0.08 s work
+    (7_000, 7_000, 10_000, 10_000, True),  # 7 s of work: still below 0.9 of the call (7.2 s of work wanted)
+    (7_300, 7_300, 10_000, 10_000, False),  # past 0.9: it goes
+    (80, 80, 10_000, 640, True),          # a full chunk (640 tokens) is less than 0.9 wants: wait for the full chunk
+    (640, 640, 10_000, 640, False),       # ... and it is there
+    (80, 80, 5_000, 10_000, False),       # what is still to land could not make the call efficient: go now (the tail)
+    (80, 7_300, 10_000, 10_000, False),   # a small bucket chunk, but a whole efficient call's work is ready: go
+    (80, 7_000, 10_000, 10_000, True),    # ... not yet
+])
+def test_an_idle_call_waits_while_rows_still_to_land_would_make_it_efficient(chunk, ready, coming, full, waits):
+    model = _fitted(fixed=0.8, per_token=0.001)  # a call's fixed cost is 800 tokens of work
+    assert call_waits(model, chunk_tokens=chunk, ready_tokens=ready, coming_tokens=coming, full_tokens=full,
+                      efficiency=0.9) is waits
+
+
+def test_no_call_waits_without_a_fixed_cost_model_or_with_the_knob_off_or_rows_that_outweigh_the_fixed_cost():
+    never = dict(chunk_tokens=1, ready_tokens=1, coming_tokens=1e9, full_tokens=1e9)
+    assert not call_waits(CallCost(), efficiency=0.9, **never)
+    assert not call_waits(_fitted(0.8, 0.001), efficiency=0.0, **never)
+    gpu = _fitted(fixed=0.05, per_token=0.0005)  # a GPU row of 4000 tokens: 2 s against a 50 ms fixed cost
+    assert not call_waits(gpu, chunk_tokens=4000, ready_tokens=4000, coming_tokens=1e9, full_tokens=32_000,
+                          efficiency=0.9)

@@ -113,3 +113,21 @@ def test_a_new_arrival_reranks_so_a_closed_group_goes_first():
     assert len(ranked) == 2
     assert all(op.dest == "direct" for op in rest if isinstance(op, BackwardOp))
     assert planner.ready == [] and planner.finalize().num_sequences == 5
+
+
+def test_next_chunk_size_is_the_chunk_one_call_takes_and_ranks_once():
+    """An idle learner's wait (``call_cost.call_waits``) asks for the chunk the next call would take: open groups' rows
+    share a call only within their (group, reward) bucket, so it is not everything ready."""
+    planner = StreamPlanner(max_chunk_size=8)
+    ranked = _counting(planner)
+    planner.begin_batch({"a": 4, "b": 4, "c": 4})
+    for member, reward in enumerate([1.0, 0.0, 1.0]):
+        planner.arrive("a", member, reward, 5)  # group a open: buckets r=1 (2 rows) and r=0 (1 row)
+    assert planner.ready_count == 3 and planner.next_chunk_size() == 2
+    for member in range(4):
+        planner.arrive("b", member, 1.0, 5)  # group b closed: 4 rows direct, ranked first
+    assert planner.next_chunk_size() == 4 and len(ranked) == 2
+    assert planner.next_chunk_size() == 4 and len(ranked) == 2  # nothing new: the ranking is kept for next_ops
+    (op,) = planner.next_ops(max_backwards=1)
+    assert op.dest == "direct" and len(op.items) == 4 and len(ranked) == 2
+    assert planner.next_chunk_size(max_chunk_size=1) == 1

@@ -285,6 +285,54 @@ def test_the_next_call_is_queued_before_the_learner_goes_idle():
     assert ahead.tq.polls <= ahead.backwards < blind.tq.polls
 
 
+class _FixedCostPipe(_ClockedPipe):
+    """A clocked learner whose call costs ``fixed`` seconds plus ``per_row`` a row, with the run's real call-cost model
+    (``core/call_cost.py``), fitted on earlier steps' calls and fed by this step's."""
+
+    def __init__(self, learner, on_done, tq, *, fixed: float, per_row: float):
+        super().__init__(learner, on_done, tq, per_row=per_row, knows_its_queue=False)
+        from thundersync_verl.core.call_cost import CallCost
+
+        self.fixed, self.cost, self.rows_per_call = fixed, CallCost(), []
+        for rows in (1, 2, 4, 8):  # the earlier steps' calls (5 tokens a row)
+            self.cost.observe("backward", 5 * rows, fixed + per_row * rows)
+
+    def submit(self, op, rows, tokens=None, t_plan=None) -> None:
+        super().submit(op, rows, tokens, t_plan)
+        if not isinstance(op, FoldOp):
+            self._inflight[-1][2] += self.fixed
+            self.rows_per_call.append(len(op.items))
+
+
+def _rows_per_call(efficiency: float) -> list[int]:
+    """A call's fixed cost (30 ms) is 6 rows of work (5 ms each); 64 rows land one every 20 ms, group after group.
+    With ``call_efficiency`` 0.9 the idle learner's call waits for a full chunk (8 rows) while 8 or more are still
+    to land: about 64 / 8 calls. Eagerly (0) each call takes the one or two rows that landed during the last one.
+    The same advantages either way."""
+    tq, learner = _ClockedTQ(), FakeLearner()
+    rewards = {u: [1.0, 0.0] * 4 for u in "abcdefgh"}
+    for i, (uid, s) in enumerate((u, s) for u in rewards for s in range(8)):
+        tq.add(f"{uid}_{s}_0", rewards[uid][s], visible_at=0.02 * i)  # 64 rows over 1.28 s
+    pipes = []
+    planner = StreamPlanner(adv_estimator="grpo", loss_agg_mode="seq-mean-token-sum", max_chunk_size=8)
+    ctx = StepContext(
+        worker_group=learner, tq=tq, recorder=StepRecorder(None, mode="thundersync"),
+        make_pipeline=lambda on_done: pipes.append(
+            _FixedCostPipe(learner, on_done, tq, fixed=0.03, per_row=0.005)) or pipes[-1],
+        forward_at_theta_k=lambda keys, tags: {}, uids=list(rewards), n=8, timeout_s=30.0, poll_s=0.002,
+        coalesce=True, fused_forward=True, call_efficiency=efficiency)
+    StreamedStep(ctx, GRPOArrivals(planner)).run()
+    assert sorted(effective_coefficients(learner.calls)) == pytest.approx(grpo_advantages(rewards), abs=1e-6)
+    return pipes[0].rows_per_call
+
+
+def test_an_idle_learner_with_a_large_fixed_cost_waits_for_a_full_chunk_while_rows_are_still_to_land():
+    efficient, eager = _rows_per_call(0.9), _rows_per_call(0.0)
+    assert efficient[0] == 8 and eager[0] <= 2
+    # here 12 calls (seven of 8 rows, then the last group's as they land) against 22-24
+    assert len(efficient) <= 14 and len(eager) >= len(efficient) + 4, (efficient, eager)
+
+
 def test_a_trajectory_that_never_lands_fails_the_step_without_stepping():
     tq, learner = FakeTQ(), FakeLearner()
     tq.add("a_0_0", 1.0, visible_at=1)  # a_1_0 never comes

@@ -207,6 +207,14 @@ class StreamPlanner(PlannerDefaults):
         """How many arrived trajectories wait for their backward (the step's planner interface)."""
         return self._ranked_count + len(self._held) + len(self._fresh)
 
+    def next_chunk_size(self, max_chunk_size: int | None = None) -> int:
+        """Rows of the chunk that ``next_ops(max_backwards=1)`` would plan now (0: none): open groups' rows share a
+        call only within a (group, reward) bucket, so what is ready is not what one call takes."""
+        size = max_chunk_size or self.max_chunk_size
+        if self._fresh or size != self._ranked_size or (self._held and not self._ranked):
+            self._rank(size)
+        return len(self._ranked[0]) if self._ranked else 0
+
     def rank_ready(self) -> ScheduleHint:
         """The core's ranking of the ready trajectories: closed groups first, then open ones,
         new groups only while the memory budget allows (``wait`` holds the rest)."""

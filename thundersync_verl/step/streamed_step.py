@@ -21,6 +21,10 @@ Why:
    the driver lists the TransferQueue once and queues what landed. Planned only once the learner was idle, each
    call left it waiting for the plan, the chunk and the dispatch (0.48 s a step on the emulated device; 0.25-0.29
    s with this planning). The free-slot GRPO planning uses it; the batch-order gate, OPD and SAO plan as before.
+   An idle learner's call waits for more rows while they would make it efficient (``call_cost.call_waits``,
+   ``thundersync.call_efficiency``): with a fixed cost per call that outweighs a row's work, taking one or two
+   rows at a time spends most of the learner on that fixed part. It waits only while less than one efficient
+   call's rows are ready, so it delays at most that much work.
 5. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
    raises before ``finalize_step``, so the optimizer never steps on part of a batch. With several
    mini-batches the steps of the mini-batches already complete stay applied (each is a whole mini-batch).
@@ -38,13 +42,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from thundersync_verl.core.call_cost import call_waits
 from thundersync_verl.run.step_record import StepRecorder, first_rank
 from thundersync_verl.step.contracts import Algorithm, AlgorithmDefaults, Planner
 from thundersync_verl.step.stream_exec import OpPipeline, fetch_rows, op_kind, rollout_as_old_log_probs
 from thundersync_verl.step.minibatch_plan import StepOp
 from thundersync_verl.step.stream_plan import INDEPENDENT_BUCKETS_KEY, StreamPlanner
 from thundersync_verl.step.tail_gate import TailGate, TailRound
-from thundersync_verl.step.trajectory_source import BatchOrderGate, TrajectoryNeverArrived, TrajectorySource
+from thundersync_verl.step.trajectory_source import ArrivalSource, Arrivals, BatchOrderGate, TrajectorySource
 
 
 POLL_CAP_S = 0.08  # the longest pause between two empty TransferQueue listings (``StreamedStep._wait``)
@@ -83,6 +88,7 @@ class StepContext:
     values: Callable[[list, list], dict] | None = None  # SAO: (keys, tags) -> {key: the critic's values}, on arrival
     lost_nodes: Callable[[], list] | None = None  # () -> the nodes that left since the run started (point 6)
     tail: TailRound | None = None  # thundersync.tail: the batch is the first P complete groups (tail_gate.py)
+    call_efficiency: float = 0.0  # thundersync.call_efficiency: an idle learner's call waits to be this efficient (0: no)
 
 
 @dataclass
@@ -108,51 +114,6 @@ class StepState:
     tail_kept: dict = field(default_factory=dict)  # thundersync.tail: kept prompt uid -> its place in the batch
     tail_dropped: list = field(default_factory=list)  # ... launched prompts not in the batch (requeued by the trainer)
     sums: dict = field(default_factory=dict)  # other per-op counts summed over the step (SAO: masked / scored tokens)
-
-
-@dataclass
-class Arrivals:
-    trajectories: list = field(default_factory=list)  # (key, tag)
-    turns: list = field(default_factory=list)  # (OPDTurn, tag), OPD only
-
-    def __bool__(self) -> bool:
-        return bool(self.trajectories or self.turns)
-
-
-class ArrivalSource:
-    """The batch's trajectories and, for OPD, its scored turns, as they land (one poll, one timeout).
-
-    ``done`` turns true once a poll STARTS with every trajectory landed: an agent loop publishes a
-    trajectory's turns before the trajectory, so that poll still collects the last turns. With a
-    ``gate`` (GRPO, ``thundersync.deterministic``) landed trajectories are handed on only when
-    ``release`` is true and their block is whole; ``done`` then also waits for the gate to empty.
-    """
-
-    def __init__(self, trajectories: TrajectorySource, turns=None, gate: BatchOrderGate | None = None):
-        self.trajectories, self.turns, self.gate = trajectories, turns, gate
-        self.done = False
-
-    def poll(self, release: bool = True) -> Arrivals:
-        landed_before = self.trajectories.done
-        turns = self.turns.poll() if self.turns is not None else []
-        trajs = [] if landed_before else self.trajectories.poll()
-        if self.gate is not None:
-            self.gate.add(trajs)
-            trajs = self.gate.take() if release else []
-            landed_before = landed_before and self.gate.empty
-        # a gate decides the end: the order gate empties once every trajectory landed, the tail gate once the kept
-        # groups did (tail_gate.py point 3)
-        self.done = landed_before if self.turns is not None else (
-            self.trajectories.done if self.gate is None else self.gate.empty)
-        return Arrivals(trajs, turns)
-
-    def never_arrived(self) -> TrajectoryNeverArrived:
-        src = self.trajectories
-        missing = sorted(src.uids - {k.split("_")[0] for k in src.seen})
-        return TrajectoryNeverArrived(
-            f"{src.expected - len(src.seen)} trajectories of this batch did not arrive within {src.timeout_s:.0f}s "
-            f"(prompts still open: {missing[:5]}). The optimizer step was NOT taken. Raise "
-            "thundersync.trajectory_timeout_s if your tools or teacher are that slow, or check the rollout servers.")
 
 
 class StreamedStep:
@@ -187,6 +148,7 @@ class StreamedStep:
         # the rollout's log-probs ride with each row: verl's old-log-prob check, or rollout correction's IS weights
         self._rollout_lp = ctx.fused_forward or self.planner.verl_settings.get("rollout_is") is not None
         self._t_listing: float | None = None  # when the last listing began
+        self._landed_tokens = 0  # prompt + response tokens of the rows landed so far (``_call_waits``)
         self._next_node_check = time.time() + NODE_WATCH_S  # point 6
 
     def run(self) -> tuple[dict, StepState]:
@@ -285,8 +247,9 @@ class StreamedStep:
             return False
         if self.pipe.in_flight >= self.pipe.depth:  # the learner has its next call: keep polling meanwhile
             return False
-        if self.pipe.in_flight == 0 or self.source.done or (ready >= self.planner.max_chunk_size
-                                                            and self.planner.eager_full_chunks):
+        if self.pipe.in_flight == 0 and not self.source.done:
+            return not self._call_waits(ready)
+        if self.source.done or (ready >= self.planner.max_chunk_size and self.planner.eager_full_chunks):
             return True
         plan_at = self._plan_at()
         self._ahead = plan_at is not None and time.time() >= plan_at
@@ -303,6 +266,18 @@ class StreamedStep:
         if idle_at is None or getattr(cost, "lead_s", None) is None:
             return None
         return idle_at - cost.margin_s
+
+    def _call_waits(self, ready: int) -> bool:
+        """An idle learner's call waits for rows still to land (point 4, ``call_cost.call_waits``): the free-slot
+        planning of a whole GRPO batch only (OPD's rows are turns; the tail gate's aborted groups never land)."""
+        cost, keys, src = getattr(self.pipe, "cost", None), self.state.keys, self.source.trajectories
+        if not (self._capped and isinstance(self.planner, StreamPlanner)) or self.ctx.tail is not None or cost is None \
+                or not keys:
+            return False
+        mean = self._landed_tokens / len(keys)  # a row's tokens, from those landed
+        return call_waits(cost, chunk_tokens=self.planner.next_chunk_size() * mean, ready_tokens=ready * mean,
+                          coming_tokens=(src.expected - len(src.seen)) * mean,
+                          full_tokens=self.planner.max_chunk_size * mean, efficiency=self.ctx.call_efficiency)
 
     def _next_ops(self) -> list:
         """The planner's next ops. Coalescing, a GRPO plan fills the pipeline's free slots only (``next_ops``'s
@@ -406,6 +381,7 @@ class StreamedStep:
             state.tags.append(tag)
         tags = [t for _, t in arrivals.trajectories]
         tokens = sum(len(rows[k]["prompt"]) + len(rows[k]["response"]) for k in keys)
+        self._landed_tokens += tokens
         # on arrival: fixed models score the rows (KL loss: the reference; SAO: the critic at the step-start weights)
         for name, score in (("ref_lp", self.ctx.ref_log_probs), ("values", self.ctx.values)):
             if score is not None:

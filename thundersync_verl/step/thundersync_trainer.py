@@ -332,7 +332,7 @@ class ThunderSyncTrainer(api.PPOTrainer):
                 self.actor_rollout_wg, pad_token_id=self.tokenizer.pad_token_id, temperature=rollout.temperature,
                 on_done=on_done, depth=ts.pipeline_depth, cost=self.call_cost),
             forward_at_theta_k=self._forward_at_theta_k, uids=list(self._batch_uids), n=int(rollout.n),
-            timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce,
+            timeout_s=ts.trajectory_timeout_s, poll_s=ts.poll_s, coalesce=ts.coalesce, call_efficiency=ts.call_efficiency,
             fused_forward=ts.learner_forward == "fused", memory_budget_bytes=ts.memory_budget_bytes,
             bucket_device=ts.bucket_device,
             deterministic=ts.deterministic,

@@ -19,11 +19,14 @@
    in blocks of exactly ``block`` (the last one may be shorter), so every chunk, bucket and fold, and
    so every sum, is the same whatever the timing. The price is overlap: a trajectory that lands early
    waits for those before it.
+5. ``ArrivalSource`` is what one streamed step polls: the trajectories and, for OPD, the scored turns, with the
+   gate (deterministic order, or the tail gate) in between.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -139,3 +142,48 @@ class BatchOrderGate:
             return []
         block, self._cursor = self._order[self._cursor:end], end
         return block
+
+
+@dataclass
+class Arrivals:
+    trajectories: list = field(default_factory=list)  # (key, tag)
+    turns: list = field(default_factory=list)  # (OPDTurn, tag), OPD only
+
+    def __bool__(self) -> bool:
+        return bool(self.trajectories or self.turns)
+
+
+class ArrivalSource:
+    """The batch's trajectories and, for OPD, its scored turns, as they land (one poll, one timeout).
+
+    ``done`` turns true once a poll STARTS with every trajectory landed: an agent loop publishes a
+    trajectory's turns before the trajectory, so that poll still collects the last turns. With a
+    ``gate`` (GRPO, ``thundersync.deterministic``) landed trajectories are handed on only when
+    ``release`` is true and their block is whole; ``done`` then also waits for the gate to empty.
+    """
+
+    def __init__(self, trajectories: TrajectorySource, turns=None, gate: BatchOrderGate | None = None):
+        self.trajectories, self.turns, self.gate = trajectories, turns, gate
+        self.done = False
+
+    def poll(self, release: bool = True) -> Arrivals:
+        landed_before = self.trajectories.done
+        turns = self.turns.poll() if self.turns is not None else []
+        trajs = [] if landed_before else self.trajectories.poll()
+        if self.gate is not None:
+            self.gate.add(trajs)
+            trajs = self.gate.take() if release else []
+            landed_before = landed_before and self.gate.empty
+        # a gate decides the end: the order gate empties once every trajectory landed, the tail gate once the kept
+        # groups did (tail_gate.py point 3)
+        self.done = landed_before if self.turns is not None else (
+            self.trajectories.done if self.gate is None else self.gate.empty)
+        return Arrivals(trajs, turns)
+
+    def never_arrived(self) -> TrajectoryNeverArrived:
+        src = self.trajectories
+        missing = sorted(src.uids - {k.split("_")[0] for k in src.seen})
+        return TrajectoryNeverArrived(
+            f"{src.expected - len(src.seen)} trajectories of this batch did not arrive within {src.timeout_s:.0f}s "
+            f"(prompts still open: {missing[:5]}). The optimizer step was NOT taken. Raise "
+            "thundersync.trajectory_timeout_s if your tools or teacher are that slow, or check the rollout servers.")
