@@ -29,10 +29,10 @@ Why:
    and 16 rows; ``fixed_cost_rows`` is their quotient. ``--hidden/--layers/--response-len`` size the model and
    rows (results named after them): the default tiny model's row is about one fixed cost, where a GPU learner's
    row of thousands of tokens is many.
-8. ``product load L`` (the headline at load 1): the coalescing above with the product's chunk sizing from the
-   call-cost model (``core/call_cost.call_waits``, ``thundersync.call_efficiency`` 0.9 by default): an idle
-   learner's call waits for more rows while those still to land would make its fixed cost at most a tenth of it.
-   The model is the run's own: fitted on point 7's one-call backwards (a run's earlier steps) and fed every call's
+8. ``efficient load L``: the coalescing above (the headline at load 1: the product's default) with the chunk sizing
+   of ``thundersync.call_efficiency`` 0.9 (off by default, ``core/call_cost.call_waits``): an idle learner's call
+   waits for more rows while those still to land would make its fixed cost at most a tenth of it. The call-cost
+   model is the run's own: fitted on point 7's one-call backwards (a run's earlier steps) and fed every call's
    measured time. Its chunks may hold the whole batch (``thundersync.chunk_size`` 64): the batched baseline shows
    that one call can.
 9. CPU time includes the page faults of fresh allocations: glibc returns freed blocks above its mmap threshold to
@@ -59,8 +59,8 @@ from thundersync_verl.core.buffers import axpy_, copy_into_
 from thundersync_verl.step.stream_plan import BackwardOp, FinalizeOp, FoldOp, StreamPlanner
 from thundersync_verl.run.results import add_results_dir_argument, write_result
 
-HEADLINE = "product load 1"
-PRE_DECLARED = "chunks k=8 min4"  # the headline before the product's own chunk sizing (point 8)
+HEADLINE = "coalescing load 1"  # the product's default policy, rows landing over one batched backward
+PRE_DECLARED = "chunks k=8 min4"  # the headline until 2026-12-07: a fixed wake-up, not a policy of the product
 LOADS = (0.5, 1, 2, 4)  # arrivals over 1/load of one batched backward's learner time
 EFFICIENCY = 0.9  # thundersync.call_efficiency's default
 MODEL_SIZE_MINIMUMS = {"hidden": 8, "layers": 1, "response_len": 1}  # point 7's flags (hidden: 4 heads of an even size)
@@ -338,7 +338,7 @@ def run_setting(model, spec, trajs, repeats: int, label: str, samples: list) -> 
         modes[f"coalescing load {load}"] = lambda load=load: coalescing_stream(
             model, spec, trajs, fractions, span_s / load, 16)
     for load in LOADS:
-        modes[f"product load {load}"] = lambda load=load: coalescing_stream(
+        modes[f"efficient load {load}"] = lambda load=load: coalescing_stream(
             model, spec, trajs, fractions, span_s / load, len(trajs), fitted_cost(samples), EFFICIENCY)
     reference = [p.grad.clone() for p in model.parameters()]
     for m, fn in modes.items():
@@ -359,7 +359,7 @@ def run_setting(model, spec, trajs, repeats: int, label: str, samples: list) -> 
         tail = statistics.median(t["tail"] for t in ts) / base if "tail" in ts[0] else None
         paired = statistics.median(b["learner"] / t["learner"] for b, t in zip(times["batched"], ts))
         out[m] = {"ratio": paired, "planner_share": planner / learner, "tail": tail}
-        shown = f"{planner:>12.4f}" if m.startswith(("worker", "coalescing", "product")) else "(in learner)" if m != "batched" else ""
+        shown = f"{planner:>12.4f}" if m.startswith(("worker", "coalescing", "efficient")) else "(in learner)" if m != "batched" else ""
         calls = f"{statistics.median(t['calls'] for t in ts):>7.0f}" if "calls" in ts[0] else " " * 7
         print(f"{m:<22}{learner:>10.4f}{tokens / learner:>12.0f}{paired:>8.2f}{shown:>12}{calls}"
               + (f"{tail:>7.2f}" if tail is not None else ""))
@@ -412,10 +412,10 @@ def main() -> None:
               "throughput_ratio_chunks_k8_min4": round(ratios[PRE_DECLARED]["ratio"], 3),
               "throughput_ratio_worker_k8": round(ratios["worker k=8"]["ratio"], 3)}
     for load in LOADS:
-        for policy, key in (("coalescing", "coalescing"), ("product", "product")):
+        for policy in ("coalescing", "efficient"):
             row = ratios[f"{policy} load {load}"]
-            result[f"throughput_ratio_{key}_load_{load}"] = round(row["ratio"], 3)
-            result[f"tail_over_batched_{key}_load_{load}"] = round(row["tail"], 3)
+            result[f"throughput_ratio_{policy}_load_{load}"] = round(row["ratio"], 3)
+            result[f"tail_over_batched_{policy}_load_{load}"] = round(row["tail"], 3)
     result["planner_share_load_1"] = round(ratios["coalescing load 1"]["planner_share"], 3)
     default = all(getattr(args, name) == parser.get_default(name) for name in MODEL_SIZE_MINIMUMS)
     name = "streaming_overhead" + ("" if default else f"_h{args.hidden}_l{args.layers}_r{args.response_len}")

@@ -274,9 +274,9 @@ class ThunderSyncConfig(_Section, va.base_config_cls()):
                                                       "each empty listing doubles it, up to max(poll_s, 0.08)")
     pipeline_depth: int = _key(2, _integer(1), "learner calls kept in flight (1: wait for each; 2: the next one queued)")
     coalesce: bool = _key(True, _boolean, "GRPO: while the learner is busy, arrivals wait to share the next chunk")
-    call_efficiency: float = _key(0.9, _number(at_least=0, at_most=0.99), "GRPO, coalescing: while more trajectories "
-                                  "are to land, an idle learner's call waits until its rows' predicted work is this "
-                                  "share of the call, its fixed cost the rest, or a full chunk (0: never waits)")
+    call_efficiency: float = _key(0.0, _number(at_least=0, at_most=0.99), "GRPO: an idle learner's call waits for rows "
+                                  "until their work is this share of the call (0: never; 0.9 where a call's fixed cost "
+                                  "outweighs a row)")
     trajectory_timeout_s: float = _key(600.0, _number(above=0), "seconds a step waits for a missing trajectory "
                                        "before it fails without an optimizer step")
     weight_push_retries: int = _key(2, _integer(0), "times a failed weight push is repeated (the whole version) "

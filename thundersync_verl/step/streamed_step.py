@@ -21,10 +21,10 @@ Why:
    the driver lists the TransferQueue once and queues what landed. Planned only once the learner was idle, each
    call left it waiting for the plan, the chunk and the dispatch (0.48 s a step on the emulated device; 0.25-0.29
    s with this planning). The free-slot GRPO planning uses it; the batch-order gate, OPD and SAO plan as before.
-   An idle learner's call waits for more rows while they would make it efficient (``call_cost.call_waits``,
-   ``thundersync.call_efficiency``): with a fixed cost per call that outweighs a row's work, taking one or two
-   rows at a time spends most of the learner on that fixed part. It waits only while less than one efficient
-   call's rows are ready, so it delays at most that much work.
+   With ``thundersync.call_efficiency`` (off by default) an idle learner's call waits for more rows while they would
+   make it efficient (``call_cost.call_waits``): with a fixed cost per call that outweighs a row's work, taking one
+   or two rows at a time spends most of the learner on that fixed part. It waits only while less than one
+   efficient call's rows are ready, so it delays at most that much work.
 5. Nothing is half-applied: every failure (a trajectory that never lands, a refused op, a missing turn)
    raises before ``finalize_step``, so the optimizer never steps on part of a batch. With several
    mini-batches the steps of the mini-batches already complete stay applied (each is a whole mini-batch).
