@@ -66,6 +66,11 @@ EFFICIENCY = 0.9  # thundersync.call_efficiency's default
 MODEL_SIZE_MINIMUMS = {"hidden": 8, "layers": 1, "response_len": 1}  # point 7's flags (hidden: 4 heads of an even size)
 
 
+def tokens_of(trajs) -> int:
+    """Prompt and response tokens of ``trajs``: a call's size in the call-cost model, and the throughput's numerator."""
+    return sum(len(t.prompt) + len(t.response) for t in trajs)
+
+
 def arrival_order(trajs, seed: int) -> list[int]:
     """Log-normal completion times (``arrival_fractions``); a per-group factor makes members finish together."""
     fractions = arrival_fractions(trajs, seed)
@@ -240,7 +245,7 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
     every call."""
     t0 = time.process_time()
     planner, learner = _open_batch(model, spec, trajs, max_chunk)
-    row_tokens = statistics.mean(len(t.prompt) + len(t.response) for t in trajs)  # the step's landed-row mean
+    row_tokens = tokens_of(trajs) / len(trajs)  # the step's landed-row mean
     order = sorted(range(len(trajs)), key=lambda k: fractions[k])
     trajs_by_key = {(t.gid, t.tid): t for t in trajs}
     planner_s = time.process_time() - t0
@@ -270,7 +275,7 @@ def coalescing_stream(model, spec, trajs, fractions, span_s: float, max_chunk: i
         learner.run(ops)
         clock += learner.cpu_s - before
         if cost is not None and rows:
-            cost.observe("backward", sum(len(t.prompt) + len(t.response) for t in rows), learner.cpu_s - before)
+            cost.observe("backward", tokens_of(rows), learner.cpu_s - before)
         if done:
             break
     assert not learner.buckets and learner.pool.reserved_bytes == 0
@@ -287,7 +292,7 @@ def call_costs(model, spec, trajs, repeats: int) -> dict[str, float]:
         rows = trajs[:k]
         batched(model, spec, rows)  # warm-up at this shape
         seconds.append(statistics.median(_timed(lambda: batched(model, spec, rows))["learner"] for _ in range(repeats)))
-    tokens = [sum(len(t.prompt) + len(t.response) for t in trajs[:k]) for k in sizes]
+    tokens = [tokens_of(trajs[:k]) for k in sizes]
     return {**cost_line(sizes, seconds), "samples": list(zip(tokens, seconds))}
 
 
@@ -318,7 +323,7 @@ def _timed(fn) -> dict[str, float]:
 
 
 def run_setting(model, spec, trajs, repeats: int, label: str, samples: list) -> dict[str, dict[str, float]]:
-    tokens = sum(len(t.prompt) + len(t.response) for t in trajs)
+    tokens = tokens_of(trajs)
     order = arrival_order(trajs, seed=1)
     modes = {
         "batched": lambda: batched(model, spec, trajs),

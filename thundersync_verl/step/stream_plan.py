@@ -210,9 +210,7 @@ class StreamPlanner(PlannerDefaults):
     def next_chunk_size(self, max_chunk_size: int | None = None) -> int:
         """Rows of the chunk that ``next_ops(max_backwards=1)`` would plan now (0: none): open groups' rows share a
         call only within a (group, reward) bucket, so what is ready is not what one call takes."""
-        size = max_chunk_size or self.max_chunk_size
-        if self._fresh or size != self._ranked_size or (self._held and not self._ranked):
-            self._rank(size)
+        self._rank_if_stale(max_chunk_size or self.max_chunk_size)
         return len(self._ranked[0]) if self._ranked else 0
 
     def rank_ready(self) -> ScheduleHint:
@@ -238,13 +236,21 @@ class StreamPlanner(PlannerDefaults):
         ops: list = list(self._queued)
         self._queued = []
         size = max_chunk_size or self.max_chunk_size
-        if max_backwards is None or self._fresh or size != self._ranked_size or (self._held and not self._ranked):
+        if max_backwards is None:
             self._rank(size)
+        else:
+            self._rank_if_stale(size)
         take = len(self._ranked) if max_backwards is None else min(int(max_backwards), len(self._ranked))
         for _ in range(take):
             ops.append(self._plan(self._ranked[0]))  # a chunk the shadow refuses stays ready
             self._ranked_count -= len(self._ranked.popleft())
         return ops
+
+    def _rank_if_stale(self, size: int) -> None:
+        """Rank again unless the last ranking still holds: nothing arrived since, the same chunk size, and no rows
+        the budget held back that could now be admitted (the ranked chunks are gone)."""
+        if self._fresh or size != self._ranked_size or (self._held and not self._ranked):
+            self._rank(size)
 
     def _rank(self, size: int) -> None:
         """Rank and chunk every ready trajectory (``split_into_chunks``): the chunks to plan, in order, and those

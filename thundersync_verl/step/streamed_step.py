@@ -271,9 +271,9 @@ class StreamedStep:
         """An idle learner's call waits for rows still to land (point 4, ``call_cost.call_waits``): the free-slot
         planning of a whole GRPO batch only (OPD's rows are turns; the tail gate's aborted groups never land)."""
         cost, keys, src = getattr(self.pipe, "cost", None), self.state.keys, self.source.trajectories
-        if not (self._capped and isinstance(self.planner, StreamPlanner)) or self.ctx.tail is not None or cost is None \
-                or not keys:
-            return False
+        if self.ctx.call_efficiency <= 0.0 or not (self._capped and isinstance(self.planner, StreamPlanner)) \
+                or self.ctx.tail is not None or cost is None or not keys:
+            return False  # off (the default): no ranking here, the plan ranks once
         mean = self._landed_tokens / len(keys)  # a row's tokens, from those landed
         return call_waits(cost, chunk_tokens=self.planner.next_chunk_size() * mean, ready_tokens=ready * mean,
                           coming_tokens=(src.expected - len(src.seen)) * mean,
