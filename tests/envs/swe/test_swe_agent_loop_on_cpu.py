@@ -39,8 +39,11 @@ class ScriptedPolicy:
             self.opd_teacher_clients = {"teacher": teacher}
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        ids = self.tokenizer.encode(self.replies.pop(0) + "<|im_end|>", add_special_tokens=False)[: sampling_params["max_tokens"]]
         self.prompts.append(list(prompt_ids))
+        return self._reply(sampling_params)
+
+    def _reply(self, sampling_params):
+        ids = self.tokenizer.encode(self.replies.pop(0) + "<|im_end|>", add_special_tokens=False)[: sampling_params["max_tokens"]]
         self.outputs.append(ids)
         return va.token_output_cls()(token_ids=ids, log_probs=[LOGPROB] * len(ids), stop_reason="completed",
                                      extra_fields={"min_global_steps": 3, "max_global_steps": 3})
@@ -198,8 +201,9 @@ class AbortingPolicy(ScriptedPolicy):
         self.registry = registry
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        await self.registry.add.remote(["u1"])
-        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        self.prompts.append(list(prompt_ids))  # the call is on the server before the abort: the loop may cancel
+        await self.registry.add.remote(["u1"])  # it as soon as the abort reaches its watch, before this returns
+        return self._reply(sampling_params)
 
 
 def test_an_aborted_group_makes_no_next_generate_call_and_verl_logs_no_error_for_it(synthetic_set, tokenizer, tmp_path,
