@@ -115,7 +115,7 @@ def response_log_probs(model, trajs: list[Trajectory], with_logits: bool = False
         pos[b, :r] = torch.arange(len(t.prompt), len(seq))
         pos[b, r:] = len(t.prompt)  # padding: any valid position, masked out below
         mask[b, :r] = True
-    logits = model(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V] (a training forward, as verl's actor)
     pred = logits.gather(1, (pos - 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, T, V]
     tokens = ids.gather(1, pos)  # [B, T]
     logp = torch.log_softmax(pred, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
