@@ -28,6 +28,7 @@ from thundersync_verl.verl_adapter.patches import TEACHER_REUSED_KEY
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes" / "swe_smith"
 LOGPROB = -0.5
+ABORT_SEEN_S = 60.0  # a bound only: the abort reaches the loop's watch within one long-poll round trip
 
 
 class ScriptedPolicy:
@@ -194,15 +195,24 @@ def test_opd_scores_each_turn_at_its_tool_call_boundary(synthetic_set, tokenizer
 
 
 class AbortingPolicy(ScriptedPolicy):
-    """The trainer aborts the group while its first turn is generated (tail batching's places filled meanwhile)."""
+    """The trainer aborts the group while its first turn is generated (tail batching's places filled meanwhile).
+
+    The call stays on the server until the abort reaches the agent loop's process (``abort_signal``, a server's
+    view of the registry), as a long generation would: answering as soon as the registry took the abort would race
+    the loop's watch against the loop's next call (seen in CI both ways: the call cut before it was recorded, and a
+    second call made before the watch had heard)."""
 
     def __init__(self, tokenizer, replies, registry):
         super().__init__(tokenizer, replies)
         self.registry = registry
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        self.prompts.append(list(prompt_ids))  # the call is on the server before the abort: the loop may cancel
-        await self.registry.add.remote(["u1"])  # it as soon as the abort reaches its watch, before this returns
+        from thundersync_verl.envs.abort import abort_signal
+
+        self.prompts.append(list(prompt_ids))
+        async with abort_signal("u1") as stop:
+            await self.registry.add.remote(["u1"])
+            await asyncio.wait_for(stop, ABORT_SEEN_S)  # the loop cancels this call once its watch has the abort
         return self._reply(sampling_params)
 
 
