@@ -24,7 +24,7 @@ Why:
    a call only within their bucket, so their rows wait for the group to close and go direct with others. It
    never waits when the rows still to land could not fill the call, nor once a whole such call's work is ready
    (the backlog): waiting delays at most one efficient call's rows. On the streaming benchmark's tiny model
-   (fixed cost 2-3 rows of work) that took a learner whose rows land over one batched backward from 0.82 of
+   (fixed cost 2-3 rows of work) that took a learner whose rows land over one batched backward from 0.81 of
    batched throughput to 0.87 with no longer a tail; a learner whose rows outweigh its fixed cost (a GPU's rows of
    thousands of tokens) never waits. On the emulated device, whose rows land in bursts, it made ThunderSync's step
    no shorter (about 2% longer in alternating runs), so ``thundersync.call_efficiency`` is 0 (off) by default.
